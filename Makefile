@@ -1,0 +1,29 @@
+# raytron: two commands on a fresh machine, `make run` and `make test`.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup run test bench clean
+
+# Re-installs only when pyproject.toml changed (or the venv is missing).
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(VENV)/bin/raytron run examples/tiny-5d.yaml
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/grid_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,101 @@
+"""Frozen internal configs. The pydantic ``JobSpec`` (api/schemas.py) is parsed at the edge and
+turned into these by one function (``service.spec.to_job_config``); nothing inside reads YAML
+or environment variables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A Llama/Mixtral-style decoder. Field names are Megatron-Core's."""
+
+    num_layers: int
+    """Transformer layers (split over pp x vpp)."""
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    """Key/value heads (grouped-query attention); equal to heads for plain multi-head."""
+    ffn_hidden_size: int
+    vocab_size: int
+    seq_length: int
+    num_moe_experts: int | None = None
+    """None: dense MLP in every layer; N: every layer's MLP is a mixture of N experts."""
+    moe_router_topk: int = 2
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing auxiliary loss weight (reported apart from the LM loss)."""
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_moe_experts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    cp_comm_type: str = "p2p"
+    order: str = "tp-cp-ep-dp-pp"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    train_iters: int
+    global_batch_size: int
+    micro_batch_size: int
+    lr: float = 1e-3
+    seed: int = 1234
+    data: str = "builtin:tiny"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    name: str
+    model: ModelConfig
+    parallel: ParallelConfig
+    training: TrainingConfig
+    world_size: int
+    num_nodes: int = 1
+    gpus_per_node: int = 1
+    min_nodes: int = 1
+    save_interval: int | None = None
+    max_restarts: int = 3
+    extra: dict = field(default_factory=dict)
+
+
+def stable_seed(seed: int, name: str) -> int:
+    """A 63-bit seed derived from the job seed and a parameter's full name.
+
+    Every parameter is drawn from its own generator, so its initial value depends only on
+    (seed, name, full shape), never on which layers a rank happens to build or in what order.
+    """
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def init_full(seed: int, name: str, shape: tuple[int, ...], std: float):
+    """The full (unsharded) initial value of a parameter: N(0, std^2) from its own generator."""
+    import torch
+
+    g = torch.Generator().manual_seed(stable_seed(seed, name))
+    return torch.randn(*shape, generator=g, dtype=torch.float32) * std

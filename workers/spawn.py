@@ -1,0 +1,181 @@
+"""Run a function on N local ranks, each a process with torch.distributed initialised.
+
+This is the `--launcher processes` back end and the harness of every multi-process test.
+Each rank process sets one intra-op thread (2 cores are shared by all ranks), joins a
+process group on a free loopback port (gloo on CPU, nccl when CUDA is present: the same
+code selects it) and runs ``fn(rank, world_size, *args)``. Results come back in rank
+order; the first rank that raises stops the others and surfaces as a :class:`RankFailure`
+naming the rank and carrying its traceback.
+
+Processes start from a ``forkserver`` that has already imported torch, so a rank costs a
+fork rather than a 3-second torch import.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+_PRELOAD = ["torch", "torch.distributed"]
+
+
+class RankFailure(RuntimeError):
+    """A rank raised (or died); carries the rank and the remote traceback."""
+
+    def __init__(self, rank: int, message: str, remote_traceback: str = ""):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        super().__init__(f"rank {rank} failed: {message}\n{remote_traceback}".rstrip())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to port 0 and let the kernel choose)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def rank_device(local_rank: int = 0):
+    """The device a rank computes on: its GPU when CUDA is present, else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    *,
+    backend: str | None = None,
+    timeout_s: float = 120.0,
+) -> str:
+    """Join the default process group; returns the backend used.
+
+    The timeout is the hang detector: a peer that stops answering turns into an error on
+    every other rank after ``timeout_s`` instead of a silent hang.
+    """
+    import torch
+    import torch.distributed as dist
+
+    backend = backend or default_backend()
+    if backend == "gloo" and master_addr in ("127.0.0.1", "localhost"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return backend
+
+
+def _rank_main(fn, rank, world_size, port, backend, timeout_s, args, kwargs, results):
+    import torch.distributed as dist
+
+    try:
+        init_distributed(rank, world_size, "127.0.0.1", port, backend=backend, timeout_s=timeout_s)
+        out = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, True, out, ""))
+    except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
+        results.put((rank, False, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - peers may be gone already
+                pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    kwargs: dict | None = None,
+    *,
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+    collective_timeout_s: float = 60.0,
+    start_method: str = "forkserver",
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` local processes.
+
+    Args:
+        fn: a module-level (picklable) function.
+        world_size: number of ranks.
+        backend: "gloo" or "nccl"; default by device.
+        timeout_s: wall-clock limit for the whole run.
+        collective_timeout_s: torch.distributed timeout of each collective.
+        start_method: multiprocessing start method.
+
+    Returns:
+        ``fn``'s return values in rank order.
+
+    Raises:
+        RankFailure: the first rank that raised or died.
+    """
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    port = free_port()
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, r, world_size, port, backend, collective_timeout_s, tuple(args), kwargs or {}, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, value, tb = results.get(timeout=0.2)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in out and p.exitcode not in (None, 0):
+                        # Give a dying rank a moment to deliver its own report first.
+                        try:
+                            rank, ok, value, tb = results.get(timeout=1.0)
+                        except queue.Empty:
+                            raise RankFailure(r, f"process exited with code {p.exitcode}") from None
+                        break
+                else:
+                    if time.monotonic() > deadline:
+                        missing = sorted(set(range(world_size)) - set(out))
+                        raise RankFailure(missing[0], f"timed out after {timeout_s:.0f}s (ranks {missing} unfinished)")
+                    continue
+            if not ok:
+                raise RankFailure(rank, value, tb)
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(out) == world_size else 0.1)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        results.close()
+    return [out[r] for r in range(world_size)]
