@@ -148,14 +148,22 @@ def all_to_all(
     return out
 
 
-def p2p(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]], group=None):
-    """Batched point-to-point: ``sends``/``recvs`` are (tensor, global peer rank). Returns works."""
+def p2p(
+    sends: Sequence[tuple[torch.Tensor, int] | tuple[torch.Tensor, int, int]],
+    recvs: Sequence[tuple[torch.Tensor, int] | tuple[torch.Tensor, int, int]],
+    group=None,
+):
+    """Batched point-to-point: items are (tensor, global peer rank[, tag]). Returns the works.
+
+    A tag lets a receiver match a message by meaning rather than arrival order (the
+    interleaved pipeline sends several chunks' activations over one pair of ranks).
+    """
     ops = []
-    for t, peer in sends:
+    for t, peer, *tag in sends:
         _count(group, _nbytes(t))
-        ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, group=group))
-    for t, peer in recvs:
-        ops.append(dist.P2POp(dist.irecv, t, peer, group=group))
+        ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, group=group, tag=tag[0] if tag else 0))
+    for t, peer, *tag in recvs:
+        ops.append(dist.P2POp(dist.irecv, t, peer, group=group, tag=tag[0] if tag else 0))
     if not ops:
         return []
     return dist.batch_isend_irecv(ops)
