@@ -1,0 +1,237 @@
+"""The job spec (ARCHITECTURE.md contract 1): pydantic at the edge, frozen configs inside.
+
+Field names are Megatron-Core's. Unknown fields are refused (a typo must not be ignored).
+Every cross-field rule is checked here, before anything starts, and each message names the
+fields, the numbers and the fix. :func:`to_job_config` is the one place a spec becomes the
+internal :class:`workers.config.JobConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from workers.config import JobConfig, ModelConfig, ParallelConfig, TrainingConfig
+from workers.grid import ParallelGrid
+
+_STRICT = ConfigDict(extra="forbid")
+
+
+class ModelSpec(BaseModel):
+    model_config = _STRICT
+    num_layers: int = Field(4, ge=1)
+    hidden_size: int = Field(64, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_query_groups: int | None = Field(None, ge=1, description="grouped-query attention; default = heads")
+    ffn_hidden_size: int | None = Field(None, ge=1, description="default = 4 x hidden_size")
+    vocab_size: int = Field(256, ge=2)
+    seq_length: int = Field(64, ge=2)
+    num_moe_experts: int | None = Field(None, ge=1, description="e.g. 4 -> Mixtral-style MoE layers")
+    moe_router_topk: int = Field(2, ge=1)
+    moe_aux_loss_coeff: float = Field(0.0, ge=0.0)
+
+
+class ParallelSpec(BaseModel):
+    model_config = _STRICT
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    virtual_pipeline_model_parallel_size: int | None = Field(None, ge=1)
+    context_parallel_size: int = Field(1, ge=1)
+    expert_model_parallel_size: int = Field(1, ge=1)
+    expert_tensor_parallel_size: int | None = Field(None, ge=1, description="default = tensor_model_parallel_size")
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    cp_comm_type: Literal["p2p", "all_gather"] = "p2p"
+    order: str = "tp-cp-ep-dp-pp"
+
+
+class TrainingSpec(BaseModel):
+    model_config = _STRICT
+    train_iters: int = Field(20, ge=1)
+    global_batch_size: int = Field(16, ge=1)
+    micro_batch_size: int = Field(2, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    seed: int = 1234
+    data: str = "builtin:tiny"
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class CheckpointSpec(BaseModel):
+    model_config = _STRICT
+    save_interval: int | None = Field(None, ge=1, description="iterations; null = no checkpoints")
+
+
+class ResourcesSpec(BaseModel):
+    model_config = _STRICT
+    num_nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(1, ge=1, description="world_size = num_nodes * gpus_per_node")
+    min_nodes: int | None = Field(None, ge=1, description="elastic floor; default = num_nodes")
+
+
+class FaultToleranceSpec(BaseModel):
+    model_config = _STRICT
+    max_restarts: int = Field(3, ge=0)
+
+
+class JobSpec(BaseModel):
+    """A training job. Unknown fields are errors."""
+
+    model_config = _STRICT
+    name: str = Field("job", min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    model: ModelSpec = ModelSpec()
+    parallel: ParallelSpec = ParallelSpec()
+    training: TrainingSpec = TrainingSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    resources: ResourcesSpec = ResourcesSpec()
+    fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
+
+    @property
+    def world_size(self) -> int:
+        return self.resources.num_nodes * self.resources.gpus_per_node
+
+    @model_validator(mode="after")
+    def _check(self) -> "JobSpec":
+        problems = spec_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+def spec_problems(spec: JobSpec) -> list[str]:
+    """Every cross-field problem of a spec, each naming fields, numbers and the fix."""
+    m, p, t, res = spec.model, spec.parallel, spec.training, spec.resources
+    out: list[str] = []
+    tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                      p.context_parallel_size, p.expert_model_parallel_size)
+    etp = p.expert_tensor_parallel_size or tp
+    vpp = p.virtual_pipeline_model_parallel_size
+    world = spec.world_size
+    try:
+        grid = ParallelGrid(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp, order=p.order)
+    except ValueError as e:
+        out.append(f"{e} (world_size = resources.num_nodes {res.num_nodes} x resources.gpus_per_node {res.gpus_per_node})")
+        grid = None
+    if tp > res.gpus_per_node:
+        out.append(f"parallel.tensor_model_parallel_size {tp} > resources.gpus_per_node {res.gpus_per_node}: "
+                   f"a TP group must stay inside one node; lower tp or raise gpus_per_node")
+    heads = m.num_attention_heads
+    groups = m.num_query_groups or heads
+    if m.hidden_size % heads:
+        out.append(f"model.hidden_size {m.hidden_size} is not divisible by model.num_attention_heads {heads}")
+    if heads % groups:
+        out.append(f"model.num_attention_heads {heads} is not divisible by model.num_query_groups {groups}")
+    if heads % tp:
+        out.append(f"model.num_attention_heads {heads} is not divisible by tensor_model_parallel_size {tp}; "
+                   f"use a tp that divides {heads}")
+    if groups % tp:
+        out.append(f"model.num_query_groups {groups} is not divisible by tensor_model_parallel_size {tp}; "
+                   f"use a tp that divides {groups} or more query groups")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    if ffn % tp:
+        out.append(f"model.ffn_hidden_size {ffn} is not divisible by tensor_model_parallel_size {tp}")
+    if (m.hidden_size // heads) % 2:
+        out.append(f"head dim hidden_size/heads = {m.hidden_size // heads} must be even for rotary embeddings")
+    chunks = pp * (vpp or 1)
+    if m.num_layers % chunks:
+        what = f"pipeline_model_parallel_size {pp}" + (f" x virtual_pipeline_model_parallel_size {vpp}" if vpp else "")
+        out.append(f"model.num_layers {m.num_layers} is not divisible by {what} = {chunks}; "
+                   f"use a layer count that is a multiple of {chunks}")
+    seq_div = (2 * cp if cp > 1 else 1) * (tp if p.sequence_parallel else 1)
+    if m.seq_length % seq_div:
+        parts = (["2 x context_parallel_size " + str(cp)] if cp > 1 else []) + \
+                (["tensor_model_parallel_size " + str(tp) + " (sequence_parallel)"] if p.sequence_parallel else [])
+        out.append(f"model.seq_length {m.seq_length} is not divisible by {' x '.join(parts)} = {seq_div}; "
+                   f"use a multiple of {seq_div}")
+    if m.num_moe_experts:
+        if m.num_moe_experts % ep:
+            out.append(f"model.num_moe_experts {m.num_moe_experts} is not divisible by expert_model_parallel_size {ep}")
+        if m.moe_router_topk > m.num_moe_experts:
+            out.append(f"model.moe_router_topk {m.moe_router_topk} > model.num_moe_experts {m.num_moe_experts}")
+        if ffn % etp:
+            out.append(f"model.ffn_hidden_size {ffn} is not divisible by expert_tensor_parallel_size {etp}")
+        if tp > 1 and not p.sequence_parallel:
+            out.append(f"MoE with tensor_model_parallel_size {tp} needs parallel.sequence_parallel: true "
+                       f"(as in Megatron-Core)")
+    elif ep > 1:
+        out.append(f"expert_model_parallel_size {ep} needs model.num_moe_experts (a dense model has no experts)")
+    if grid is not None:
+        per_step = t.micro_batch_size * grid.dp
+        if t.global_batch_size % per_step:
+            out.append(f"training.global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
+                       f"{t.micro_batch_size} x dp {grid.dp} = {per_step}; use a multiple of {per_step}")
+        elif vpp and (t.global_batch_size // per_step) % pp:
+            out.append(f"the interleaved schedule needs the number of microbatches "
+                       f"({t.global_batch_size // per_step}) to be a multiple of pipeline_model_parallel_size {pp}")
+    min_nodes = res.min_nodes or res.num_nodes
+    if min_nodes > res.num_nodes:
+        out.append(f"resources.min_nodes {min_nodes} > resources.num_nodes {res.num_nodes}")
+    if not (t.data.startswith("builtin:") or Path(t.data).suffix in (".npy", ".bin")):
+        out.append(f"training.data {t.data!r}: use builtin:tiny or a token file ending in .npy or .bin")
+    return out
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read and validate a YAML or JSON spec file. Raises ValueError with readable reasons."""
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read spec {str(path)!r}: {e.strerror}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as e:
+        raise ValueError(f"spec {str(path)!r} is not valid YAML/JSON: {e}") from None
+    return parse_spec(data or {})
+
+
+def parse_spec(data: dict) -> JobSpec:
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e)) from None
+
+
+def format_validation_error(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "invalid job spec: " + "; ".join(parts)
+
+
+def to_job_config(spec: JobSpec) -> JobConfig:
+    """The one conversion from the user-facing spec to the frozen internal config."""
+    m, p, t = spec.model, spec.parallel, spec.training
+    model = ModelConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups or m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size, vocab_size=m.vocab_size,
+        seq_length=m.seq_length, num_moe_experts=m.num_moe_experts, moe_router_topk=m.moe_router_topk,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+    )
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
+        sequence_parallel=p.sequence_parallel, use_distributed_optimizer=p.use_distributed_optimizer,
+        cp_comm_type=p.cp_comm_type, order=p.order,
+    )
+    training = TrainingConfig(
+        train_iters=t.train_iters, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+        lr=t.lr, seed=t.seed, data=t.data, weight_decay=t.weight_decay,
+    )
+    return JobConfig(
+        name=spec.name, model=model, parallel=parallel, training=training, world_size=spec.world_size,
+        num_nodes=spec.resources.num_nodes, gpus_per_node=spec.resources.gpus_per_node,
+        min_nodes=spec.resources.min_nodes or spec.resources.num_nodes,
+        save_interval=spec.checkpoint.save_interval, max_restarts=spec.fault_tolerance.max_restarts,
+    )

@@ -1,0 +1,186 @@
+"""Context parallelism: load-balanced split and CP attention against full causal attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from workers.parallel import comm
+from workers.parallel.context import (
+    causal_attention,
+    context_parallel_attention,
+    cp_positions,
+    cp_split,
+    cp_unsplit,
+)
+from workers.spawn import run_ranks
+
+SEQ, BATCH, DIM = 16, 2, 8
+HEAD_CONFIGS = [(4, 2), (4, 4)]  # (num_heads, num_kv_heads): GQA and plain MHA
+SCALE = 0.3
+
+
+def _inputs(num_heads: int, num_kv_heads: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(SEQ, BATCH, num_heads, DIM, generator=g)
+    k = torch.randn(SEQ, BATCH, num_kv_heads, DIM, generator=g)
+    v = torch.randn(SEQ, BATCH, num_kv_heads, DIM, generator=g)
+    dout = torch.randn(SEQ, BATCH, num_heads, DIM, generator=g)
+    return q, k, v, dout
+
+
+def _sdpa_reference(q, k, v, dout, scale):
+    """Full causal attention through torch's SDPA with repeated kv heads (independent of raytron)."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    to_bhsd = lambda t: t.permute(1, 2, 0, 3)  # noqa: E731
+    out = F.scaled_dot_product_attention(
+        to_bhsd(q),
+        to_bhsd(k.repeat_interleave(rep, dim=2)),
+        to_bhsd(v.repeat_interleave(rep, dim=2)),
+        is_causal=True,
+        scale=scale,
+    ).permute(2, 0, 1, 3)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- split (single process)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_split_unsplit_roundtrip_and_positions(cp):
+    x = torch.arange(SEQ * 3).reshape(SEQ, 3)
+    parts = [cp_split(x, cp, r) for r in range(cp)]
+    assert all(p.shape == (SEQ // cp, 3) for p in parts)
+    assert torch.equal(cp_unsplit(parts), x)
+    for r in range(cp):
+        # The split of the positions themselves is what cp_positions must report.
+        assert torch.equal(cp_positions(SEQ, cp, r), cp_split(torch.arange(SEQ), cp, r))
+    # Every position is held exactly once.
+    assert sorted(torch.cat([cp_positions(SEQ, cp, r) for r in range(cp)]).tolist()) == list(range(SEQ))
+
+
+def test_split_is_load_balanced_and_matches_megatron_layout():
+    # seq 8, cp 2: chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+    assert cp_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert cp_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    # Causal work (number of visible keys) is equal on every rank.
+    work = [int((cp_positions(SEQ, 4, r) + 1).sum()) for r in range(4)]
+    assert len(set(work)) == 1
+
+
+def test_split_other_seq_dim():
+    x = torch.randn(2, SEQ, 3)
+    parts = [cp_split(x, 2, r, seq_dim=1) for r in range(2)]
+    assert parts[0].shape == (2, SEQ // 2, 3)
+    assert torch.equal(cp_unsplit(parts, seq_dim=1), x)
+
+
+def test_bad_sequence_length_raises():
+    with pytest.raises(ValueError, match=r"12 is not divisible by 2 x context_parallel_size = 8"):
+        cp_split(torch.zeros(12, 1), 4, 0)
+    with pytest.raises(ValueError, match="not divisible"):
+        cp_positions(6, 2, 1)
+
+
+# ---------------------------------------------------------------- single-process attention
+
+
+@pytest.mark.parametrize("heads", HEAD_CONFIGS)
+def test_causal_attention_matches_sdpa(heads):
+    q, k, v, dout = _inputs(*heads)
+    ref = _sdpa_reference(q, k, v, dout, SCALE)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = causal_attention(q, k, v, SCALE)
+    out.backward(dout)
+    for got, want in zip((out.detach(), q.grad, k.grad, v.grad), ref):
+        _close(got, want)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_group_none_is_causal_attention(comm_type):
+    q, k, v, dout = _inputs(4, 2)
+    ref = _sdpa_reference(q, k, v, dout, 1 / DIM**0.5)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = context_parallel_attention(q, k, v, group=None, ranks=None, comm_type=comm_type)
+    out.backward(dout)
+    for got, want in zip((out.detach(), q.grad, k.grad, v.grad), ref):
+        _close(got, want)
+
+
+def test_bad_comm_type_and_heads_raise():
+    q, k, v, _ = _inputs(4, 2)
+    with pytest.raises(ValueError, match="cp_comm_type"):
+        context_parallel_attention(q, k, v, group=None, ranks=None, comm_type="a2a")
+    with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+        causal_attention(q[:, :, :3], k, v)
+
+
+# ---------------------------------------------------------------- CP attention (multi-process)
+
+
+def _cp_rank_fn(rank, world_size, cp, comm_type, cases):
+    # Strided CP groups (like Megatron's with tp = world / cp) so that global peer ranks differ
+    # from CP ranks when cp < world: [0, 2] and [1, 3] for cp 2 on 4 ranks.
+    stride = world_size // cp
+    groups = [list(range(first, world_size, stride)) for first in range(stride)]
+    handles = [dist.new_group(members) for members in groups]
+    ranks = groups[rank % stride]
+    group = handles[rank % stride]
+    cp_rank = comm.rank(group)
+    assert ranks[cp_rank] == rank
+    results = []
+    for q, k, v, dout in cases:
+        q, k, v = (cp_split(t, cp, cp_rank).requires_grad_() for t in (q, k, v))
+        comm.reset_stats()
+        out = context_parallel_attention(q, k, v, group=group, ranks=ranks, softmax_scale=SCALE, comm_type=comm_type)
+        out.backward(cp_split(dout, cp, cp_rank))
+        # numpy, not tensors: torch shares tensors through file descriptors that can vanish
+        # with the rank process before the parent reads the result queue.
+        tensors = (out.detach(), q.grad, k.grad, v.grad)
+        results.append(tuple(t.numpy() for t in tensors) + (comm.stats()["other"]["bytes"],))
+    return results
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_attention_matches_full(cp, comm_type):
+    world = 4
+    cases = [_inputs(h, hk, seed=i) for i, (h, hk) in enumerate(HEAD_CONFIGS)]
+    per_rank = run_ranks(_cp_rank_fn, world, args=(cp, comm_type, cases))
+    stride = world // cp
+    for case_index, (q, k, v, dout) in enumerate(cases):
+        ref = _sdpa_reference(q, k, v, dout, SCALE)
+        for first in range(stride):
+            members = range(first, world, stride)
+            for field in range(4):
+                got = cp_unsplit([torch.from_numpy(per_rank[r][case_index][field]) for r in members])
+                _close(got, ref[field])
+        # Only the kv heads travel: K/V (and dK/dV) blocks are [s_local, b, kv_heads, 2 d].
+        kv_bytes = (SEQ // cp) * BATCH * k.shape[2] * 2 * DIM * 4
+        if comm_type == "p2p":
+            # forward: cp-1 K/V hops; backward: cp-1 K/V hops and cp dK/dV hops.
+            expected = (3 * cp - 2) * kv_bytes
+        else:
+            # all-gather plus reduce-scatter of the whole sequence's K/V, (cp-1)/cp each.
+            expected = 2 * (cp - 1) * kv_bytes
+        assert [per_rank[r][case_index][4] for r in range(world)] == [expected] * world
+
+
+def _ranks_mismatch_fn(rank, world_size):
+    group = dist.new_group([0, 1])
+    q = torch.zeros(4, 1, 2, 4)
+    with pytest.raises(ValueError, match="CP-rank order"):
+        context_parallel_attention(q, q, q, group=group, ranks=[1, 0])
+    return True
+
+
+def test_wrong_ranks_order_raises():
+    assert run_ranks(_ranks_mismatch_fn, 2) == [True, True]

@@ -1,0 +1,271 @@
+"""Pipeline parallelism: partition, schedule tables, their checkers, and executor parity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from workers.parallel.pipeline import (
+    Action,
+    check_schedule,
+    check_stage,
+    in_flight_bound,
+    max_in_flight,
+    partition_layers,
+    schedule,
+    schedule_1f1b,
+    schedule_interleaved,
+    simulate,
+)
+from workers.parallel.pipeline_exec import run_pipeline
+from workers.spawn import run_ranks
+
+
+def _acts(text: str) -> list[Action]:
+    """'F0.1 B0' -> [Action('F', 0, 1), Action('B', 0, 0)]."""
+    out = []
+    for tok in text.split():
+        mb, _, chunk = tok[1:].partition(".")
+        out.append(Action(tok[0], int(mb), int(chunk or 0)))
+    return out
+
+
+# ----------------------------------------------------------------------------- partition
+
+
+def test_partition_interleaved_assignment():
+    assert partition_layers(8, 2, 2) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    assert partition_layers(4, 4) == [[[0]], [[1]], [[2]], [[3]]]
+    assert partition_layers(6, 1) == [[[0, 1, 2, 3, 4, 5]]]
+
+
+@pytest.mark.parametrize("layers,pp,vpp", [(48, 4, 3), (64, 16, 4), (12, 3, None)])
+def test_partition_covers_every_layer_once_in_virtual_order(layers, pp, vpp):
+    parts = partition_layers(layers, pp, vpp)
+    chunks = vpp or 1
+    by_virtual = [parts[v % pp][v // pp] for v in range(pp * chunks)]
+    assert [i for part in by_virtual for i in part] == list(range(layers))
+    assert {len(p) for p in by_virtual} == {layers // (pp * chunks)}
+
+
+def test_partition_errors_name_numbers():
+    with pytest.raises(ValueError, match=r"num_layers 10 .* = 4"):
+        partition_layers(10, 2, 2)
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size > 1"):
+        partition_layers(8, 1, 2)
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def test_1f1b_matches_megatron_by_hand():
+    assert schedule_1f1b(6, 4, 1) == _acts("F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5")
+    assert schedule_1f1b(6, 4, 3) == _acts("F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5")
+    # fewer microbatches than warm-up slots: GPipe-like
+    assert schedule_1f1b(2, 4, 0) == _acts("F0 F1 B0 B1")
+
+
+def test_pp1_is_gradient_accumulation():
+    assert schedule(3, 1, None, 0) == _acts("F0 B0 F1 B1 F2 B2")
+    assert schedule(3, 1, 1, 0) == _acts("F0 B0 F1 B1 F2 B2")
+
+
+def test_interleaved_matches_megatron_by_hand():
+    # pp=2, vpp=2, m=4: stage 0 warms up with (2-0-1)*2 + (2-1)*2 = 4 forwards.
+    assert schedule_interleaved(4, 2, 2, 0) == _acts(
+        "F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0"
+    )
+    assert schedule_interleaved(4, 2, 2, 1) == _acts(
+        "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0"
+    )
+    assert schedule(4, 2, 2, 1) == schedule_interleaved(4, 2, 2, 1)
+
+
+def test_schedule_errors():
+    with pytest.raises(ValueError, match=r"num_microbatches \(6\) .* pipeline_model_parallel_size \(4\)"):
+        schedule_interleaved(6, 4, 2, 0)
+    with pytest.raises(ValueError, match="stage 4"):
+        schedule_1f1b(4, 4, 4)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        schedule_1f1b(0, 2, 0)
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size > 1"):
+        schedule(4, 1, 2, 0)
+
+
+_COMBOS = [(m, pp, None) for pp in (1, 2, 3, 4, 8, 16) for m in (1, 2, 3, 5, 8, 17, 64)] + [
+    (m, pp, vpp) for pp in (2, 3, 4, 8, 16) for vpp in (1, 2, 3, 4) for m in (pp, 2 * pp, 3 * pp, 4 * pp)
+]
+
+
+@pytest.mark.parametrize("m,pp,vpp", [(64, 16, 4), (64, 16, None), (48, 8, 3)])
+def test_large_schedules_check(m, pp, vpp):
+    assert check_schedule(m, pp, vpp) == 2 * (m * (vpp or 1) + pp - 1)
+
+
+def test_all_schedules_complete_deadlock_free_bounded_and_bubble_optimal():
+    # Unit-time F and B: the ideal makespan is the work (2 m vpp) plus the fill and drain
+    # bubble (2 (pp - 1)) - the textbook (pp - 1) / (m vpp) bubble fraction.
+    for m, pp, vpp in _COMBOS:
+        assert check_schedule(m, pp, vpp) == 2 * (m * (vpp or 1) + pp - 1), (m, pp, vpp)
+        chunks = vpp or 1
+        for s in range(pp):
+            peak = max_in_flight(schedule(m, pp, vpp, s))
+            if chunks == 1:
+                assert peak == min(pp - s, m), (m, pp, s)
+            assert peak <= in_flight_bound(m, pp, vpp, s)
+
+
+# ----------------------------------------------------------------------------- checkers fail
+
+
+def test_check_stage_rejects_bad_tables():
+    with pytest.raises(ValueError, match="twice"):
+        check_stage(_acts("F0 F0 B0"), 1)
+    with pytest.raises(ValueError, match="before its forward"):
+        check_stage(_acts("B0 F0"), 1)
+    with pytest.raises(ValueError, match="expected 2"):
+        check_stage(_acts("F0 B0"), 2)
+    with pytest.raises(ValueError, match="invalid"):
+        check_stage(_acts("F0.1 B0.1"), 1, vpp=1)
+    check_stage(_acts("F0.0 F0.1 B0.1 B0.0"), 1, vpp=2)
+
+
+def test_simulate_detects_deadlock_and_counts_bubble():
+    # stage 1 wants microbatch 1 first; stage 0 waits for B0, which stage 1 runs only after B1.
+    with pytest.raises(ValueError, match="deadlock"):
+        simulate([_acts("F0 B0 F1 B1"), _acts("F1 B1 F0 B0")])
+    # interleaved: chunk 1 on stage 0 needs chunk 0 of stage 1 first.
+    with pytest.raises(ValueError, match="deadlock"):
+        simulate([_acts("F0.1 F0.0 B0.1 B0.0"), _acts("F0.0 F0.1 B0.1 B0.0")], vpp=2)
+    # GPipe (all F then all B) works but takes the same time here, and holds m activations.
+    gpipe = [_acts("F0 F1 F2 F3 B0 B1 B2 B3")] * 2
+    assert simulate(gpipe) == 10
+    assert max_in_flight(gpipe[0]) == 4 > in_flight_bound(4, 2, None, 0) == 2
+
+
+# ----------------------------------------------------------------------------- executor
+
+_S, _B, _H, _L = 3, 2, 4, 8
+_CONFIGS = [(pp, vpp, m) for pp in (2, 4) for vpp in (1, 2) for m in (4, 8)]
+
+
+def _toy_model():
+    g = torch.Generator().manual_seed(7)
+    layers = []
+    for _ in range(_L):
+        lin = torch.nn.Linear(_H, _H)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(_H, _H, generator=g) * 0.5)
+            lin.bias.copy_(torch.randn(_H, generator=g) * 0.1)
+        layers.append(torch.nn.Sequential(lin, torch.nn.Tanh()))
+    return layers
+
+
+def _data(m):
+    g = torch.Generator().manual_seed(11)
+    return torch.randn(m, _S, _B, _H, generator=g), torch.randn(m, _S, _B, _H, generator=g)
+
+
+def _loss(out, target, m):
+    return ((out - target) ** 2).mean() / m
+
+
+def _reference(m):
+    layers = _toy_model()
+    inputs, targets = _data(m)
+    total = 0.0
+    for mb in range(m):
+        x = inputs[mb]
+        for layer in layers:
+            x = layer(x)
+        loss = _loss(x, targets[mb], m)
+        loss.backward()
+        total += loss.item()
+    grads = {i: (l[0].weight.grad.clone(), l[0].bias.grad.clone()) for i, l in enumerate(layers)}
+    return total, grads
+
+
+def _pipeline_rank(rank, world_size):
+    groups = {(0, 1): dist.new_group([0, 1]), (2, 3): dist.new_group([2, 3]), (0, 1, 2, 3): dist.new_group([0, 1, 2, 3])}
+    results = []
+    for pp, vpp, m in _CONFIGS:
+        # pp=2 runs two independent pipelines at once, one per half of the world.
+        ranks = tuple(range(world_size)) if pp == world_size else ((0, 1) if rank < 2 else (2, 3))
+        stage = ranks.index(rank)
+        layers = _toy_model()
+        mine = partition_layers(_L, pp, vpp if vpp > 1 else None)[stage]
+        chunks = [torch.nn.Sequential(*(layers[i] for i in idx)) for idx in mine]
+        inputs, targets = _data(m)
+        losses = run_pipeline(
+            schedule(m, pp, vpp, stage),
+            stage=stage,
+            pp=pp,
+            vpp=vpp,
+            pp_ranks=ranks,
+            chunks=chunks,
+            num_microbatches=m,
+            get_input=lambda mb: inputs[mb],
+            loss_fn=lambda mb, out: _loss(out, targets[mb], m),
+            tensor_shape=(_S, _B, _H),
+            group=groups[ranks],
+        )
+        grads = {i: (layers[i][0].weight.grad.numpy(), layers[i][0].bias.grad.numpy()) for idx in mine for i in idx}
+        # numpy, not tensors: a tensor crosses the result queue as a shared-memory handle that
+        # dies with the rank process.
+        results.append(([l.item() for l in losses], grads))
+        dist.barrier()  # keep configurations apart
+    return results
+
+
+@pytest.fixture(scope="module")
+def pipeline_results():
+    return run_ranks(_pipeline_rank, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(_CONFIGS)), ids=[f"pp{p}-vpp{v}-m{m}" for p, v, m in _CONFIGS])
+def test_executor_matches_single_process(pipeline_results, index):
+    pp, vpp, m = _CONFIGS[index]
+    ref_loss, ref_grads = _reference(m)
+    pipelines = [(0, 1, 2, 3)] if pp == 4 else [(0, 1), (2, 3)]
+    for ranks in pipelines:
+        per_rank = [pipeline_results[r][index] for r in ranks]
+        assert all(not losses for losses, _ in per_rank[:-1])
+        losses = per_rank[-1][0]
+        assert len(losses) == m
+        assert sum(losses) == pytest.approx(ref_loss, abs=1e-5)
+        grads = {i: g for _, gs in per_rank for i, g in gs.items()}
+        assert sorted(grads) == list(range(_L))
+        for i, (w, b) in grads.items():
+            torch.testing.assert_close(torch.from_numpy(w), ref_grads[i][0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.from_numpy(b), ref_grads[i][1], atol=1e-5, rtol=0)
+
+
+def test_executor_single_stage_needs_no_group():
+    m = 3
+    layers = _toy_model()
+    inputs, targets = _data(m)
+    losses = run_pipeline(
+        schedule(m, 1, None, 0),
+        stage=0,
+        pp=1,
+        vpp=1,
+        pp_ranks=[0],
+        chunks=[torch.nn.Sequential(*layers)],
+        num_microbatches=m,
+        get_input=lambda mb: inputs[mb],
+        loss_fn=lambda mb, out: _loss(out, targets[mb], m),
+        tensor_shape=(_S, _B, _H),
+    )
+    ref_loss, ref_grads = _reference(m)
+    assert sum(l.item() for l in losses) == pytest.approx(ref_loss, abs=1e-6)
+    torch.testing.assert_close(layers[0][0].weight.grad, ref_grads[0][0], atol=1e-6, rtol=0)
+
+
+def test_executor_rejects_mismatched_sizes():
+    with pytest.raises(ValueError, match=r"len\(chunks\) == vpp \(got 1\)"):
+        run_pipeline(
+            [], stage=0, pp=2, vpp=2, pp_ranks=[0, 1], chunks=[torch.nn.Identity()], num_microbatches=2,
+            get_input=None, loss_fn=None, tensor_shape=(1,),
+        )

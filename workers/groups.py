@@ -1,0 +1,81 @@
+"""Materialise and cache the torch.distributed groups of a :class:`ParallelGrid`.
+
+Every rank must create every group, in the same order (torch.distributed's rule); each
+rank keeps the handle of the groups it belongs to. Groups are created once per job
+(Megatron-Core's ``HyperCommGrid`` rule) and labelled for the communication counters.
+A single-process run (world size 1) creates nothing: every handle is ``None``, which the
+layers treat as "no parallelism".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.grid import DECODER_KINDS, EXPERT_KINDS, ParallelGrid
+
+
+@dataclass
+class ProcessGroups:
+    """The groups one rank belongs to, plus their member lists (global ranks, group order).
+
+    Attributes are named by kind: ``tp``, ``pp``, ``dp``, ``cp``, ``dp_cp``, ``tp_pp``,
+    ``tp_cp``, ``tp_dp``, ``tp_dp_cp`` (decoder view), ``etp``, ``ep``, ``tp_ep``,
+    ``tp_ep_pp``, ``expert_dp`` (expert view) and ``embedding``.
+    """
+
+    grid: ParallelGrid
+    rank: int
+    handles: dict[str, object] = field(default_factory=dict)
+    members: dict[str, list[int]] = field(default_factory=dict)
+
+    def __getattr__(self, name: str):
+        handles = self.__dict__.get("handles", {})
+        if name in handles:
+            return handles[name]
+        raise AttributeError(name)
+
+    def ranks(self, kind: str) -> list[int]:
+        """Global ranks of this rank's group of ``kind`` (attribute-style name, e.g. ``dp_cp``)."""
+        return self.members[kind]
+
+    def index(self, kind: str) -> int:
+        """This rank's position inside its group of ``kind``."""
+        return self.members[kind].index(self.rank)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.grid.coords(self.rank)
+
+
+_EXPERT_NAMES = {"tp": "etp", "ep": "ep", "tp-ep": "tp_ep", "tp-ep-pp": "tp_ep_pp", "dp": "expert_dp", "pp": None}
+
+
+def build_process_groups(grid: ParallelGrid, rank: int, *, backend: str | None = None) -> ProcessGroups:
+    """Create every group of ``grid`` (collectively) and return this rank's handles."""
+    from workers.parallel import comm
+
+    pg = ProcessGroups(grid=grid, rank=rank)
+    plan: list[tuple[str, list[list[int]]]] = [(k.replace("-", "_"), grid.groups(k)) for k in DECODER_KINDS]
+    plan += [(name, grid.groups(k, expert=True)) for k, name in _EXPERT_NAMES.items() if name]
+    plan.append(("embedding", grid.embedding_groups()))
+    single = grid.world_size == 1
+    if not single:
+        import torch.distributed as dist
+    cache: dict[tuple[int, ...], object] = {}
+    for name, groups in plan:
+        for members in groups:
+            key = tuple(members)
+            if rank in members:
+                pg.members[name] = list(members)
+            if single or len(members) == 1:
+                handle = None  # size-1 groups need no communicator
+            elif key in cache:
+                handle = cache[key]  # the same rank set under another name: reuse it
+            else:
+                handle = dist.new_group(list(members), backend=backend)
+                cache[key] = handle
+            if rank in members:
+                pg.handles[name] = handle
+                if handle is not None:
+                    comm.label_group(handle, name.replace("_", "-"))
+    return pg

@@ -1,0 +1,215 @@
+"""Context parallelism (CP): load-balanced sequence split and causal attention over the CP group.
+
+With causal attention the last tokens of a sequence attend to far more keys than the first
+ones, so cutting the sequence into ``cp`` contiguous pieces would leave the last CP rank with
+most of the work. Megatron's remedy, used here: cut the sequence into ``2 cp`` equal chunks
+and give CP rank ``i`` chunks ``i`` and ``2 cp - 1 - i`` (one early, one late), concatenated.
+Every rank then does the same amount of attention work.
+
+Only attention mixes tokens, so it is the only layer that needs the other ranks' data. Two
+ways to provide it (Megatron's ``cp_comm_type``):
+
+* ``"p2p"``: ring attention (:mod:`workers.parallel.context_ring`), K/V blocks circulate
+  around the group while each rank computes against the block it holds.
+* ``"all_gather"``: every rank gathers the whole sequence's K/V (backward: reduce-scatter of
+  dK/dV) and attends its local queries against it.
+
+Layouts are Megatron's ``[seq, batch, ...]``: q ``[s_local, b, num_heads, head_dim]``, k and v
+``[s_local, b, num_kv_heads, head_dim]``; query head ``h`` uses kv head
+``h // (num_heads // num_kv_heads)`` (grouped-query attention).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from workers.parallel import comm
+from workers.parallel.context_ring import RingAttention
+
+COMM_TYPES = ("p2p", "all_gather")
+
+
+def _check_split(seq_len: int, cp_size: int, cp_rank: int) -> int:
+    """Validate a split and return the chunk length."""
+    if cp_size < 1:
+        raise ValueError(f"context_parallel_size must be >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is outside [0, {cp_size}) for context_parallel_size {cp_size}")
+    if seq_len % (2 * cp_size):
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by 2 x context_parallel_size = {2 * cp_size}; "
+            f"use a seq_length that is a multiple of {2 * cp_size} or a smaller context_parallel_size"
+        )
+    return seq_len // (2 * cp_size)
+
+
+def cp_split(x: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int = 0) -> torch.Tensor:
+    """This CP rank's load-balanced slice of a full-sequence tensor.
+
+    Args:
+        x: full-sequence tensor.
+        cp_size: number of CP ranks.
+        cp_rank: this rank's index in the CP group.
+        seq_dim: the sequence dimension of ``x``.
+
+    Returns:
+        Chunks ``cp_rank`` and ``2 cp_size - 1 - cp_rank`` of ``2 cp_size`` concatenated along
+        ``seq_dim`` (length ``seq / cp_size``).
+
+    Raises:
+        ValueError: the sequence length is not divisible by ``2 cp_size``.
+    """
+    c = _check_split(x.shape[seq_dim], cp_size, cp_rank)
+    late = 2 * cp_size - 1 - cp_rank
+    return torch.cat([x.narrow(seq_dim, cp_rank * c, c), x.narrow(seq_dim, late * c, c)], dim=seq_dim)
+
+
+def cp_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global positions (``LongTensor [seq_len / cp_size]``) of the tokens :func:`cp_split` keeps.
+
+    Used for rotary embeddings and causal masks, which must see global, not local, positions.
+    """
+    c = _check_split(seq_len, cp_size, cp_rank)
+    late = 2 * cp_size - 1 - cp_rank
+    return torch.cat(
+        [
+            torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device),
+            torch.arange(late * c, (late + 1) * c, device=device),
+        ]
+    )
+
+
+def cp_unsplit(parts: Sequence[torch.Tensor], seq_dim: int = 0) -> torch.Tensor:
+    """Inverse of :func:`cp_split`: the full sequence from every CP rank's slice, in CP-rank order."""
+    cp = len(parts)
+    if cp == 0:
+        raise ValueError("cp_unsplit needs at least one part")
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for i, part in enumerate(parts):
+        if part.shape[seq_dim] % 2:
+            raise ValueError(f"part {i} has odd sequence length {part.shape[seq_dim]}; cp_split parts are even")
+        chunks[i], chunks[2 * cp - 1 - i] = part.chunk(2, dim=seq_dim)
+    return torch.cat(chunks, dim=seq_dim)
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(
+            f"expected q [s, b, heads, d] and k, v [s, b, kv_heads, d] of equal shape; "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head_dim")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"num_heads {q.shape[2]} is not a multiple of num_kv_heads {k.shape[2]} "
+            f"(num_attention_heads must be divisible by num_query_groups)"
+        )
+
+
+def _masked_attention(q, k, v, q_pos, k_pos, scale: float) -> torch.Tensor:
+    """Differentiable GQA attention where query ``i`` sees key ``j`` iff ``k_pos[j] <= q_pos[i]``."""
+    sq, b, h, d = q.shape
+    hk = k.shape[2]
+    qg = q.reshape(sq, b, hk, h // hk, d)
+    scores = torch.einsum("qbkgd,sbkd->bkgqs", qg, k) * scale
+    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bkgqs,sbkd->qbkgd", probs, v).reshape(sq, b, h, d)
+
+
+def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None):
+    """Single-process causal attention with GQA: the reference semantics of CP attention.
+
+    Args:
+        q: ``[s, b, num_heads, head_dim]``.
+        k, v: ``[s, b, num_kv_heads, head_dim]``.
+        softmax_scale: multiplier of ``q . k``; ``None`` means ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``[s, b, num_heads, head_dim]``.
+    """
+    _check_qkv(q, k, v)
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"causal attention needs as many queries as keys; got {q.shape[0]} and {k.shape[0]}")
+    pos = torch.arange(q.shape[0], device=q.device)
+    return _masked_attention(q, k, v, pos, pos, _scale(q, softmax_scale))
+
+
+class _GatherKV(torch.autograd.Function):
+    """All-gather K/V over CP into global sequence order; backward reduce-scatters dK/dV."""
+
+    @staticmethod
+    def forward(ctx, kv, group, rank_major_pos):
+        ctx.group, ctx.rank_major_pos = group, rank_major_pos
+        gathered = comm.all_gather(kv, group, dim=0)  # rows in CP-rank order
+        return gathered.index_select(0, torch.argsort(rank_major_pos))
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Row i of the gathered tensor is global position rank_major_pos[i].
+        grad = grad.index_select(0, ctx.rank_major_pos)
+        return comm.reduce_scatter(grad, ctx.group, dim=0), None, None
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group,
+    ranks: Sequence[int] | None,
+    softmax_scale: float | None = None,
+    comm_type: str = "p2p",
+) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole CP-split sequence.
+
+    Inputs are this rank's :func:`cp_split` slices; the result equals this rank's rows of
+    :func:`causal_attention` over the full sequence, with gradients to match.
+
+    Args:
+        q: ``[s_local, b, num_heads, head_dim]``.
+        k, v: ``[s_local, b, num_kv_heads, head_dim]``.
+        group: the CP process group; ``None`` (or size 1) is plain causal attention.
+        ranks: the CP group's global ranks in CP-rank order (the ring's neighbours).
+        softmax_scale: ``None`` means ``1 / sqrt(head_dim)``.
+        comm_type: ``"p2p"`` (ring attention) or ``"all_gather"``.
+
+    Returns:
+        ``[s_local, b, num_heads, head_dim]``.
+    """
+    _check_qkv(q, k, v)
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"cp_comm_type {comm_type!r} is not one of {COMM_TYPES}")
+    cp = comm.world_size(group)
+    if cp == 1:
+        return causal_attention(q, k, v, softmax_scale)
+    ranks = tuple(int(r) for r in (ranks or ()))
+    cp_rank = comm.rank(group)
+    if len(ranks) != cp or ranks[cp_rank] != dist.get_rank():
+        raise ValueError(
+            f"ranks {list(ranks)} must list the {cp} global ranks of the CP group in CP-rank order "
+            f"(this is global rank {dist.get_rank()}, CP rank {cp_rank})"
+        )
+    if q.shape[0] != k.shape[0] or q.shape[0] % 2:
+        raise ValueError(
+            f"local q/k sequence lengths {q.shape[0]}/{k.shape[0]} must be equal and even "
+            f"(two cp_split chunks); split the sequence with cp_split"
+        )
+    seq_len = q.shape[0] * cp
+    scale = _scale(q, softmax_scale)
+    positions = [cp_positions(seq_len, cp, r, device=q.device) for r in range(cp)]
+    if comm_type == "p2p":
+        return RingAttention.apply(q, k, v, scale, positions, cp_rank, ranks, group)
+    d = k.shape[-1]
+    kv = _GatherKV.apply(torch.cat([k, v], dim=-1), group, torch.cat(positions))
+    k_full, v_full = kv.split(d, dim=-1)
+    return _masked_attention(q, k_full, v_full, positions[cp_rank], torch.arange(seq_len, device=q.device), scale)

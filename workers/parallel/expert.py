@@ -1,0 +1,212 @@
+"""Mixtral-style mixture of experts with expert parallelism (EP) and expert tensor parallelism
+(ETP), dropless.
+
+A :class:`MoELayer` takes the tokens this rank holds, ``x [s_local, b, h]`` (already split over
+TP when sequence parallelism is on, and over CP), and returns ``(y [s_local, b, h], aux_loss)``.
+Routing is per token and nothing is dropped, so each token's output depends on that token
+alone: the result is the same for every layout, which is what the layout-invariance contract
+needs.
+
+* :class:`TopKRouter`: ``logits = x W^T``; the k largest logits pick the experts and a softmax
+  over those k gives the gates (Mixtral; Megatron's ``moe_router_pre_softmax=False``). The
+  router weight is replicated; its grad is complete once summed over every rank that holds
+  different tokens, which the trainer does over dp-cp, plus over TP when the tokens are
+  TP-sharded (``param.sequence_parallel``, as for norm weights).
+* :class:`SwiGLUExperts`: ``y = W_down (silu(W_gate x) * W_up x)`` per expert. EP rank r owns
+  experts ``[r*E/ep, (r+1)*E/ep)``; ETP rank j owns the j-th slice of every owned expert's ffn
+  dim (gate/up rows, down columns), so its output is a partial sum that the dispatcher's
+  reduce-scatter completes. Every expert parameter carries ``param.is_expert = True`` (the
+  trainer reduces its grad over the expert-dp group, not dp-cp) plus ``ep_partition_dim`` and
+  ``etp_partition_dim`` naming the dims split over EP and ETP (for checkpoints).
+* :class:`~workers.parallel.moe_dispatch.AllToAllDispatcher` moves token choices between them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.parallel import comm
+from workers.parallel.moe_dispatch import AllToAllDispatcher
+
+
+class TopKRouter(nn.Module):
+    """Top-k router with softmax over the selected logits and an optional Switch aux loss.
+
+    Args:
+        full_weight: ``[E, h]`` router weight (replicated, so the full tensor is kept).
+        topk: experts per token, ``1 <= topk <= E``.
+        aux_loss_coeff: weight of the load-balancing loss; 0 disables it.
+        sequence_parallel: the caller's tokens are TP-sharded, so the weight's grad must also
+            be all-reduced over TP (sets ``weight.sequence_parallel``).
+
+    Raises:
+        ValueError: bad weight rank, topk out of range or negative coefficient.
+    """
+
+    def __init__(self, full_weight: torch.Tensor, topk: int, aux_loss_coeff: float = 0.0, *, sequence_parallel: bool = False):
+        super().__init__()
+        if full_weight.dim() != 2:
+            raise ValueError(f"router weight must be [num_experts, hidden], got shape {tuple(full_weight.shape)}")
+        num_experts = full_weight.shape[0]
+        if not 1 <= topk <= num_experts:
+            raise ValueError(f"moe_router_topk ({topk}) must be between 1 and num_moe_experts ({num_experts})")
+        if aux_loss_coeff < 0:
+            raise ValueError(f"moe_aux_loss_coeff ({aux_loss_coeff}) must be >= 0")
+        self.num_experts, self.topk, self.aux_loss_coeff = num_experts, topk, aux_loss_coeff
+        self.weight = nn.Parameter(full_weight.detach().clone().float())
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Route ``x [T, h]``.
+
+        Returns:
+            ``(gates [T, k], topk_idx [T, k] int64, aux_loss scalar)``; ``topk_idx`` is in
+            descending-logit order (ties broken by ``torch.topk``, deterministically).
+        """
+        logits = F.linear(x, self.weight)
+        top_logits, topk_idx = torch.topk(logits, self.topk, dim=-1)
+        gates = torch.softmax(top_logits, dim=-1)
+        return gates, topk_idx, self._aux_loss(logits, topk_idx)
+
+    def _aux_loss(self, logits: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+        """Switch load balancing, ``coeff * E * sum_e f_e * P_e`` over the local tokens.
+
+        ``f_e`` is the fraction of the T*k choices that went to expert e (no gradient) and
+        ``P_e`` the mean over tokens of the full softmax probability of e (as Megatron's
+        ``switch_load_balancing_loss_func``), so perfectly balanced routing gives ``coeff``.
+        """
+        if self.aux_loss_coeff == 0 or logits.shape[0] == 0:
+            return logits.new_zeros(())
+        num_choices = topk_idx.numel()
+        f = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts).to(logits.dtype) / num_choices
+        p = torch.softmax(logits, dim=-1).mean(0)
+        return self.aux_loss_coeff * self.num_experts * (f * p).sum()
+
+
+class SwiGLUExperts(nn.Module):
+    """This rank's share of E SwiGLU experts.
+
+    Args:
+        w_gate: ``[E, ffn, h]`` full gate projections.
+        w_up: ``[E, ffn, h]`` full up projections.
+        w_down: ``[E, h, ffn]`` full down projections.
+        ep_group: expert-parallel group (``None``: size 1).
+        etp_group: expert-tensor-parallel group (``None``: size 1).
+
+    Raises:
+        ValueError: inconsistent shapes, E not divisible by ep, or ffn not divisible by etp.
+    """
+
+    def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ep_group=None, etp_group=None):
+        super().__init__()
+        if w_gate.dim() != 3 or w_up.shape != w_gate.shape:
+            raise ValueError(f"w_gate and w_up must both be [E, ffn, h]; got {tuple(w_gate.shape)} and {tuple(w_up.shape)}")
+        num_experts, ffn, hidden = w_gate.shape
+        if tuple(w_down.shape) != (num_experts, hidden, ffn):
+            raise ValueError(f"w_down must be [E, h, ffn] = {(num_experts, hidden, ffn)}, got {tuple(w_down.shape)}")
+        ep, etp = comm.world_size(ep_group), comm.world_size(etp_group)
+        if num_experts % ep:
+            raise ValueError(
+                f"num_moe_experts ({num_experts}) is not divisible by expert_model_parallel_size ({ep}); "
+                f"use an EP size that divides {num_experts}"
+            )
+        if ffn % etp:
+            raise ValueError(
+                f"ffn_hidden_size ({ffn}) is not divisible by expert_tensor_parallel_size ({etp}); "
+                f"use an ETP size that divides {ffn}"
+            )
+        self.num_experts, self.hidden_size = num_experts, hidden
+        self.num_local_experts, ffn_local = num_experts // ep, ffn // etp
+        e0 = comm.rank(ep_group) * self.num_local_experts
+        f0 = comm.rank(etp_group) * ffn_local
+        experts, cols = slice(e0, e0 + self.num_local_experts), slice(f0, f0 + ffn_local)
+        self.w_gate = self._param(w_gate[experts, cols], etp_dim=1)
+        self.w_up = self._param(w_up[experts, cols], etp_dim=1)
+        self.w_down = self._param(w_down[experts, :, cols], etp_dim=2)
+
+    @staticmethod
+    def _param(shard: torch.Tensor, etp_dim: int) -> nn.Parameter:
+        p = nn.Parameter(shard.detach().clone().float().contiguous())
+        p.is_expert = True
+        p.ep_partition_dim = 0
+        p.etp_partition_dim = etp_dim
+        return p
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        """Apply local expert i to the i-th run of ``x [R, h]`` (run lengths given).
+
+        Every local expert runs, even on zero rows, so each expert weight gets a (zero)
+        gradient and the trainer's grad reduction sees the same tensors on every rank.
+        """
+        assert len(tokens_per_expert) == self.num_local_experts and sum(tokens_per_expert) == x.shape[0]
+        outs = []
+        for i, rows in enumerate(torch.split(x, tokens_per_expert)):
+            hidden = F.silu(rows @ self.w_gate[i].t()) * (rows @ self.w_up[i].t())
+            outs.append(hidden @ self.w_down[i].t())
+        return torch.cat(outs)
+
+
+class MoELayer(nn.Module):
+    """Router + dispatcher + experts: ``x [s, b, h] -> (y [s, b, h], aux_loss)``.
+
+    Args:
+        router: picks each token's experts and gates.
+        experts: this rank's expert shards.
+        dispatcher: moves token choices over EP/ETP; its groups must be the experts'.
+
+    Raises:
+        ValueError: the three disagree on the number of experts.
+    """
+
+    def __init__(self, router: TopKRouter, experts: SwiGLUExperts, dispatcher: AllToAllDispatcher):
+        super().__init__()
+        if not router.num_experts == experts.num_experts == dispatcher.num_experts:
+            raise ValueError(
+                f"router ({router.num_experts}), experts ({experts.num_experts}) and dispatcher "
+                f"({dispatcher.num_experts}) must agree on num_moe_experts"
+            )
+        if router.weight.shape[1] != experts.hidden_size:
+            raise ValueError(f"router hidden ({router.weight.shape[1]}) != experts hidden ({experts.hidden_size})")
+        self.router, self.experts, self.dispatcher = router, experts, dispatcher
+
+    @classmethod
+    def from_full(
+        cls,
+        router_weight: torch.Tensor,
+        w_gate: torch.Tensor,
+        w_up: torch.Tensor,
+        w_down: torch.Tensor,
+        *,
+        topk: int,
+        ep_group=None,
+        etp_group=None,
+        aux_loss_coeff: float = 0.0,
+        sequence_parallel: bool = False,
+    ) -> "MoELayer":
+        """Build every part from the full, unsharded tensors (see ``workers.config.init_full``).
+
+        Args:
+            router_weight: ``[E, h]``.
+            w_gate, w_up: ``[E, ffn, h]``.
+            w_down: ``[E, h, ffn]``.
+            topk: experts per token (``moe_router_topk``).
+            ep_group, etp_group: expert-parallel and expert-tensor-parallel groups.
+            aux_loss_coeff: ``moe_aux_loss_coeff``.
+            sequence_parallel: tokens are TP-sharded (marks the router weight).
+        """
+        router = TopKRouter(router_weight, topk, aux_loss_coeff, sequence_parallel=sequence_parallel)
+        experts = SwiGLUExperts(w_gate, w_up, w_down, ep_group, etp_group)
+        return cls(router, experts, AllToAllDispatcher(router.num_experts, ep_group, etp_group))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(y, aux_loss)``; ``y`` has ``x``'s shape, ``aux_loss`` is over local tokens."""
+        if x.shape[-1] != self.experts.hidden_size:
+            raise ValueError(f"MoE input hidden size {x.shape[-1]} != layer hidden size {self.experts.hidden_size}")
+        flat = x.reshape(-1, x.shape[-1])
+        gates, topk_idx, aux_loss = self.router(flat)
+        expert_input, tokens_per_expert, plan = self.dispatcher.dispatch(flat, topk_idx)
+        expert_output = self.experts(expert_input, tokens_per_expert)
+        y = self.dispatcher.combine(expert_output, gates, plan)
+        return y.view(x.shape), aux_loss

@@ -1,0 +1,226 @@
+"""All-to-all token dispatcher for dropless MoE over the expert-parallel (EP) and
+expert-tensor-parallel (ETP) groups (Megatron-Core's ``MoEAlltoAllTokenDispatcher``).
+
+The path of one token choice (a token replicated once per selected expert)::
+
+    local tokens [T, h] --replicate x k, stable sort by expert-->  [T*k, h]  (grouped by EP rank)
+        --all_to_all over EP (variable splits)-->   rows ordered (src EP rank, local expert)
+        --all_gather over ETP (variable sizes)-->   rows ordered (ETP rank, src EP rank, local expert)
+        --stable sort by local expert-->            expert input, one contiguous run per expert
+    experts (each ETP rank computes its ffn slice; partial sums)
+        --inverse of all of the above, with reduce_scatter over ETP summing the partial sums-->
+    [T*k, h] in choice order --weighted by the gates, summed over k--> [T, h]
+
+Per-expert counts travel first (an all_to_all over EP, then an all_gather over ETP), so
+every rank knows every split size before the tokens move. Nothing is dropped or padded on
+the EP path; an expert or a whole EP rank may receive zero tokens.
+
+Every collective is an autograd function whose backward is its adjoint: all_to_all's is the
+reverse all_to_all with the splits swapped, and all_gather and reduce_scatter are each
+other's. The ETP collectives have per-rank sizes, so they pad to the largest rank's count and
+use the fixed-size ``comm.all_gather`` / ``comm.reduce_scatter``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.parallel import comm
+
+
+# --------------------------------------------------------------------------------------------
+# Differentiable collectives with per-rank sizes
+# --------------------------------------------------------------------------------------------
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        return comm.all_to_all(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_to_all(grad.contiguous(), ctx.group, ctx.input_splits, ctx.output_splits), None, None, None
+
+
+def _gather_var(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
+    """Concatenate every rank's rows (rank i holds ``sizes[i]``) in group-rank order."""
+    n, longest = len(sizes), max(sizes)
+    if longest == 0:  # sizes agree on every rank, so all of them skip the collective together
+        return x.new_zeros((0,) + tuple(x.shape[1:]))
+    padded = x.new_zeros((longest,) + tuple(x.shape[1:]))
+    padded[: x.shape[0]] = x
+    full = comm.all_gather(padded, group).view((n, longest) + tuple(x.shape[1:]))
+    return torch.cat([full[i, : sizes[i]] for i in range(n)])
+
+
+def _scatter_var(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's run of rows (rank i gets ``sizes[i]``)."""
+    n, longest = len(sizes), max(sizes)
+    if longest == 0:
+        return x.new_zeros((0,) + tuple(x.shape[1:]))
+    padded = x.new_zeros((n, longest) + tuple(x.shape[1:]))
+    for i, part in enumerate(torch.split(x, sizes)):
+        padded[i, : sizes[i]] = part
+    mine = comm.reduce_scatter(padded.view((n * longest,) + tuple(x.shape[1:])), group)
+    return mine[: sizes[comm.rank(group)]]
+
+
+class _GatherVar(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _gather_var(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scatter_var(grad.contiguous(), ctx.group, ctx.sizes), None, None
+
+
+class _ScatterVar(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return _scatter_var(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_var(grad.contiguous(), ctx.group, ctx.sizes), None, None
+
+
+def all_to_all_var(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+    """Differentiable ``comm.all_to_all`` with variable splits (identity for a size-1 group)."""
+    if comm.world_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, output_splits, input_splits)
+
+
+def all_gather_var(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
+    """Differentiable all-gather along dim 0 where rank i holds ``sizes[i]`` rows."""
+    if comm.world_size(group) == 1:
+        return x
+    return _GatherVar.apply(x, group, sizes)
+
+
+def reduce_scatter_var(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
+    """Differentiable reduce-scatter along dim 0 where rank i keeps ``sizes[i]`` rows."""
+    if comm.world_size(group) == 1:
+        return x
+    return _ScatterVar.apply(x, group, sizes)
+
+
+# --------------------------------------------------------------------------------------------
+# The dispatcher
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """What :meth:`AllToAllDispatcher.combine` needs to undo one dispatch.
+
+    Attributes:
+        sort_idx: ``[T*k]`` choice index (token * k + slot) of each locally sorted row.
+        input_splits: rows this rank sends to each EP rank.
+        output_splits: rows this rank receives from each EP rank.
+        etp_sizes: rows each ETP rank received from its EP all_to_all.
+        expert_sort_idx: ``[R]`` gathered row of each expert-ordered row.
+        num_tokens: T, the local token count.
+    """
+
+    sort_idx: torch.Tensor
+    input_splits: list[int]
+    output_splits: list[int]
+    etp_sizes: list[int]
+    expert_sort_idx: torch.Tensor
+    num_tokens: int
+
+
+class AllToAllDispatcher:
+    """Moves token choices to the ranks that own their experts, and back.
+
+    Args:
+        num_experts: E, experts in the layer (over all EP ranks).
+        ep_group: expert-parallel group (``None``: size 1). EP rank r owns experts
+            ``[r*E/ep, (r+1)*E/ep)``.
+        etp_group: expert-tensor-parallel group (``None``: size 1). Its ranks share the same
+            experts, each holding a slice of every expert's ffn dim.
+
+    Raises:
+        ValueError: E not divisible by the EP size.
+    """
+
+    def __init__(self, num_experts: int, ep_group=None, etp_group=None):
+        self.ep_group, self.etp_group = ep_group, etp_group
+        self.ep_size, self.etp_size = comm.world_size(ep_group), comm.world_size(etp_group)
+        if num_experts < 1 or num_experts % self.ep_size:
+            raise ValueError(
+                f"num_moe_experts ({num_experts}) must be a positive multiple of "
+                f"expert_model_parallel_size ({self.ep_size}); change one of them"
+            )
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep_size
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor):
+        """Send each token choice to its expert's ranks.
+
+        Args:
+            x: ``[T, h]`` local tokens.
+            topk_idx: ``[T, k]`` global expert index of each token's choices.
+
+        Returns:
+            ``(expert_input [R, h], tokens_per_local_expert list[int], plan)``: the rows every
+            local expert processes, one contiguous run per local expert in order (identical on
+            all ranks of the ETP group), the run lengths, and the plan for :meth:`combine`.
+        """
+        num_tokens, k = topk_idx.shape
+        assert x.shape[0] == num_tokens, (x.shape, topk_idx.shape)
+        flat_idx = topk_idx.reshape(-1)
+        # Stable sort: equal experts keep token order, so the layout is deterministic.
+        sort_idx = torch.argsort(flat_idx, stable=True)
+        permuted = x.index_select(0, torch.div(sort_idx, k, rounding_mode="floor"))
+
+        counts = torch.bincount(flat_idx, minlength=self.num_experts)
+        # recv_counts[src_ep_rank, local_expert]: rows arriving from each EP rank per expert.
+        recv_counts = comm.all_to_all(counts, self.ep_group).view(self.ep_size, self.num_local_experts)
+        input_splits = counts.view(self.ep_size, self.num_local_experts).sum(1).tolist()
+        output_splits = recv_counts.sum(1).tolist()
+        received = all_to_all_var(permuted, self.ep_group, output_splits, input_splits)
+
+        # all_counts[etp_rank * ep + src_ep_rank, local_expert]
+        all_counts = comm.all_gather(recv_counts, self.etp_group)
+        etp_sizes = all_counts.view(self.etp_size, -1).sum(1).tolist()
+        gathered = all_gather_var(received, self.etp_group, etp_sizes)
+
+        local_expert = torch.arange(self.num_local_experts).repeat(all_counts.shape[0])
+        row_expert = torch.repeat_interleave(local_expert, all_counts.reshape(-1))
+        expert_sort_idx = torch.argsort(row_expert, stable=True)
+        expert_input = gathered.index_select(0, expert_sort_idx)
+        plan = DispatchPlan(sort_idx, input_splits, output_splits, etp_sizes, expert_sort_idx, num_tokens)
+        return expert_input, all_counts.sum(0).tolist(), plan
+
+    def combine(self, expert_output: torch.Tensor, gates: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Bring expert outputs home and mix each token's k outputs by its gates.
+
+        Args:
+            expert_output: ``[R, h]`` rows in :meth:`dispatch`'s expert order; with ETP, this
+                rank's partial sum (its ffn slice's contribution).
+            gates: ``[T, k]`` gate weight of each choice.
+            plan: from the matching :meth:`dispatch`.
+
+        Returns:
+            ``[T, h]``: ``sum_j gates[t, j] * expert_{topk_idx[t, j]}(x[t])``.
+        """
+        gathered = _unsort(expert_output, plan.expert_sort_idx)
+        # The reduce-scatter also finishes the ETP row-parallel down projection (sums slices).
+        received = reduce_scatter_var(gathered, self.etp_group, plan.etp_sizes)
+        permuted = all_to_all_var(received, self.ep_group, plan.input_splits, plan.output_splits)
+        per_choice = _unsort(permuted, plan.sort_idx).view(plan.num_tokens, gates.shape[1], permuted.shape[-1])
+        return (per_choice * gates.unsqueeze(-1).to(per_choice.dtype)).sum(1)
+
+
+def _unsort(rows: torch.Tensor, sort_idx: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``rows_sorted = rows.index_select(0, sort_idx)``."""
+    return rows.new_zeros(rows.shape).index_copy(0, sort_idx, rows)

@@ -1,0 +1,286 @@
+"""Tensor parallelism (TP): Megatron-Core's column/row parallel linears, vocab-parallel
+embedding and vocab-parallel cross-entropy, with optional sequence parallelism (SP).
+
+Activations are ``[seq, batch, hidden]``. A TP *region* is the stretch between a
+:class:`ColumnParallelLinear` (weight rows, i.e. output features, split over the group) and
+a :class:`RowParallelLinear` (weight columns, i.e. input features, split): inside it each
+rank holds ``1/tp`` of the last dim, outside it every rank holds the whole hidden dim, either
+replicated over the full sequence (SP off) or as its ``seq/tp`` slice (SP on, see
+``sequence.py``). An MLP is ``column -> activation -> row``: one collective forward, one
+backward.
+
+Every layer is built from the *full* weight the caller initialised (``config.init_full``);
+rank ``r`` copies its contiguous slice, so every layout starts from the same model. The
+slice is tagged ``tensor_model_parallel = True`` and ``partition_dim`` (0 or 1) for
+checkpointing and gradient-norm code. ``group=None`` means no TP: the layers then match
+``F.linear`` / ``F.embedding`` / ``F.cross_entropy`` and need no process group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from workers.parallel import comm
+from workers.parallel.sequence import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+# ---------------------------------------------------------------------------------------
+# Mappings (Megatron's mappings.py, the TP half; the SP half lives in sequence.py).
+# ---------------------------------------------------------------------------------------
+
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()  # all-reduce is in place; never write into autograd's buffer
+        comm.all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()  # x may be saved by its producer for backward: don't reduce in place
+        comm.all_reduce(out, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_gather(x, group, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    n, r = comm.world_size(group), comm.rank(group)
+    per = x.shape[-1] // n
+    return x[..., r * per : (r + 1) * per].contiguous()
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Enter a TP region: forward identity, backward all-reduce of the partial gradients."""
+    if comm.world_size(group) == 1:
+        return x
+    return _CopyToTensorParallelRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Leave a TP region: forward all-reduce of the partial sums, backward identity."""
+    if comm.world_size(group) == 1:
+        return x
+    return _ReduceFromTensorParallelRegion.apply(x, group)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather the last dim (``[..., h/tp] -> [..., h]``); backward takes this rank's slice."""
+    if comm.world_size(group) == 1:
+        return x
+    return _GatherFromTensorParallelRegion.apply(x, group)
+
+
+# ---------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------
+
+
+def _shard(full: torch.Tensor, dim: int, group, what: str, field: str) -> nn.Parameter:
+    """This rank's contiguous slice of ``full`` along ``dim``, as a tagged parameter."""
+    if full.dim() != 2:
+        raise ValueError(f"{what}: expected a 2-D full weight, got shape {tuple(full.shape)}")
+    n, r = comm.world_size(group), comm.rank(group)
+    size = full.shape[dim]
+    if size % n:
+        raise ValueError(
+            f"{what}: {field} {size} is not divisible by tensor_model_parallel_size {n}; "
+            f"choose {field} as a multiple of {n} (or a smaller tensor_model_parallel_size)"
+        )
+    per = size // n
+    param = nn.Parameter(full.detach().narrow(dim, r * per, per).clone())
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x @ W.T`` with W's rows (output features) split over the TP group. No bias.
+
+    Args:
+        full_weight: the unsharded ``[out, in]`` weight; rank r keeps rows
+            ``[r*out/tp, (r+1)*out/tp)``.
+        group: the tensor-parallel group (``None``: no TP).
+        sequence_parallel: the input is this rank's ``[s/tp, b, in]`` sequence shard and is
+            all-gathered along the sequence (backward reduce-scatters); otherwise the input
+            is the replicated ``[s, b, in]`` (backward all-reduces).
+        gather_output: all-gather the output to ``[s, b, out]``; otherwise it stays
+            ``[s, b, out/tp]``, ready for a RowParallelLinear or the vocab-parallel loss.
+    """
+
+    def __init__(self, full_weight: torch.Tensor, group, *, sequence_parallel: bool = False,
+                 gather_output: bool = False):
+        super().__init__()
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.gather_output = gather_output
+        self.weight = _shard(full_weight, 0, group, "ColumnParallelLinear", "output size")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.group)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.group)
+        y = F.linear(x, self.weight)
+        if self.gather_output:
+            y = gather_from_tensor_parallel_region(y, self.group)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x @ W.T`` with W's columns (input features) split over the TP group. No bias.
+
+    Args:
+        full_weight: the unsharded ``[out, in]`` weight; rank r keeps columns
+            ``[r*in/tp, (r+1)*in/tp)``.
+        group: the tensor-parallel group (``None``: no TP).
+        sequence_parallel: reduce-scatter the partial outputs to this rank's
+            ``[s/tp, b, out]`` sequence shard; otherwise all-reduce to ``[s, b, out]``.
+
+    The input is always last-dim sharded, ``[s, b, in/tp]`` (Megatron's
+    ``input_is_parallel=True``).
+    """
+
+    def __init__(self, full_weight: torch.Tensor, group, *, sequence_parallel: bool = False):
+        super().__init__()
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.weight = _shard(full_weight, 1, group, "RowParallelLinear", "input size")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # partial sum over this rank's input features
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(y, self.group)
+        return reduce_from_tensor_parallel_region(y, self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split over the TP group.
+
+    Args:
+        full_weight: the unsharded ``[vocab, hidden]`` table; rank r keeps rows
+            ``[r*vocab/tp, (r+1)*vocab/tp)``. The vocab must divide by tp (the model pads it).
+        group: the tensor-parallel group (``None``: no TP).
+        sequence_parallel: return this rank's ``[s/tp, b, hidden]`` sequence shard
+            (reduce-scatter); otherwise the replicated ``[s, b, hidden]`` (all-reduce).
+
+    ``forward(tokens)`` takes the full ``[s, b]`` long tokens on every TP rank. Each rank
+    looks up the tokens in its range and writes zeros for the rest; the sum over the group
+    is the full lookup.
+    """
+
+    def __init__(self, full_weight: torch.Tensor, group, *, sequence_parallel: bool = False):
+        super().__init__()
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.weight = _shard(full_weight, 0, group, "VocabParallelEmbedding", "vocab size")
+        per = self.weight.shape[0]
+        self.vocab_start = comm.rank(group) * per
+        self.vocab_end = self.vocab_start + per
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if comm.world_size(self.group) > 1:
+            outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+            local = (tokens - self.vocab_start).masked_fill(outside, 0)
+            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            out = F.embedding(tokens, self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out, self.group)
+        return reduce_from_tensor_parallel_region(out, self.group)
+
+
+# ---------------------------------------------------------------------------------------
+# Vocab-parallel cross-entropy
+# ---------------------------------------------------------------------------------------
+
+
+def _all_reduce_max(t: torch.Tensor, group) -> None:
+    # comm.all_reduce only sums; this tiny [s, b] reduce goes around it (so it is not in the
+    # byte counters) until comm grows an ``op=`` argument.
+    if comm.world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        per = logits.shape[-1]
+        start = comm.rank(group) * per
+        # Shift by the global max so exp never overflows; the loss does not depend on it.
+        logits_max = logits.amax(dim=-1)
+        _all_reduce_max(logits_max, group)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        outside = (target < start) | (target >= start + per)
+        local_target = (target - start).masked_fill(outside, 0)
+        predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        predicted = predicted.masked_fill(outside, 0.0)
+        exp = shifted.exp_()
+        sum_exp = exp.sum(dim=-1)
+        # One all-reduce for both per-token sums: exactly one rank holds each target logit.
+        packed = torch.stack([predicted, sum_exp])
+        comm.all_reduce(packed, group)
+        predicted, sum_exp = packed[0], packed[1]
+        loss = sum_exp.log() - predicted
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside = ctx.saved_tensors
+        # d loss / d logits = softmax - one_hot(target), on the local vocab shard only.
+        grad_loss = grad_loss.unsqueeze(-1)
+        grad = softmax * grad_loss
+        hit = (~outside).to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit * grad_loss)
+        return grad, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
+    """Per-token cross-entropy of vocab-sharded logits, without gathering them.
+
+    Args:
+        logits: ``[s, b, vocab/tp]``, this rank's contiguous vocab slice (rank r holds
+            ``[r*vocab/tp, (r+1)*vocab/tp)``), e.g. a ColumnParallelLinear's output.
+        target: ``[s, b]`` long token ids in ``[0, vocab)``, the same on every TP rank.
+        group: the tensor-parallel group (``None``: equals ``F.cross_entropy(...,
+            reduction="none")``).
+
+    Returns:
+        ``[s, b]`` float loss per token, identical on every TP rank (no reduction).
+    """
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and target "
+            f"{tuple(target.shape)} disagree; expected logits [s, b, vocab/tp] and target [s, b]"
+        )
+    return _VocabParallelCrossEntropy.apply(logits, target, group)
