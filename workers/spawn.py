@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -89,13 +90,27 @@ def init_distributed(
     return backend
 
 
-def _rank_main(fn, rank, world_size, port, backend, timeout_s, args, kwargs, results):
+class _Reporter:
+    """Picklable ``report(payload)`` callable: sends a progress event to the parent."""
+
+    def __init__(self, results, rank):
+        self.results, self.rank = results, rank
+
+    def __call__(self, payload) -> None:
+        self.results.put((self.rank, "event", payload, ""))
+
+
+def _rank_main(fn, rank, world_size, port, backend, timeout_s, args, kwargs, results, with_report):
     import torch.distributed as dist
 
     try:
         init_distributed(rank, world_size, "127.0.0.1", port, backend=backend, timeout_s=timeout_s)
+        if with_report:
+            kwargs = {**kwargs, "report": _Reporter(results, rank)}
         out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, True, out, ""))
+        # Plain pickle copies tensor data into bytes; the queue's own pickler would pass
+        # tensors as file descriptors that die with this process before the parent reads them.
+        results.put((rank, True, pickle.dumps(out), ""))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
         results.put((rank, False, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
     finally:
@@ -116,6 +131,7 @@ def run_ranks(
     timeout_s: float = 300.0,
     collective_timeout_s: float = 60.0,
     start_method: str = "forkserver",
+    on_event: Callable[[int, Any], None] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` local processes.
 
@@ -126,6 +142,8 @@ def run_ranks(
         timeout_s: wall-clock limit for the whole run.
         collective_timeout_s: torch.distributed timeout of each collective.
         start_method: multiprocessing start method.
+        on_event: if given, ``fn`` also receives ``report=`` (a callable); each
+            ``report(payload)`` in a rank calls ``on_event(rank, payload)`` here.
 
     Returns:
         ``fn``'s return values in rank order.
@@ -141,7 +159,8 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, r, world_size, port, backend, collective_timeout_s, tuple(args), kwargs or {}, results),
+            args=(fn, r, world_size, port, backend, collective_timeout_s, tuple(args), kwargs or {}, results,
+                  on_event is not None),
             daemon=True,
         )
         for r in range(world_size)
@@ -168,9 +187,12 @@ def run_ranks(
                         missing = sorted(set(range(world_size)) - set(out))
                         raise RankFailure(missing[0], f"timed out after {timeout_s:.0f}s (ranks {missing} unfinished)")
                     continue
+            if ok == "event":
+                on_event(rank, value)
+                continue
             if not ok:
                 raise RankFailure(rank, value, tb)
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5 if len(out) == world_size else 0.1)

@@ -69,13 +69,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce(tensor: torch.Tensor, group, *, async_op: bool = False):
-    """Sum ``tensor`` in place over ``group``. Returns a work handle when ``async_op``."""
+def all_reduce(tensor: torch.Tensor, group, *, op=None, async_op: bool = False):
+    """Reduce ``tensor`` in place over ``group`` (sum, or ``op`` such as
+    ``dist.ReduceOp.MAX``). Returns a work handle when ``async_op``."""
     n = world_size(group)
     if n == 1:
         return None
     _count(group, 2 * (n - 1) / n * _nbytes(tensor))
-    return dist.all_reduce(tensor, group=group, async_op=async_op)
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=async_op)
 
 
 def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:

@@ -222,10 +222,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def _all_reduce_max(t: torch.Tensor, group) -> None:
-    # comm.all_reduce only sums; this tiny [s, b] reduce goes around it (so it is not in the
-    # byte counters) until comm grows an ``op=`` argument.
-    if comm.world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    comm.all_reduce(t, group, op=dist.ReduceOp.MAX)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
