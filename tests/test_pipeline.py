@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from workers.parallel.pipeline import (
     Action,
+    check_message_order,
     check_schedule,
     check_stage,
     in_flight_bound,
@@ -148,6 +149,10 @@ def test_simulate_detects_deadlock_and_counts_bubble():
 
 _S, _B, _H, _L = 3, 2, 4, 8
 _CONFIGS = [(pp, vpp, m) for pp in (2, 4) for vpp in (1, 2) for m in (4, 8)]
+# A valid table whose neighbours send and receive in opposite orders: only tags pair them up.
+_REORDERED = [_acts("F0 F1 F2 F3 B0 B1 B2 B3"), _acts("F3 F2 F1 F0 B3 B2 B1 B0")]
+_CONFIGS.append((2, 1, 4))
+_IDS = [f"pp{p}-vpp{v}-m{m}" for p, v, m in _CONFIGS[:-1]] + ["pp2-reordered-needs-tags"]
 
 
 def _toy_model():
@@ -189,7 +194,7 @@ def _reference(m):
 def _pipeline_rank(rank, world_size):
     groups = {(0, 1): dist.new_group([0, 1]), (2, 3): dist.new_group([2, 3]), (0, 1, 2, 3): dist.new_group([0, 1, 2, 3])}
     results = []
-    for pp, vpp, m in _CONFIGS:
+    for index, (pp, vpp, m) in enumerate(_CONFIGS):
         # pp=2 runs two independent pipelines at once, one per half of the world.
         ranks = tuple(range(world_size)) if pp == world_size else ((0, 1) if rank < 2 else (2, 3))
         stage = ranks.index(rank)
@@ -197,8 +202,9 @@ def _pipeline_rank(rank, world_size):
         mine = partition_layers(_L, pp, vpp if vpp > 1 else None)[stage]
         chunks = [torch.nn.Sequential(*(layers[i] for i in idx)) for idx in mine]
         inputs, targets = _data(m)
+        table = _REORDERED[stage] if index == len(_CONFIGS) - 1 else schedule(m, pp, vpp, stage)
         losses = run_pipeline(
-            schedule(m, pp, vpp, stage),
+            table,
             stage=stage,
             pp=pp,
             vpp=vpp,
@@ -224,7 +230,7 @@ def pipeline_results():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(_CONFIGS)), ids=[f"pp{p}-vpp{v}-m{m}" for p, v, m in _CONFIGS])
+@pytest.mark.parametrize("index", range(len(_CONFIGS)), ids=_IDS)
 def test_executor_matches_single_process(pipeline_results, index):
     pp, vpp, m = _CONFIGS[index]
     ref_loss, ref_grads = _reference(m)
@@ -240,6 +246,14 @@ def test_executor_matches_single_process(pipeline_results, index):
         for i, (w, b) in grads.items():
             torch.testing.assert_close(torch.from_numpy(w), ref_grads[i][0], atol=1e-5, rtol=0)
             torch.testing.assert_close(torch.from_numpy(b), ref_grads[i][1], atol=1e-5, rtol=0)
+
+
+def test_reordered_table_is_valid_but_needs_tags():
+    for table in _REORDERED:
+        check_stage(table, 4)
+    simulate(_REORDERED)
+    with pytest.raises(ValueError, match="stage 0 -> 1"):
+        check_message_order(_REORDERED)
 
 
 def test_executor_single_stage_needs_no_group():

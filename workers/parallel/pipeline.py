@@ -250,11 +250,44 @@ def simulate(tables: Sequence[Sequence[Action]], vpp: int = 1) -> int:
     return t
 
 
+def check_message_order(tables: Sequence[Sequence[Action]], vpp: int = 1) -> None:
+    """Each rank pair's messages are received in the order they are sent.
+
+    Tags make the gloo executor independent of this, but a backend that ignores tags (NCCL)
+    pairs messages by posting order; Megatron's tables satisfy it.
+
+    Raises:
+        ValueError: naming the first pair (sender, receiver) whose orders differ.
+    """
+    pp = len(tables)
+    last = pp * vpp - 1
+    sent: dict[tuple[int, int], list] = {}
+    received: dict[tuple[int, int], list] = {}
+    for s, table in enumerate(tables):
+        up, down = (s - 1) % pp, (s + 1) % pp
+        for a in table:
+            v = a.chunk * pp + s
+            if a.kind == "F":
+                if v > 0:
+                    received.setdefault((up, s), []).append(("F", a.microbatch, v - 1))
+                if v < last:
+                    sent.setdefault((s, down), []).append(("F", a.microbatch, v))
+            else:
+                if v < last:
+                    received.setdefault((down, s), []).append(("B", a.microbatch, v + 1))
+                if v > 0:
+                    sent.setdefault((s, up), []).append(("B", a.microbatch, v))
+    for pair in sorted(set(sent) | set(received)):
+        if sent.get(pair) != received.get(pair):
+            raise ValueError(f"stage {pair[0]} -> {pair[1]}: sends {sent.get(pair)} but receives {received.get(pair)}")
+
+
 def check_schedule(num_microbatches: int, pp: int, vpp: int | None = None) -> int:
     """Build every stage's table and check it fully; return the simulated makespan.
 
     Raises:
-        ValueError: a table misses or repeats work, deadlocks, or exceeds its memory bound.
+        ValueError: a table misses or repeats work, deadlocks, exceeds its memory bound, or
+            receives a pair's messages in another order than they were sent.
     """
     chunks = 1 if vpp is None else vpp
     tables = [schedule(num_microbatches, pp, vpp, s) for s in range(pp)]
@@ -263,4 +296,5 @@ def check_schedule(num_microbatches: int, pp: int, vpp: int | None = None) -> in
         peak, bound = max_in_flight(table), in_flight_bound(num_microbatches, pp, vpp, s)
         if peak > bound:
             raise ValueError(f"stage {s} holds {peak} activations at once, bound {bound}")
+    check_message_order(tables, chunks)
     return simulate(tables, chunks)

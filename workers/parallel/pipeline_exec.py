@@ -17,8 +17,10 @@ neighbour to receive; receives block. That is exactly the model
 :func:`workers.parallel.pipeline.simulate` proves deadlock-free.
 
 Tags are honoured by gloo (the CPU backend). NCCL ignores them and matches a pair's messages in
-posting order, which interleaved tables do not guarantee; a GPU executor needs Megatron's
-paired send/recv batching instead.
+posting order; Megatron's tables keep that order (see
+:func:`workers.parallel.pipeline.check_message_order`), but NCCL also serialises a pair's
+operations on one stream, so a GPU run should batch each step's send and receive together as
+Megatron does. Only gloo is tested here.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def run_pipeline(
     dtype: torch.dtype = torch.float32,
     group=None,
     device: torch.device | str | None = None,
+    before_last_backward: Callable[[], None] | None = None,
 ) -> list[torch.Tensor]:
     """Run one stage's schedule: forwards, backwards and the p2p traffic between them.
 
@@ -76,6 +79,8 @@ def run_pipeline(
         dtype: activation dtype.
         group: the pipeline process group (byte accounting; peers are global ranks).
         device: where receive buffers live; default CPU.
+        before_last_backward: called just before this stage's final backward, so that the
+            data-parallel reduction can overlap with it (every gradient is final after it).
 
     Returns:
         On the last stage, the detached loss of each microbatch in microbatch order; elsewhere
@@ -111,7 +116,8 @@ def run_pipeline(
 
     saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     losses: dict[int, torch.Tensor] = {}
-    for a in actions:
+    last_backward = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
+    for i, a in enumerate(actions):
         mb, v = a.microbatch, a.chunk * pp + stage
         if a.kind == "F":
             if v == 0:
@@ -133,6 +139,8 @@ def run_pipeline(
         else:
             # pop: the activations are freed as soon as this backward is done
             x, y = saved.pop((mb, a.chunk))
+            if i == last_backward and before_last_backward is not None:
+                before_last_backward()
             if v == last:
                 torch.autograd.backward(y)
             else:
