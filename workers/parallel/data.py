@@ -27,6 +27,7 @@ layout and are easiest to check together.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from typing import Iterable, Sequence
 
@@ -412,7 +413,8 @@ class ReplicatedOptimizer:
         self.optimizer.step()
 
     def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+        # A copy: torch's holds the live moment tensors, which the next step would change.
+        return copy.deepcopy(self.optimizer.state_dict())
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
