@@ -158,7 +158,8 @@ def _layer_worker(rank, world, ep, etp):
     x_full, g_full = _tokens(world * S_LOCAL, B)
     rows = slice(rank * S_LOCAL, (rank + 1) * S_LOCAL)
     layer = MoELayer.from_full(
-        router, wg, wu, wd, topk=TOPK, ep_group=ep_group, etp_group=etp_group, aux_loss_coeff=COEFF, sequence_parallel=True
+        router, wg, wu, wd, topk=TOPK, ep_group=ep_group, etp_group=etp_group,
+        aux_loss_coeff=COEFF, sequence_parallel=True,
     )
     x = x_full[rows].clone().requires_grad_(True)
     y, aux = layer(x)
@@ -216,7 +217,8 @@ def test_group_none_matches_reference():
     y_ref = _ref_moe(refs[0].reshape(-1, H), *refs[1:]).view(x.shape)
     (y_ref * g).sum().backward()
     torch.testing.assert_close(y, y_ref.detach(), atol=1e-5, rtol=1e-5)
-    mine = [x.grad, layer.router.weight.grad, layer.experts.w_gate.grad, layer.experts.w_up.grad, layer.experts.w_down.grad]
+    ex = layer.experts
+    mine = [x.grad, layer.router.weight.grad, ex.w_gate.grad, ex.w_up.grad, ex.w_down.grad]
     for got, ref in zip(mine, refs):
         torch.testing.assert_close(got, ref.grad, atol=1e-5, rtol=1e-5)
 

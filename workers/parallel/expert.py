@@ -45,7 +45,9 @@ class TopKRouter(nn.Module):
         ValueError: bad weight rank, topk out of range or negative coefficient.
     """
 
-    def __init__(self, full_weight: torch.Tensor, topk: int, aux_loss_coeff: float = 0.0, *, sequence_parallel: bool = False):
+    def __init__(
+        self, full_weight: torch.Tensor, topk: int, aux_loss_coeff: float = 0.0, *, sequence_parallel: bool = False
+    ):
         super().__init__()
         if full_weight.dim() != 2:
             raise ValueError(f"router weight must be [num_experts, hidden], got shape {tuple(full_weight.shape)}")
@@ -102,7 +104,9 @@ class SwiGLUExperts(nn.Module):
     def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ep_group=None, etp_group=None):
         super().__init__()
         if w_gate.dim() != 3 or w_up.shape != w_gate.shape:
-            raise ValueError(f"w_gate and w_up must both be [E, ffn, h]; got {tuple(w_gate.shape)} and {tuple(w_up.shape)}")
+            raise ValueError(
+                f"w_gate and w_up must both be [E, ffn, h]; got {tuple(w_gate.shape)} and {tuple(w_up.shape)}"
+            )
         num_experts, ffn, hidden = w_gate.shape
         if tuple(w_down.shape) != (num_experts, hidden, ffn):
             raise ValueError(f"w_down must be [E, h, ffn] = {(num_experts, hidden, ffn)}, got {tuple(w_down.shape)}")

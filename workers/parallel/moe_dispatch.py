@@ -194,7 +194,7 @@ class AllToAllDispatcher:
         etp_sizes = all_counts.view(self.etp_size, -1).sum(1).tolist()
         gathered = all_gather_var(received, self.etp_group, etp_sizes)
 
-        local_expert = torch.arange(self.num_local_experts).repeat(all_counts.shape[0])
+        local_expert = torch.arange(self.num_local_experts, device=all_counts.device).repeat(all_counts.shape[0])
         row_expert = torch.repeat_interleave(local_expert, all_counts.reshape(-1))
         expert_sort_idx = torch.argsort(row_expert, stable=True)
         expert_input = gathered.index_select(0, expert_sort_idx)
