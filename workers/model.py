@@ -1,0 +1,247 @@
+"""A Llama/Mixtral-style decoder built from the parallel layers.
+
+RMSNorm, rotary embeddings, grouped-query attention (fused QKV, column-parallel; output
+row-parallel), SwiGLU MLP (gate/up column-parallel, down row-parallel) or a Mixtral MoE,
+untied vocab-parallel embedding and output layer. Activations are ``[seq, batch, hidden]``;
+with sequence parallelism the sequence is sharded over TP outside the TP regions, and with
+context parallelism each CP rank holds its two load-balanced chunks of the sequence.
+
+Every parameter is drawn on its full, unsharded shape from its own generator
+(:func:`workers.config.init_full`) and then sliced, so every layout starts from the same
+model. The vocabulary is padded to a multiple of tp with zero rows whose logits are masked
+to -inf: the padding changes with tp but never the loss.
+
+A pipeline stage builds only its own layers: :class:`ModelChunk` holds a contiguous run of
+layers, plus the embedding on the first virtual stage and the final norm and output layer
+on the last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.config import ModelConfig, init_full
+from workers.parallel import comm
+from workers.parallel.context import context_parallel_attention, cp_positions
+from workers.parallel.expert import MoELayer
+from workers.parallel.sequence import mark_sequence_parallel
+from workers.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+
+@dataclass(frozen=True)
+class ShardContext:
+    """What a rank's model shard needs to know about its layout."""
+
+    tp_group: object = None
+    cp_group: object = None
+    cp_ranks: tuple[int, ...] | None = None
+    ep_group: object = None
+    etp_group: object = None
+    sequence_parallel: bool = False
+    cp_comm_type: str = "p2p"
+    seed: int = 1234
+
+    @property
+    def tp(self) -> int:
+        return comm.world_size(self.tp_group)
+
+    @property
+    def cp(self) -> int:
+        return comm.world_size(self.cp_group)
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    return -(-vocab_size // tp) * tp
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, sequence_parallel: bool):
+        super().__init__()
+        self.eps = eps
+        # On sequence shards each TP rank sees part of the tokens: its grad is partial.
+        self.weight = mark_sequence_parallel(nn.Parameter(torch.ones(hidden)), sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotate-half rotary embedding of ``x [s, b, heads, d]`` at global ``positions [s]``."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    cos = angles.cos()[:, None, None, :]
+    sin = angles.sin()[:, None, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _fused_qkv(cfg: ModelConfig, seed: int, prefix: str) -> torch.Tensor:
+    """Full QKV weight laid out per query group: [q heads of group g, k_g, v_g] for g in groups.
+
+    With that layout a contiguous row split over tp gives each rank whole query groups,
+    Megatron's layout for grouped-query attention.
+    """
+    d, h, ng = cfg.head_dim, cfg.hidden_size, cfg.num_query_groups
+    per_group = cfg.num_attention_heads // ng
+    std = cfg.init_method_std
+    q = init_full(seed, f"{prefix}.q", (ng, per_group * d, h), std)
+    k = init_full(seed, f"{prefix}.k", (ng, d, h), std)
+    v = init_full(seed, f"{prefix}.v", (ng, d, h), std)
+    return torch.cat([q, k, v], dim=1).reshape(ng * (per_group + 2) * d, h)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ShardContext, prefix: str):
+        super().__init__()
+        self.cfg, self.ctx = cfg, ctx
+        sp = ctx.sequence_parallel
+        self.qkv = ColumnParallelLinear(_fused_qkv(cfg, ctx.seed, prefix), ctx.tp_group, sequence_parallel=sp)
+        proj = init_full(ctx.seed, f"{prefix}.proj", (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim),
+                         cfg.init_method_std)
+        self.proj = RowParallelLinear(proj, ctx.tp_group, sequence_parallel=sp)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cfg, d = self.cfg, self.cfg.head_dim
+        groups = cfg.num_query_groups // self.ctx.tp
+        per_group = cfg.num_attention_heads // cfg.num_query_groups
+        qkv = self.qkv(x)  # [s, b, groups * (per_group + 2) * d]
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, groups, per_group + 2, d)
+        q = qkv[:, :, :, :per_group].reshape(s, b, groups * per_group, d)
+        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        q = apply_rotary(q, positions, cfg.rotary_base)
+        k = apply_rotary(k, positions, cfg.rotary_base)
+        out = context_parallel_attention(q, k, v, group=self.ctx.cp_group, ranks=self.ctx.cp_ranks,
+                                         comm_type=self.ctx.cp_comm_type)
+        return self.proj(out.reshape(s, b, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU. Gate and up share one column-parallel layer (one SP all-gather, not two):
+    its full weight interleaves them per TP shard so rank r holds ``[gate_r; up_r]``."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ShardContext, prefix: str):
+        super().__init__()
+        h, f, std, sp, tp = cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_method_std, ctx.sequence_parallel, ctx.tp
+        gate = init_full(ctx.seed, f"{prefix}.gate", (f, h), std).view(tp, f // tp, h)
+        up = init_full(ctx.seed, f"{prefix}.up", (f, h), std).view(tp, f // tp, h)
+        self.gate_up = ColumnParallelLinear(torch.cat([gate, up], dim=1).reshape(2 * f, h), ctx.tp_group, sequence_parallel=sp)
+        self.down = RowParallelLinear(init_full(ctx.seed, f"{prefix}.down", (h, f), std), ctx.tp_group, sequence_parallel=sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the activations whose backward also backpropagates the MoE aux loss.
+
+    The aux loss of a layer on an early pipeline stage cannot join the last stage's loss, so
+    (as Megatron's MoEAuxLossAutoScaler does) its gradient rides on the activation's backward.
+    """
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ShardContext, index: int):
+        super().__init__()
+        prefix = f"layers.{index}"
+        self.ctx = ctx
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
+        self.attention = Attention(cfg, ctx, f"{prefix}.attention")
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
+        if cfg.is_moe:
+            e, h, f, std = cfg.num_moe_experts, cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_method_std
+            self.mlp = MoELayer.from_full(
+                init_full(ctx.seed, f"{prefix}.router", (e, h), std),
+                init_full(ctx.seed, f"{prefix}.experts.gate", (e, f, h), std),
+                init_full(ctx.seed, f"{prefix}.experts.up", (e, f, h), std),
+                init_full(ctx.seed, f"{prefix}.experts.down", (e, h, f), std),
+                topk=cfg.moe_router_topk, ep_group=ctx.ep_group, etp_group=ctx.etp_group,
+                aux_loss_coeff=cfg.moe_aux_loss_coeff, sequence_parallel=ctx.sequence_parallel,
+            )
+        else:
+            self.mlp = MLP(cfg, ctx, f"{prefix}.mlp")
+        self.aux_scale = 0.0  # set per iteration by the trainer (1 / microbatches)
+        self.last_aux_loss = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.input_norm(x), positions)
+        h = self.post_norm(x)
+        if isinstance(self.mlp, MoELayer):
+            y, aux = self.mlp(h)
+            self.last_aux_loss = aux.detach()
+            if aux.requires_grad:
+                y = _AttachAuxLoss.apply(y, aux, self.aux_scale)
+        else:
+            y = self.mlp(h)
+        return x + y
+
+
+class ModelChunk(nn.Module):
+    """A contiguous run of decoder layers (one pipeline virtual stage).
+
+    Args:
+        cfg: the model.
+        ctx: the rank's groups and settings.
+        layer_ids: global indices of this chunk's layers.
+        pre_process: holds the embedding (first virtual stage): input is tokens ``[s, b]``.
+        post_process: holds the final norm and output layer (last virtual stage): output is
+            vocab-parallel logits ``[s, b, padded_vocab / tp]`` with padding masked.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: ShardContext, layer_ids: list[int], *, pre_process: bool,
+                 post_process: bool, positions: torch.Tensor):
+        super().__init__()
+        self.cfg, self.ctx = cfg, ctx
+        self.pre_process, self.post_process = pre_process, post_process
+        self.register_buffer("positions", positions, persistent=False)
+        vocab = padded_vocab(cfg.vocab_size, ctx.tp)
+        if pre_process:
+            emb = torch.zeros(vocab, cfg.hidden_size)
+            emb[: cfg.vocab_size] = init_full(ctx.seed, "embedding", (cfg.vocab_size, cfg.hidden_size), cfg.init_method_std)
+            self.embedding = VocabParallelEmbedding(emb, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, i) for i in layer_ids)
+        if post_process:
+            self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
+            out = torch.zeros(vocab, cfg.hidden_size)
+            out[: cfg.vocab_size] = init_full(ctx.seed, "output", (cfg.vocab_size, cfg.hidden_size), cfg.init_method_std)
+            self.output = ColumnParallelLinear(out, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
+            per = vocab // ctx.tp
+            start = comm.rank(ctx.tp_group) * per
+            self.register_buffer("vocab_pad_mask", torch.arange(start, start + per) >= cfg.vocab_size, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre_process:
+            x = self.embedding(x)
+        for layer in self.layers:
+            x = layer(x, self.positions)
+        if self.post_process:
+            logits = self.output(self.final_norm(x))
+            x = logits.masked_fill(self.vocab_pad_mask, float("-inf")) if bool(self.vocab_pad_mask.any()) else logits
+        return x
+
+    def aux_losses(self) -> list[torch.Tensor]:
+        return [l.last_aux_loss for l in self.layers if l.last_aux_loss is not None]
+
+
+def local_positions(cfg: ModelConfig, ctx: ShardContext, cp_rank: int) -> torch.Tensor:
+    """Global positions of this CP rank's tokens (its two load-balanced chunks)."""
+    if ctx.cp == 1:
+        return torch.arange(cfg.seq_length)
+    return cp_positions(cfg.seq_length, ctx.cp, cp_rank)
