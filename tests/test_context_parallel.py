@@ -126,61 +126,84 @@ def test_bad_comm_type_and_heads_raise():
 # ---------------------------------------------------------------- CP attention (multi-process)
 
 
-def _cp_rank_fn(rank, world_size, cp, comm_type, cases):
-    # Strided CP groups (like Megatron's with tp = world / cp) so that global peer ranks differ
+WORLD = 4
+CP_SIZES = [2, 4]
+COMM_TYPES = ["p2p", "all_gather"]
+
+
+def _cp_groups(cp: int) -> list[list[int]]:
+    # Strided CP groups (as Megatron's with tp = world / cp) so that global peer ranks differ
     # from CP ranks when cp < world: [0, 2] and [1, 3] for cp 2 on 4 ranks.
-    stride = world_size // cp
-    groups = [list(range(first, world_size, stride)) for first in range(stride)]
-    handles = [dist.new_group(members) for members in groups]
-    ranks = groups[rank % stride]
-    group = handles[rank % stride]
-    cp_rank = comm.rank(group)
-    assert ranks[cp_rank] == rank
-    results = []
-    for q, k, v, dout in cases:
-        q, k, v = (cp_split(t, cp, cp_rank).requires_grad_() for t in (q, k, v))
-        comm.reset_stats()
-        out = context_parallel_attention(q, k, v, group=group, ranks=ranks, softmax_scale=SCALE, comm_type=comm_type)
-        out.backward(cp_split(dout, cp, cp_rank))
-        # numpy, not tensors: torch shares tensors through file descriptors that can vanish
-        # with the rank process before the parent reads the result queue.
-        tensors = (out.detach(), q.grad, k.grad, v.grad)
-        results.append(tuple(t.numpy() for t in tensors) + (comm.stats()["other"]["bytes"],))
+    stride = WORLD // cp
+    return [list(range(first, WORLD, stride)) for first in range(stride)]
+
+
+def _cp_rank_fn(rank, world_size, cases):
+    """Every (cp, comm_type, case) on one set of ranks: a spawn costs more than the math."""
+    results = {}
+    for cp in CP_SIZES:
+        groups = _cp_groups(cp)
+        handles = [dist.new_group(members) for members in groups]  # all ranks, same order
+        mine = next(i for i, members in enumerate(groups) if rank in members)
+        ranks, group = groups[mine], handles[mine]
+        cp_rank = comm.rank(group)
+        assert ranks[cp_rank] == rank
+        for comm_type in COMM_TYPES:
+            for case_index, (q, k, v, dout) in enumerate(cases):
+                q, k, v = (cp_split(t, cp, cp_rank).requires_grad_() for t in (q, k, v))
+                comm.reset_stats()
+                out = context_parallel_attention(
+                    q, k, v, group=group, ranks=ranks, softmax_scale=SCALE, comm_type=comm_type
+                )
+                out.backward(cp_split(dout, cp, cp_rank))
+                # numpy, not tensors: torch shares tensors through file descriptors that can
+                # vanish with the rank process before the parent reads the result queue.
+                tensors = (out.detach(), q.grad, k.grad, v.grad)
+                results[cp, comm_type, case_index] = tuple(t.numpy() for t in tensors) + (
+                    comm.stats()["other"]["bytes"],
+                )
     return results
 
 
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
-@pytest.mark.parametrize("cp", [2, 4])
-def test_context_parallel_attention_matches_full(cp, comm_type):
-    world = 4
+@pytest.fixture(scope="module")
+def cp_cases():
     cases = [_inputs(h, hk, seed=i) for i, (h, hk) in enumerate(HEAD_CONFIGS)]
-    per_rank = run_ranks(_cp_rank_fn, world, args=(cp, comm_type, cases))
-    stride = world // cp
-    for case_index, (q, k, v, dout) in enumerate(cases):
-        ref = _sdpa_reference(q, k, v, dout, SCALE)
-        for first in range(stride):
-            members = range(first, world, stride)
-            for field in range(4):
-                got = cp_unsplit([torch.from_numpy(per_rank[r][case_index][field]) for r in members])
-                _close(got, ref[field])
-        # Only the kv heads travel: K/V (and dK/dV) blocks are [s_local, b, kv_heads, 2 d].
-        kv_bytes = (SEQ // cp) * BATCH * k.shape[2] * 2 * DIM * 4
-        if comm_type == "p2p":
-            # forward: cp-1 K/V hops; backward: cp-1 K/V hops and cp dK/dV hops.
-            expected = (3 * cp - 2) * kv_bytes
-        else:
-            # all-gather plus reduce-scatter of the whole sequence's K/V, (cp-1)/cp each.
-            expected = 2 * (cp - 1) * kv_bytes
-        assert [per_rank[r][case_index][4] for r in range(world)] == [expected] * world
+    return cases, run_ranks(_cp_rank_fn, WORLD, args=(cases,))
+
+
+@pytest.mark.parametrize("case_index", range(len(HEAD_CONFIGS)), ids=["gqa", "mha"])
+@pytest.mark.parametrize("comm_type", COMM_TYPES)
+@pytest.mark.parametrize("cp", CP_SIZES)
+def test_context_parallel_attention_matches_full(cp_cases, cp, comm_type, case_index):
+    cases, per_rank = cp_cases
+    q, k, v, dout = cases[case_index]
+    ref = _sdpa_reference(q, k, v, dout, SCALE)
+    key = (cp, comm_type, case_index)
+    for members in _cp_groups(cp):
+        for field, name in enumerate(["out", "dq", "dk", "dv"]):
+            got = cp_unsplit([torch.from_numpy(per_rank[r][key][field]) for r in members])
+            torch.testing.assert_close(got, ref[field], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    # Only the kv heads travel: K/V (and dK/dV) blocks are [s_local, b, kv_heads, 2 d].
+    kv_bytes = (SEQ // cp) * BATCH * k.shape[2] * 2 * DIM * 4
+    if comm_type == "p2p":
+        # forward: cp-1 K/V hops; backward: cp-1 K/V hops and cp dK/dV hops.
+        expected = (3 * cp - 2) * kv_bytes
+    else:
+        # all-gather plus reduce-scatter of the whole sequence's K/V, (cp-1)/cp each.
+        expected = 2 * (cp - 1) * kv_bytes
+    assert [per_rank[r][key][4] for r in range(WORLD)] == [expected] * WORLD
 
 
 def _ranks_mismatch_fn(rank, world_size):
     group = dist.new_group([0, 1])
     q = torch.zeros(4, 1, 2, 4)
-    with pytest.raises(ValueError, match="CP-rank order"):
+    try:
         context_parallel_attention(q, q, q, group=group, ranks=[1, 0])
-    return True
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
 
 
 def test_wrong_ranks_order_raises():
-    assert run_ranks(_ranks_mismatch_fn, 2) == [True, True]
+    messages = run_ranks(_ranks_mismatch_fn, 2)
+    assert all("CP-rank order" in m for m in messages), messages

@@ -1,0 +1,41 @@
+"""Layout invariance with context parallelism and MoE/expert parallelism (issue: parallel step II)."""
+
+import pytest
+
+from parity import assert_same_curve, distributed_losses, reference_losses, tiny_spec
+
+LAYOUTS = {
+    # name: (moe, world, parallel)
+    "cp2-p2p": (False, 2, {"context_parallel_size": 2}),
+    "cp2-all-gather": (False, 2, {"context_parallel_size": 2, "cp_comm_type": "all_gather"}),
+    "cp4": (False, 4, {"context_parallel_size": 4}),
+    "cp2-tp2-sp": (False, 4, {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    "cp2-pp2-distopt": (False, 4, {"context_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                                   "use_distributed_optimizer": True}),
+    "moe-dp2": (True, 2, {}),
+    "moe-ep2": (True, 2, {"expert_model_parallel_size": 2}),
+    "moe-ep4": (True, 4, {"expert_model_parallel_size": 4}),
+    "moe-tp2-sp-ep2": (True, 4, {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                 "expert_model_parallel_size": 2}),
+    "moe-tp2-sp-etp1-ep2-distopt": (True, 4, {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                              "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1,
+                                              "use_distributed_optimizer": True}),
+    "moe-pp2-ep2": (True, 4, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}),
+    "moe-cp2-ep2": (True, 4, {"context_parallel_size": 2, "expert_model_parallel_size": 2}),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name):
+    moe, world, parallel = LAYOUTS[name]
+    spec = tiny_spec(moe=moe, world=world, parallel=parallel)
+    assert_same_curve(distributed_losses(spec), reference_losses(moe))
+
+
+def test_full_5d_moe_layout_16_ranks():
+    """tp2 x cp2 x pp2 x dp2 with MoE over ep2: every dimension at once."""
+    spec = tiny_spec(moe=True, world=16, parallel={
+        "tensor_model_parallel_size": 2, "context_parallel_size": 2, "pipeline_model_parallel_size": 2,
+        "expert_model_parallel_size": 2, "sequence_parallel": True, "use_distributed_optimizer": True})
+    spec["resources"] = {"num_nodes": 2, "gpus_per_node": 8}
+    assert_same_curve(distributed_losses(spec), reference_losses(True))
