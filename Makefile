@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: setup
-	$(VENV)/bin/raytron grid --world-size 16 --tp 2 --pp 2 --cp 2 --gpus-per-node 8
+	$(VENV)/bin/raytron run examples/tiny-5d.yaml --launcher processes
 
 test: setup
 	$(PY) -m pytest -q

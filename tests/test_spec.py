@@ -1,0 +1,106 @@
+"""Job spec validation: every invalid combination is refused before anything starts,
+naming the field, the numbers and the fix."""
+
+import copy
+
+import pytest
+import yaml
+
+from service.spec import load_spec, parse_spec, to_job_config
+
+
+def base(**sections):
+    spec = {
+        "name": "t",
+        "model": {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+                  "ffn_hidden_size": 128, "vocab_size": 256, "seq_length": 64},
+        "parallel": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+        "training": {"train_iters": 2, "global_batch_size": 16, "micro_batch_size": 2},
+        "resources": {"num_nodes": 2, "gpus_per_node": 4},
+    }
+    for section, values in sections.items():
+        spec.setdefault(section, {}).update(values)
+    return spec
+
+
+def refused(spec, *needles):
+    with pytest.raises(ValueError) as e:
+        parse_spec(spec)
+    for n in needles:
+        assert n in str(e.value), (n, str(e.value))
+    return str(e.value)
+
+
+def test_valid_spec_round_trips_to_config():
+    job = to_job_config(parse_spec(base()))
+    assert job.world_size == 8 and job.parallel.tensor_model_parallel_size == 2
+    assert job.parallel.expert_tensor_parallel_size == 2  # default = tp
+    assert job.min_nodes == 2 and job.model.num_query_groups == 2
+
+
+def test_example_spec_is_valid():
+    spec = load_spec("examples/tiny-5d.yaml")
+    assert spec.world_size == 8
+
+
+def test_unknown_field_is_refused_with_its_path():
+    refused(base(model={"hiden_size": 3}), "model.hiden_size", "Extra inputs are not permitted")
+    refused({**base(), "trainning": {}}, "trainning")
+
+
+@pytest.mark.parametrize("sections, needles", [
+    (dict(resources={"num_nodes": 1, "gpus_per_node": 6}), ["world_size 6", "tp(2) x pp(2) x cp(1) = 4"]),
+    (dict(parallel={"tensor_model_parallel_size": 8}, resources={"num_nodes": 4, "gpus_per_node": 4}),
+     ["tensor_model_parallel_size 8 > resources.gpus_per_node 4"]),
+    (dict(model={"num_attention_heads": 6, "num_query_groups": 3, "hidden_size": 48}, parallel={"tensor_model_parallel_size": 4, "pipeline_model_parallel_size": 1}),
+     ["num_attention_heads 6 is not divisible by tensor_model_parallel_size 4"]),
+    (dict(model={"num_query_groups": 1}), ["num_query_groups 1 is not divisible by tensor_model_parallel_size 2"]),
+    (dict(model={"num_layers": 3}), ["num_layers 3 is not divisible by pipeline_model_parallel_size 2 = 2"]),
+    (dict(parallel={"virtual_pipeline_model_parallel_size": 4}),
+     ["num_layers 4 is not divisible by pipeline_model_parallel_size 2 x virtual_pipeline_model_parallel_size 4 = 8"]),
+    (dict(parallel={"pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": 2}),
+     ["virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1"]),
+    (dict(model={"seq_length": 62}, parallel={"context_parallel_size": 2, "pipeline_model_parallel_size": 1}),
+     ["seq_length 62", "2 x context_parallel_size 2", "= 4"]),
+    (dict(model={"seq_length": 63}, parallel={"sequence_parallel": True}),
+     ["seq_length 63", "tensor_model_parallel_size 2 (sequence_parallel)"]),
+    (dict(model={"num_moe_experts": 3}, parallel={"expert_model_parallel_size": 2, "sequence_parallel": True}),
+     ["num_moe_experts 3 is not divisible by expert_model_parallel_size 2"]),
+    (dict(model={"num_moe_experts": 2, "moe_router_topk": 3}, parallel={"sequence_parallel": True}),
+     ["moe_router_topk 3 > model.num_moe_experts 2"]),
+    (dict(model={"num_moe_experts": 4}), ["MoE with tensor_model_parallel_size 2 needs parallel.sequence_parallel: true"]),
+    (dict(parallel={"expert_model_parallel_size": 2}), ["needs model.num_moe_experts"]),
+    (dict(training={"global_batch_size": 6}), ["global_batch_size 6 is not divisible by micro_batch_size 2 x dp 2 = 4"]),
+    (dict(training={"global_batch_size": 12}, parallel={"virtual_pipeline_model_parallel_size": 2}),
+     ["number of microbatches (3)", "multiple of pipeline_model_parallel_size 2"]),
+    (dict(parallel={"order": "tp-cp-ep-dp-xx"}), ["unknown token", "xx"]),
+    (dict(parallel={"order": "tp-tp-dp-pp"}), ["repeated"]),
+    (dict(parallel={"order": "cp-ep-dp-pp"}), ["does not name 'tp'"]),
+    (dict(resources={"min_nodes": 3}), ["min_nodes 3 > resources.num_nodes 2"]),
+    (dict(training={"data": "corpus.txt"}), ["training.data", ".npy or .bin"]),
+    (dict(parallel={"cp_comm_type": "ring"}), ["parallel.cp_comm_type"]),
+    (dict(training={"micro_batch_size": 0}), ["training.micro_batch_size", "greater than or equal to 1"]),
+])
+def test_invalid_combinations(sections, needles):
+    refused(base(**copy.deepcopy(sections)), *needles)
+
+
+def test_all_problems_reported_at_once():
+    msg = refused(base(model={"num_layers": 3, "num_query_groups": 1}), "num_layers 3", "num_query_groups 1")
+    assert msg.count(";") >= 1
+
+
+def test_load_spec_errors(tmp_path):
+    with pytest.raises(ValueError, match="cannot read spec"):
+        load_spec(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_spec(bad)
+    good = tmp_path / "good.json"
+    import json
+    good.write_text(json.dumps(base()))
+    assert load_spec(good).world_size == 8
+    y = tmp_path / "good.yaml"
+    y.write_text(yaml.safe_dump(base()))
+    assert load_spec(y).name == "t"
