@@ -49,3 +49,16 @@ def test_loss_falls_on_builtin_tiny():
     losses = train_losses(0, 1, job, iters=20)
     assert losses[0] > 5.0  # ~ln(256) at init
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_moe_aux_loss_reported_apart_from_lm_loss():
+    from parity import job_of, train_losses  # noqa: F401
+    from workers.train import Trainer
+
+    no_aux = Trainer(job_of(tiny_spec(moe=True)), 0, 1).train_step()
+    with_aux = Trainer(job_of(tiny_spec(moe=True, model={"moe_aux_loss_coeff": 0.01})), 0, 1).train_step()
+    assert no_aux["moe_aux_loss"] == 0.0
+    # 4 layers x coeff x (E * sum f_e P_e ~ 1 for a near-uniform router at init)
+    assert 0.03 < with_aux["moe_aux_loss"] < 0.06
+    # The first iteration's LM loss is computed before any update: the aux term is not in it.
+    assert with_aux["loss"] == no_aux["loss"]

@@ -177,15 +177,15 @@ class DecoderLayer(nn.Module):
             )
         else:
             self.mlp = MLP(cfg, ctx, f"{prefix}.mlp")
-        self.aux_scale = 0.0  # set per iteration by the trainer (1 / microbatches)
-        self.last_aux_loss = None
+        self.aux_scale = 0.0  # gradient weight of this layer's aux loss, set by the trainer
+        self.aux_loss_sum = None  # detached aux losses of the iteration's microbatches
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.input_norm(x), positions)
         h = self.post_norm(x)
         if isinstance(self.mlp, MoELayer):
             y, aux = self.mlp(h)
-            self.last_aux_loss = aux.detach()
+            self.aux_loss_sum = aux.detach() if self.aux_loss_sum is None else self.aux_loss_sum + aux.detach()
             if aux.requires_grad:
                 y = _AttachAuxLoss.apply(y, aux, self.aux_scale)
         else:
@@ -236,8 +236,14 @@ class ModelChunk(nn.Module):
             x = logits.masked_fill(self.vocab_pad_mask, float("-inf")) if bool(self.vocab_pad_mask.any()) else logits
         return x
 
-    def aux_losses(self) -> list[torch.Tensor]:
-        return [l.last_aux_loss for l in self.layers if l.last_aux_loss is not None]
+    def pop_aux_loss(self) -> float:
+        """Sum of this chunk's MoE aux losses over layers and microbatches since the last call."""
+        total = 0.0
+        for layer in self.layers:
+            if layer.aux_loss_sum is not None:
+                total += float(layer.aux_loss_sum)
+                layer.aux_loss_sum = None
+        return total
 
 
 def local_positions(cfg: ModelConfig, ctx: ShardContext, cp_rank: int) -> torch.Tensor:

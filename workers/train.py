@@ -11,7 +11,6 @@ reported loss is the same number whatever the layout.
 
 from __future__ import annotations
 
-import os
 import resource
 import time
 
@@ -109,7 +108,7 @@ class Trainer:
         t0 = time.perf_counter()
         for chunk in self.chunks:
             for layer in chunk.layers:
-                layer.aux_scale = 1.0 / self.num_microbatches
+                layer.aux_scale = 1.0 / (self.num_microbatches * self._token_shards())
         self.optimizer.zero_grad()
         actions = schedule(self.num_microbatches, self.grid.pp, self.job.parallel.virtual_pipeline_model_parallel_size,
                            self.stage)
@@ -132,11 +131,13 @@ class Trainer:
         )
         self.optimizer.step()
         loss = self._global_loss(mb_losses)
+        aux = self._global_aux_loss() if self.job.model.is_moe else None
         self.sampler.iteration += 1
         dt = time.perf_counter() - t0
         return {
             "iteration": self.iteration,
             "loss": loss,
+            "moe_aux_loss": aux,
             "step_time_s": dt,
             "tokens_per_s": self.tokens_per_iteration / dt,
             "peak_mem_mb": peak_memory_mb(self.device),
@@ -145,15 +146,29 @@ class Trainer:
     def _global_loss(self, mb_losses: list[torch.Tensor]) -> float:
         """Sum the last stage's microbatch losses over dp-cp, then share it along the pipeline."""
         last = self.stage == self.grid.pp - 1
-        value = torch.stack(mb_losses).sum() if last else torch.zeros(())
+        value = torch.stack(mb_losses).sum() if last else torch.zeros((), device=self.device)
         value = value.reshape(1).to(torch.float64)
         if last:
             comm.all_reduce(value, self.groups.dp_cp)
         comm.all_reduce(value, self.groups.pp)  # other stages hold 0
         return float(value.item())
 
-    def state_for_placement(self) -> dict:
-        return {"pid": os.getpid(), **{k: self.coords[k] for k in ("tp", "pp", "dp", "cp", "ep")}}
+    def _token_shards(self) -> int:
+        """Ranks that see different tokens of one microbatch-slot (dp x cp, x tp with SP);
+        without SP the tp ranks see the same tokens and compute the same aux loss."""
+        return self.grid.dp * self.grid.cp * self.grid.tp
+
+    def _global_aux_loss(self) -> float:
+        """The MoE load-balancing loss (summed over layers, averaged over microbatches and
+        token shards), reported apart from the LM loss; it depends on how tokens are sharded."""
+        import torch.distributed as dist
+
+        local = sum(chunk.pop_aux_loss() for chunk in self.chunks)
+        value = torch.tensor([local / (self.num_microbatches * self._token_shards())], dtype=torch.float64,
+                             device=self.device)
+        if self.grid.world_size > 1:
+            comm.all_reduce(value, dist.group.WORLD)
+        return float(value.item())
 
 
 def peak_memory_mb(device: torch.device) -> float:
