@@ -74,8 +74,9 @@ def build_process_groups(grid: ParallelGrid, rank: int, *, backend: str | None =
             else:
                 handle = dist.new_group(list(members), backend=backend)
                 cache[key] = handle
+                # One communicator serves every kind with the same ranks; it keeps the first
+                # (most specific) name, e.g. "tp" rather than "tp-ep-pp", in the byte counters.
+                comm.label_group(handle, name.replace("_", "-"))
             if rank in members:
                 pg.handles[name] = handle
-                if handle is not None:
-                    comm.label_group(handle, name.replace("_", "-"))
     return pg

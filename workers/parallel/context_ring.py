@@ -153,7 +153,7 @@ class RingAttention(torch.autograd.Function):
         kv = torch.cat([k, v], dim=-1).contiguous()
         # dK/dV of the block held at a step travel one step behind it: they are posted after
         # the block's compute and waited for only after the next block's compute.
-        pending, dkv_in, dkv_sent = [], None, None
+        pending, dkv_in, dkv_sent, own_dkv = [], None, None, None
         for step in range(cp):
             works, incoming = [], None
             if step < cp - 1:
@@ -172,14 +172,17 @@ class RingAttention(torch.autograd.Function):
                 dkv.index_add_(0, cols, torch.cat([dk_b, dv_b], dim=-1))
             for work in works + pending:
                 work.wait()
-            if dkv_in is not None:
-                # What the ranks before us accumulated for this same block.
-                dkv += dkv_in
-            dkv_in, dkv_sent = torch.empty_like(kv), dkv
-            pending = _exchange(dkv_sent, dkv_in, nxt, prv, _tag(_TAG_DKV, step, cp), group)
+            if step == 0:
+                own_dkv = dkv  # our own block's share never needs to leave this rank
+            else:
+                if dkv_in is not None:
+                    # What the ranks before us accumulated for this same block.
+                    dkv += dkv_in
+                dkv_in, dkv_sent = torch.empty_like(kv), dkv
+                pending = _exchange(dkv_sent, dkv_in, nxt, prv, _tag(_TAG_DKV, step, cp), group)
             kv = incoming if incoming is not None else kv
         for work in pending:
             work.wait()
-        # After cp hops the block that arrives is our own, with every rank's contribution.
-        dk, dv = dkv_in.split(d, dim=-1)
+        # After cp - 1 hops the block that arrives is our own, with every other rank's share.
+        dk, dv = (own_dkv + dkv_in).split(d, dim=-1)
         return dq.reshape(q.shape), dk.contiguous(), dv.contiguous(), None, None, None, None, None

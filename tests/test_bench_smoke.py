@@ -1,0 +1,81 @@
+"""The benchmarks in bench/ import, run their smallest case and keep their derivations right.
+
+No timings are asserted (the benchmarks are run by hand); this only stops the benchmark code
+from rotting: the analytic minimum of ``bench/comm_bench.py`` must match hand-computed tiny
+cases, and one real two-rank measurement must produce a finite ratio.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from bench import comm_bench  # noqa: E402
+from bench.comm_bench import Layout, all_reduce_bytes, analytic_bytes, layout_job, ratio  # noqa: E402
+
+# h 8, 2 heads of d 4, 2 kv groups, ffn 16, vocab 16, seq 4 (8 with cp 2), one layer, one sample.
+TINY = {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "num_query_groups": 2,
+        "ffn_hidden_size": 16, "vocab_size": 16, "seq_length": 4}
+ONE_SAMPLE = {"global_batch_size": 1, "micro_batch_size": 1}
+
+
+def test_bench_modules_import():
+    for name in ("bench.comm_bench", "bench.dp_vs_ddp", "bench.cp_memory"):
+        assert callable(importlib.import_module(name).main)
+
+
+def test_ratio_and_ring_formula():
+    assert all_reduce_bytes(1, 100) == 0 and all_reduce_bytes(2, 100) == 100 and all_reduce_bytes(4, 100) == 150
+    assert ratio(105, 100) == pytest.approx(1.05)
+    assert ratio(0, 0) == 1.0 and ratio(1, 0) == math.inf
+
+
+def test_analytic_minimum_hand_computed():
+    # tp2: one activation is s*b*h*4 = 4*1*8*4 = 128 B, a 2-rank all-reduce sends 128 B.
+    # Layer: 4 all-reduces = 512; embedding 128; output-layer input grad 128; cross-entropy
+    # 2 floats per token all-reduced: 2*4*4 = 32. One microbatch: 800 B, nothing else.
+    job = layout_job(Layout("tp2", {"tensor_model_parallel_size": 2}), 2, model=TINY, training=ONE_SAMPLE)
+    got = analytic_bytes(job, 0)
+    assert got["tp"] == 800
+    assert sum(got.values()) == 800
+
+    # dp2 (two samples): dense params qkv 2*(1+2)*4*8 = 192, proj 8*8 = 64, mlp 3*16*8 = 384,
+    # embedding + output 2*16*8 = 256, norms 8+8+8 = 24 -> 920 floats = 3680 B, one all-reduce
+    # over 2 ranks sends 3680 B; the loss (float64) 8 B.
+    job = layout_job(Layout("dp2", {}), 2, model=TINY, training={"global_batch_size": 2, "micro_batch_size": 1})
+    got = analytic_bytes(job, 1)
+    assert got["grads:dense"] == 3680 and got["loss:dp-cp"] == 8
+    assert sum(got.values()) == 3688
+
+    # cp2 ring, seq 8: K/V block = s_local 4 * b 1 * kv heads 2 * 2d 8 * 4 B = 256 B;
+    # 3 (cp-1) blocks per layer per microbatch (forward K/V, backward K/V, dK/dV).
+    job = layout_job(Layout("cp2", {"context_parallel_size": 2}), 2, model={**TINY, "seq_length": 8},
+                     training=ONE_SAMPLE)
+    assert analytic_bytes(job, 0)["cp"] == 3 * 256
+    job = layout_job(Layout("cp2ag", {"context_parallel_size": 2, "cp_comm_type": "all_gather"}), 2,
+                     model={**TINY, "seq_length": 8}, training=ONE_SAMPLE)
+    assert analytic_bytes(job, 0)["cp"] == 2 * 256
+
+    # pp2 + vpp2, 4 layers, 2 microbatches: 3 virtual-stage boundaries x 2 directions x 2 mb
+    # = 12 sends of 128 B, 6 per rank; plus the loss shared along the pipeline (8 B).
+    job = layout_job(Layout("pp2vpp2", {"pipeline_model_parallel_size": 2,
+                                        "virtual_pipeline_model_parallel_size": 2}), 2,
+                     model={**TINY, "num_layers": 4}, training={"global_batch_size": 2, "micro_batch_size": 1})
+    assert analytic_bytes(job, 0)["pp"] == 6 * 128 and analytic_bytes(job, 1)["pp"] == 6 * 128
+
+
+def test_tp2_measurement_runs():
+    job, rows, results = comm_bench.run_layout(Layout("tp2", {"tensor_model_parallel_size": 2}), 2,
+                                               model=TINY, training=ONE_SAMPLE)
+    tp = next(r for r in rows if r.traffic == "tp")
+    assert tp.minimum == 800
+    assert math.isfinite(tp.ratio) and tp.ratio >= 1.0
+    assert all(math.isfinite(r.ratio) for r in rows)
