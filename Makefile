@@ -24,6 +24,10 @@ test: setup
 
 bench: setup
 	$(PY) bench/grid_bench.py
+	$(PY) bench/comm_bench.py
+	$(PY) bench/dp_vs_ddp.py
+	$(PY) bench/cp_memory.py
+	$(PY) bench/ray_startup_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
