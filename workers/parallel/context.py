@@ -25,6 +25,7 @@ import math
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 
 from workers.parallel import comm
@@ -112,14 +113,18 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def _masked_attention(q, k, v, q_pos, k_pos, scale: float) -> torch.Tensor:
-    """Differentiable GQA attention where query ``i`` sees key ``j`` iff ``k_pos[j] <= q_pos[i]``."""
+    """Differentiable GQA attention where query ``i`` sees key ``j`` iff ``k_pos[j] <= q_pos[i]``.
+
+    torch's fused kernel keeps one copy of the probabilities (or none) for backward, where an
+    einsum-softmax-einsum chain saved two s x s tensors per head.
+    """
     sq, b, h, d = q.shape
-    hk = k.shape[2]
-    qg = q.reshape(sq, b, hk, h // hk, d)
-    scores = torch.einsum("qbkgd,sbkd->bkgqs", qg, k) * scale
-    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("bkgqs,sbkd->qbkgd", probs, v).reshape(sq, b, h, d)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+        attn_mask=visible, scale=scale, enable_gqa=True,
+    )
+    return out.permute(2, 0, 1, 3).reshape(sq, b, h, d)
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
