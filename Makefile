@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: setup
-	$(VENV)/bin/raytron run examples/tiny-5d.yaml --launcher processes
+	$(VENV)/bin/raytron run examples/tiny-5d.yaml --simulate 2x4
 
 test: setup
 	$(PY) -m pytest -q

@@ -119,19 +119,24 @@ def run_from_cli(args) -> int:
         result = run_torchrun_rank(job, grid, env)
         if result is None:
             return 0
-    elif args.launcher == "processes":
-        if not args.json:
-            print_plan(grid, plan)
-        result = run_processes(job, grid, progress=not args.json)
     else:
-        from service.ray_launcher import run_on_ray
+        if not args.json:
+            print_plan(grid, plan)  # the plan is shown before anything launches
+        if args.launcher == "processes":
+            result = run_processes(job, grid, progress=not args.json)
+        else:
+            from service.ray_launcher import run_on_ray
 
-        result = run_on_ray(job, grid, plan, simulate=args.simulate, progress=not args.json)
+            result = run_on_ray(job, grid, plan, simulate=args.simulate, progress=not args.json)
     if args.json:
         print(json.dumps(result))
     else:
-        print_placement(result["placement"])
+        if args.launcher != "ray":  # the Ray launcher prints it as the actors report in
+            print_placement(result["placement"])
         losses = result["losses"]
+        curve = f"; loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else ""
         print(f"{result['job_id']}: {result['state']} after {result['iterations']} iterations in "
-              f"{time.time() - t0:.1f}s; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+              f"{time.time() - t0:.1f}s{curve}")
+        if result.get("error"):
+            print(f"error: {result['error']}", file=sys.stderr)
     return 0 if result["state"] == "SUCCEEDED" else 1

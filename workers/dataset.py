@@ -18,7 +18,6 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from workers.config import stable_seed
 
@@ -57,6 +56,8 @@ class GlobalSampler:
     """Deterministic samples by global index; each is ``seq_length + 1`` tokens (input + shifted target)."""
 
     def __init__(self, data: str, seq_length: int, seed: int, global_batch_size: int):
+        import torch  # not at module level: the driver validates corpora without torch
+
         self.tokens = torch.from_numpy(load_tokens(data))
         self.seq_length = seq_length
         self.seed = seed
@@ -64,13 +65,17 @@ class GlobalSampler:
         self.iteration = 0
         self._span = len(self.tokens) - seq_length - 1
 
-    def sample(self, index: int) -> torch.Tensor:
+    def sample(self, index: int):
+        import torch
+
         g = torch.Generator().manual_seed(stable_seed(self.seed, f"sample/{index}"))
         start = int(torch.randint(0, self._span + 1, (1,), generator=g))
         return self.tokens[start : start + self.seq_length + 1]
 
-    def batch(self, iteration: int, start: int = 0, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, iteration: int, start: int = 0, count: int | None = None):
         """Samples ``[start, start+count)`` of iteration's global batch as (tokens, labels), each [count, seq]."""
+        import torch
+
         count = self.global_batch_size - start if count is None else count
         base = iteration * self.global_batch_size + start
         rows = torch.stack([self.sample(base + j) for j in range(count)])

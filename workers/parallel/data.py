@@ -27,7 +27,6 @@ layout and are easiest to check together.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 from typing import Iterable, Sequence
 
@@ -252,6 +251,22 @@ def _check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_dec
         raise ValueError(f"betas {tuple(betas)} must each lie in [0, 1), e.g. (0.9, 0.999)")
 
 
+@torch.no_grad()
+def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                 step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """One AdamW step in place: exactly ``torch.optim.AdamW``'s single-tensor math (decoupled
+    weight decay, bias correction). Written out rather than calling torch.optim, whose first
+    use imports torch._dynamo (~2 CPU-seconds per rank at start-up)."""
+    beta1, beta2 = betas
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
 class DistributedOptimizer:
     """ZeRO-1 AdamW: each rank keeps the fp32 master params and Adam moments of its 1/n shard.
 
@@ -291,21 +306,14 @@ class DistributedOptimizer:
         """Finish the gradient reduction, update this rank's shard, all-gather the params."""
         self.grads.finish()
         self.num_steps += 1
-        beta1, beta2 = self.betas
-        bias_correction1 = 1 - beta1**self.num_steps
-        bias_correction2_sqrt = (1 - beta2**self.num_steps) ** 0.5
         for buf, state in zip(self.grads.buffers, self.shards):
             master, exp_avg, exp_avg_sq = state["param"], state["exp_avg"], state["exp_avg_sq"]
             if buf.params and buf.params[0].dtype == torch.float32:
                 # fp32 params hold exactly the master values; re-reading them keeps the master
                 # right if model weights were loaded after this optimizer was built.
                 self._load_master(buf, master)
-            grad = buf.shard_grad.float()
-            master.mul_(1 - self.lr * self.weight_decay)
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
-            master.addcdiv_(exp_avg, denom, value=-self.lr / bias_correction1)
+            adamw_update(master, buf.shard_grad.float(), exp_avg, exp_avg_sq, step=self.num_steps, lr=self.lr,
+                         betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
             self._gather_params(buf, master)
 
     def _gather_params(self, buf: GradBuffer, master: torch.Tensor) -> None:
@@ -378,64 +386,55 @@ def _check_full_state(state: dict, buffers: list[GradBuffer]) -> None:
 
 
 class ReplicatedOptimizer:
-    """The plain data-parallel path: all-reduced buckets + ``torch.optim.AdamW`` on full params.
+    """The plain data-parallel path: all-reduced buckets + AdamW on the full params.
 
-    Same interface as :class:`DistributedOptimizer`; every rank holds the full state.
+    Same interface as :class:`DistributedOptimizer` (and the same math, :func:`adamw_update`);
+    every rank holds the full state.
     """
 
     def __init__(self, param_groups: ParamGroups, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE):
         _check_hparams(lr, betas, eps, weight_decay)
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.grads = DataParallelGrads(param_groups, bucket_size=bucket_size, shard=False)
-        params = [p for buf in self.grads.buffers for p in buf.params]
-        self.optimizer = torch.optim.AdamW(params or [torch.zeros(0, requires_grad=True)], lr=lr, betas=tuple(betas),
-                                           eps=eps, weight_decay=weight_decay)
+        self.num_steps = 0
+        self.moments = [[self._zeros(p) for p in buf.params] for buf in self.grads.buffers]
 
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    @lr.setter
-    def lr(self, value: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = value
-
-    @property
-    def num_steps(self) -> int:
-        state = next(iter(self.optimizer.state.values()), None)
-        return int(state["step"]) if state else 0
+    @staticmethod
+    def _zeros(p: torch.Tensor) -> dict:
+        return {"exp_avg": torch.zeros_like(p, dtype=torch.float32), "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
 
     def zero_grad(self) -> None:
         self.grads.zero()
 
+    @torch.no_grad()
     def step(self) -> None:
         self.grads.finish()
-        self.optimizer.step()
+        self.num_steps += 1
+        for buf, moments in zip(self.grads.buffers, self.moments):
+            for p, m in zip(buf.params, moments):
+                adamw_update(p, p.grad, m["exp_avg"], m["exp_avg_sq"], step=self.num_steps, lr=self.lr,
+                             betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
 
     def state_dict(self) -> dict:
-        # A copy: torch's holds the live moment tensors, which the next step would change.
-        return copy.deepcopy(self.optimizer.state_dict())
+        # A copy: the live moment tensors change at the next step.
+        return self.full_state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+        self.load_full_state_dict(state)
 
     def full_state_dict(self) -> dict:
         """Same format as :meth:`DistributedOptimizer.full_state_dict` (no communication)."""
-        def moments(p):
-            s = self.optimizer.state.get(p)
-            return {k: (s[k].clone() if s else torch.zeros_like(p, dtype=torch.float32)) for k in ("exp_avg", "exp_avg_sq")}
-
-        return {"step": self.num_steps, "state": [[moments(p) for p in buf.params] for buf in self.grads.buffers]}
+        return {"step": self.num_steps,
+                "state": [[{k: v.clone() for k, v in m.items()} for m in moments] for moments in self.moments]}
 
     def load_full_state_dict(self, state: dict) -> None:
         _check_full_state(state, self.grads.buffers)
-        self.optimizer.state.clear()
-        if int(state["step"]) == 0:
-            return
-        for buf, entries in zip(self.grads.buffers, state["state"]):
-            for p, e in zip(buf.params, entries):
-                self.optimizer.state[p] = {"step": torch.tensor(float(state["step"])),
-                                           "exp_avg": e["exp_avg"].clone().to(p), "exp_avg_sq": e["exp_avg_sq"].clone().to(p)}
+        self.num_steps = int(state["step"])
+        for buf, moments, entries in zip(self.grads.buffers, self.moments, state["state"]):
+            for p, m, e in zip(buf.params, moments, entries):
+                for k in m:
+                    m[k].copy_(e[k].to(m[k]))
 
 
 def build_optimizer(param_groups: ParamGroups, *, distributed: bool, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,

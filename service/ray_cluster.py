@@ -1,0 +1,282 @@
+"""Where a job's Ray cluster comes from: an existing one, an embedded one, or a simulated one.
+
+:func:`ray_session` is the one entry point. In order of precedence it
+
+1. reuses the driver's connection when ``ray.init`` was already called (tests, a controller
+   running inside a Ray job);
+2. starts a *simulated* cluster when asked (``simulate=(nodes, gpus)``): ``nodes`` Ray nodes on
+   this machine, each declaring ``gpus`` fake GPU slots (Ray sets ``CUDA_VISIBLE_DEVICES`` per
+   actor as on a real node; torch sees no device and the ranks train on CPU with gloo);
+3. connects to ``RAY_ADDRESS`` when it is set;
+4. otherwise starts an embedded single-node cluster with this machine's GPUs, or, on a machine
+   without GPUs, simulates the job's own shape so that ``raytron run spec.yaml`` just works.
+
+Two facts about Ray 2.60 on one machine shape this module (design/RAY_NOTES.md): Ray picks an
+address it cannot reach unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is in the environment of
+the process that starts it, and a plain local start turns token auth on and writes a token into
+the home directory. Every cluster started here gets both variables and its own temporary folder,
+all three undone when the session ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+NAMESPACE = "raytron"
+_OBJECT_STORE_BYTES = 100 * 2**20  # per simulated node; rank actors pass almost nothing through it
+
+
+@dataclass
+class RaySession:
+    """What a job runs on.
+
+    Attributes:
+        address: the GCS address the driver is connected to.
+        dashboard_url: ``http://host:port`` of the dashboard, or "" when there is none.
+        owned: True when this session started the cluster (and will stop it).
+        static: True when no node can join later (a cluster started here), so a placement
+            group that does not fit now never will.
+        num_nodes: alive nodes when the session began.
+        single_node: True when the cluster started here is one node (placement may then PACK a
+            multi-node job onto it).
+    """
+
+    address: str
+    dashboard_url: str
+    owned: bool
+    static: bool
+    num_nodes: int
+    single_node: bool = False
+
+
+def local_gpu_count() -> int:
+    """NVIDIA GPUs on this machine, counted from the device files (no CUDA import needed)."""
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+@contextlib.contextmanager
+def _local_ray_environment(temp_dir: str) -> Iterator[None]:
+    """Loopback-only addresses, no auth token file, Ray's files under ``temp_dir``; restored after."""
+    wanted = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_TMPDIR": temp_dir}
+    # Keep a token-auth set-up that the user configured completely; anything else would make Ray
+    # write ~/.ray/auth_token, which then leaks into every later cluster on this machine.
+    if not (os.environ.get("RAY_AUTH_MODE", "").lower() == "token" and os.environ.get("RAY_AUTH_TOKEN")):
+        wanted["RAY_AUTH_MODE"] = "disabled"
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    # Ray reads the cluster switch once, when ray is first imported; if this process imported
+    # ray before (a test, the API server), the module constant must follow the variable.
+    constants = sys.modules.get("ray._private.ray_constants")
+    saved_flag = getattr(constants, "ENABLE_RAY_CLUSTER", None)
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if constants is not None:
+            constants.ENABLE_RAY_CLUSTER = saved_flag
+
+
+def _children(pid: int) -> set[int]:
+    """Direct children of ``pid`` (Linux /proc; empty elsewhere)."""
+    out = set()
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            out.update(int(c) for c in open(path).read().split())
+        except OSError:
+            pass
+    return out
+
+
+def _descendants(roots: set[int]) -> set[int]:
+    seen, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.add(pid)
+            todo.extend(_children(pid))
+    return seen
+
+
+def _reap(pids: set[int], timeout_s: float = 10.0) -> None:
+    """Wait for processes this session started to exit, then kill the stragglers by pid.
+
+    Ray's shutdown stops the GCS, raylets and dashboard, but the dashboard's module
+    subprocesses notice only later and meanwhile keep writing into the session folder.
+    """
+    deadline = time.monotonic() + timeout_s
+    alive = {p for p in pids if os.path.exists(f"/proc/{p}")}
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = {p for p in alive if os.path.exists(f"/proc/{p}") and not _is_zombie(p)}
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _init_kwargs() -> dict:
+    # Warnings only: INFO lines from ray.init would bury the progress bar.
+    return {"namespace": NAMESPACE, "logging_level": "warning", "configure_logging": True}
+
+
+@contextlib.contextmanager
+def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = None) -> Iterator[RaySession]:
+    """Start ``nodes`` Ray nodes on this machine with ``gpus`` fake GPU slots each and connect.
+
+    Args:
+        nodes: Ray nodes to start (the head is one of them).
+        gpus: GPU slots each node declares.
+        cpus_per_node: logical CPUs each node declares; default ``gpus`` (one per rank actor).
+            Ray prestarts that many idle workers per node, so it should not exceed the ranks.
+
+    Yields:
+        The session; the cluster is shut down and its files removed on exit.
+    """
+    if nodes < 1 or gpus < 1:
+        raise ValueError(f"simulate needs at least 1 node and 1 GPU slot, got {nodes}x{gpus}; use e.g. 2x4")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cpus = gpus if cpus_per_node is None else cpus_per_node
+    temp_dir = tempfile.mkdtemp(prefix="raytron-ray-")
+    cluster = None
+    before = _children(os.getpid())
+    ray_processes: set[int] = set()
+    try:
+        with _local_ray_environment(temp_dir):
+            node_args = dict(num_cpus=cpus, num_gpus=gpus, object_store_memory=_OBJECT_STORE_BYTES)
+            cluster = Cluster(initialize_head=True, head_node_args=dict(
+                node_args, include_dashboard=True, dashboard_host="127.0.0.1",
+                # None, not Ray's default 8265: lets the dashboard move on when another cluster has it.
+                dashboard_port=None))
+            for _ in range(nodes - 1):
+                cluster.add_node(wait=False, **node_args)  # nodes boot in parallel; waited for below
+            cluster.wait_for_nodes(timeout=120)
+            ray.init(address=cluster.address, **_init_kwargs())
+            ray_processes = _children(os.getpid()) - before  # GCS, raylets, dashboard, agents
+            url = cluster.head_node.address_info.get("webui_url") or ""
+            yield RaySession(address=cluster.address, dashboard_url=_http(url), owned=True, static=True,
+                             num_nodes=nodes, single_node=nodes == 1)
+    finally:
+        family = _descendants(ray_processes)
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        _reap(family)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def local_cluster(*, num_gpus: int | None = None) -> Iterator[RaySession]:
+    """Start an embedded one-node Ray cluster with this machine's CPUs and GPUs and connect."""
+    import ray
+
+    temp_dir = tempfile.mkdtemp(prefix="raytron-ray-")
+    before = _children(os.getpid())
+    ray_processes: set[int] = set()
+    try:
+        with _local_ray_environment(temp_dir):
+            ctx = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", num_gpus=num_gpus,
+                           object_store_memory=4 * _OBJECT_STORE_BYTES, **_init_kwargs())
+            ray_processes = _children(os.getpid()) - before
+            yield RaySession(address=ctx.address_info["gcs_address"], dashboard_url=_http(ctx.dashboard_url or ""),
+                             owned=True, static=True, num_nodes=1, single_node=True)
+    finally:
+        family = _descendants(ray_processes)
+        ray.shutdown()
+        _reap(family)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def connected_cluster(address: str) -> Iterator[RaySession]:
+    """Connect to a running cluster (``RAY_ADDRESS``); it may autoscale, so it is not static."""
+    import ray
+
+    ctx = ray.init(address=address, **_init_kwargs())
+    try:
+        yield RaySession(address=address, dashboard_url=_http(ctx.dashboard_url or ""), owned=False,
+                         static=False, num_nodes=_alive_nodes())
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def ray_session(simulate: tuple[int, int] | None = None, *,
+                default_shape: tuple[int, int] | None = None) -> Iterator[RaySession]:
+    """The cluster a job runs on; see the module docstring for the order of precedence.
+
+    Args:
+        simulate: ``(nodes, gpus)`` to start a simulated cluster.
+        default_shape: ``(nodes, gpus)`` to simulate when nothing else is given and this
+            machine has no GPUs (normally the job's own ``num_nodes x gpus_per_node``).
+    """
+    import ray
+
+    if ray.is_initialized():
+        if simulate is not None:
+            print("raytron: this process is already connected to Ray; --simulate ignored", file=sys.stderr)
+        ctx = ray.get_runtime_context()
+        yield RaySession(address=ctx.gcs_address, dashboard_url=_http(_dashboard_url()), owned=False,
+                         static=False, num_nodes=_alive_nodes())
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if simulate is not None:
+        if address:
+            print(f"raytron: --simulate given, ignoring RAY_ADDRESS={address}", file=sys.stderr)
+        with simulated_cluster(*simulate) as session:
+            yield session
+    elif address:
+        with connected_cluster(address) as session:
+            yield session
+    elif local_gpu_count() or default_shape is None:
+        with local_cluster() as session:
+            yield session
+    else:
+        nodes, gpus = default_shape
+        print(f"raytron: no RAY_ADDRESS and no GPU here: simulating {nodes} node(s) x {gpus} GPU slot(s) "
+              f"on this machine (CPU, gloo)", file=sys.stderr)
+        with simulated_cluster(nodes, gpus) as session:
+            yield session
+
+
+def _alive_nodes() -> int:
+    import ray
+
+    return sum(1 for n in ray.nodes() if n.get("Alive"))
+
+
+def _dashboard_url() -> str:
+    try:
+        import ray
+
+        return ray._private.worker.get_dashboard_url() or ""  # no public getter for a running driver
+    except Exception:  # noqa: BLE001 - the URL is informative only
+        return ""
+
+
+def _http(url: str) -> str:
+    return url if not url or url.startswith("http") else f"http://{url}"

@@ -1,0 +1,157 @@
+"""One rank of a job as a Ray actor.
+
+The controller (``service/controller.py``) creates one :class:`RankActor` per rank, named
+``raytron:<job_id>:rank<r>`` so it shows in ``ray list actors`` and the dashboard, each in its
+node's placement-group bundle with one GPU. Its life:
+
+1. ``__init__`` imports torch and the training stack at once. Every actor's constructor runs
+   concurrently as soon as it is scheduled, so the dominant start-up cost (the torch import,
+   ~3-5 s of CPU per process) overlaps across ranks instead of queueing behind the rendezvous.
+2. ``rendezvous_address()`` (rank 0 only): this node's IP and a free port for the TCP store.
+3. ``setup(...)``: joins the process group (gloo on CPU, nccl on GPU, with a collective timeout
+   so that a silent peer becomes an error), builds the :class:`~workers.train.Trainer`, and
+   reports where it runs (Ray node id, pid, device, grid coordinates).
+4. ``run(n)``: ``n`` iterations; returns their metrics and exports each as Ray metrics.
+
+Nothing here imports torch or ray at module level: the driver imports this module only to name
+the class.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from workers.config import JobConfig
+
+METRIC_TAGS = ("job_id", "rank", "tp", "pp", "dp", "cp", "ep")
+
+
+def actor_name(job_id: str, rank: int) -> str:
+    """The Ray actor name of a rank (unique per job)."""
+    return f"raytron:{job_id}:rank{rank}"
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a rank on purpose (:meth:`RankActor.inject_fault`), for failure drills and tests."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A failure to provoke: ``kind`` "raise" (an exception in the rank) or "exit" (the process
+    dies, as a crash or an OOM kill would), just before iteration ``iteration`` (1-based)."""
+
+    iteration: int
+    kind: str = "raise"
+
+    def __post_init__(self):
+        if self.kind not in ("raise", "exit"):
+            raise ValueError(f"fault kind must be 'raise' or 'exit', got {self.kind!r}")
+        if self.iteration < 1:
+            raise ValueError(f"fault iteration is 1-based, got {self.iteration}")
+
+
+class RankActor:
+    """A rank of ``job``: process-group member, model shard, optimizer and data position.
+
+    Args:
+        job: the job.
+        rank: this rank; the controller assigns it from the placement plan, never from the
+            order in which actors happen to start.
+        job_id: tags the metrics.
+    """
+
+    def __init__(self, job: JobConfig, rank: int, job_id: str):
+        import torch
+
+        # Two cores are shared by every rank on a simulated cluster; on a real node each rank
+        # has its GPU and intra-op CPU threads only fight the data loader.
+        torch.set_num_threads(1)
+        import workers.train  # noqa: F401 - warm the rest of the stack during the start-up overlap
+
+        self.job, self.rank, self.job_id = job, rank, job_id
+        self.trainer = None
+        self.fault: Fault | None = None
+        self._gauges: dict = {}
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Where the process group meets: this node's IP and a port free on it a moment ago."""
+        import ray
+
+        from workers.spawn import free_port
+
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port(ip)
+
+    def setup(self, master_addr: str, master_port: int, world_size: int, local_rank: int,
+              collective_timeout_s: float) -> dict:
+        """Join the process group and build the trainer; returns this rank's placement record."""
+        import ray
+        import torch.distributed as dist
+
+        from workers.spawn import init_distributed, rank_device
+        from workers.train import Trainer
+
+        # Ray exposes exactly one GPU to this actor (CUDA_VISIBLE_DEVICES), so any slot maps to it.
+        device = rank_device(local_rank)
+        backend = init_distributed(self.rank, world_size, master_addr, master_port, timeout_s=collective_timeout_s)
+        self.trainer = Trainer(self.job, self.rank, world_size, device=device)
+        c = self.trainer.coords
+        ctx = ray.get_runtime_context()
+        self._make_gauges(c)
+        return {
+            "rank": self.rank, "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(), "pid": os.getpid(), "actor_id": ctx.get_actor_id(),
+            "device": str(device), "backend": backend, "world_size": dist.get_world_size(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "local": local_rank,
+            **{k: c[k] for k in ("tp", "pp", "dp", "cp", "ep", "etp", "expert_dp")},
+        }
+
+    def inject_fault(self, iteration: int, kind: str = "raise") -> None:
+        """Fail on purpose just before iteration ``iteration`` (see :class:`Fault`)."""
+        self.fault = Fault(iteration, kind)
+
+    def run(self, iterations: int) -> list[dict]:
+        """Train ``iterations`` iterations; returns each one's metrics (the loss is global)."""
+        if self.trainer is None:
+            raise RuntimeError(f"rank {self.rank}: run() before setup()")
+        out = []
+        for _ in range(iterations):
+            if self.fault is not None and self.trainer.iteration + 1 == self.fault.iteration:
+                self._trigger(self.fault)
+            metrics = self.trainer.train_step()
+            self._export(metrics)
+            out.append(metrics)
+        return out
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        """Leave the process group (a clean exit; the controller kills the actor after)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _trigger(self, fault: Fault) -> None:
+        if fault.kind == "exit":
+            os._exit(1)  # no cleanup, no exception: what a segfault or the OOM killer looks like
+        raise InjectedFault(f"rank {self.rank}: injected fault before iteration {fault.iteration}")
+
+    def _make_gauges(self, coords: dict) -> None:
+        from ray.util.metrics import Gauge
+
+        tags = {"job_id": self.job_id, "rank": str(self.rank),
+                **{k: str(coords[k]) for k in ("tp", "pp", "dp", "cp", "ep")}}
+        for key, name, doc in (("loss", "raytron_lm_loss", "language-model loss of the last iteration"),
+                               ("tokens_per_s", "raytron_tokens_per_s", "global-batch tokens per second"),
+                               ("step_time_s", "raytron_step_time_s", "seconds per iteration")):
+            gauge = Gauge(name, description=doc, tag_keys=METRIC_TAGS)
+            gauge.set_default_tags(tags)
+            self._gauges[key] = gauge
+
+    def _export(self, metrics: dict) -> None:
+        for key, gauge in self._gauges.items():
+            gauge.set(float(metrics[key]))
