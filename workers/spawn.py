@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 _PRELOAD = ["torch", "torch.distributed"]
+_PORT_IN_USE = "rendezvous port in use"
 
 
 class RankFailure(RuntimeError):
@@ -104,7 +105,14 @@ def _rank_main(fn, rank, world_size, port, backend, timeout_s, args, kwargs, res
     import torch.distributed as dist
 
     try:
-        init_distributed(rank, world_size, "127.0.0.1", port, backend=backend, timeout_s=timeout_s)
+        try:
+            init_distributed(rank, world_size, "127.0.0.1", port, backend=backend, timeout_s=timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            if "address already in use" in str(exc).lower():
+                # Another process took the port between free_port() and bind: retryable.
+                results.put((rank, False, f"{_PORT_IN_USE}: {exc}", traceback.format_exc()))
+                return
+            raise
         if with_report:
             kwargs = {**kwargs, "report": _Reporter(results, rank)}
         out = fn(rank, world_size, *args, **kwargs)
@@ -154,6 +162,17 @@ def run_ranks(
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
+    for attempt in range(3):
+        try:
+            return _run_once(ctx, fn, world_size, args, kwargs, backend, timeout_s, collective_timeout_s, on_event)
+        except RankFailure as failure:
+            # A port clash happens before ``fn`` runs, so a retry repeats nothing.
+            if _PORT_IN_USE not in str(failure) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(ctx, fn, world_size, args, kwargs, backend, timeout_s, collective_timeout_s, on_event) -> list[Any]:
     port = free_port()
     results = ctx.Queue()
     procs = [
