@@ -267,7 +267,25 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 
-class DistributedOptimizer:
+class _AdamWOverGrads:
+    """What both optimizers share: AdamW's hyperparameters, the bucketed grads, the step count."""
+
+    def __init__(self, param_groups: ParamGroups, lr: float, betas, eps: float, weight_decay: float, *,
+                 bucket_size: int | None, shard: bool):
+        _check_hparams(lr, betas, eps, weight_decay)
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.grads = DataParallelGrads(param_groups, bucket_size=bucket_size, shard=shard)
+        self.num_steps = 0
+
+    def zero_grad(self) -> None:
+        self.grads.zero()
+
+    def _update(self, param, grad, exp_avg, exp_avg_sq) -> None:
+        adamw_update(param, grad, exp_avg, exp_avg_sq, step=self.num_steps, lr=self.lr, betas=self.betas,
+                     eps=self.eps, weight_decay=self.weight_decay)
+
+
+class DistributedOptimizer(_AdamWOverGrads):
     """ZeRO-1 AdamW: each rank keeps the fp32 master params and Adam moments of its 1/n shard.
 
     The math is ``torch.optim.AdamW``'s (decoupled weight decay, bias correction), applied
@@ -281,10 +299,7 @@ class DistributedOptimizer:
 
     def __init__(self, param_groups: ParamGroups, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE):
-        _check_hparams(lr, betas, eps, weight_decay)
-        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
-        self.grads = DataParallelGrads(param_groups, bucket_size=bucket_size, shard=True)
-        self.num_steps = 0
+        super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=True)
         self.shards = []
         for buf in self.grads.buffers:
             n = buf.numel // buf.num_ranks
@@ -298,9 +313,6 @@ class DistributedOptimizer:
         for p, a, b, s in buf.pieces():
             master[s : s + b - a].copy_(p.detach().reshape(-1)[a:b])
 
-    def zero_grad(self) -> None:
-        self.grads.zero()
-
     @torch.no_grad()
     def step(self) -> None:
         """Finish the gradient reduction, update this rank's shard, all-gather the params."""
@@ -312,8 +324,7 @@ class DistributedOptimizer:
                 # fp32 params hold exactly the master values; re-reading them keeps the master
                 # right if model weights were loaded after this optimizer was built.
                 self._load_master(buf, master)
-            adamw_update(master, buf.shard_grad.float(), exp_avg, exp_avg_sq, step=self.num_steps, lr=self.lr,
-                         betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+            self._update(master, buf.shard_grad.float(), exp_avg, exp_avg_sq)
             self._gather_params(buf, master)
 
     def _gather_params(self, buf: GradBuffer, master: torch.Tensor) -> None:
@@ -385,7 +396,7 @@ def _check_full_state(state: dict, buffers: list[GradBuffer]) -> None:
         raise ValueError(f"optimizer state holds params of shapes {got}, this model has {want}")
 
 
-class ReplicatedOptimizer:
+class ReplicatedOptimizer(_AdamWOverGrads):
     """The plain data-parallel path: all-reduced buckets + AdamW on the full params.
 
     Same interface as :class:`DistributedOptimizer` (and the same math, :func:`adamw_update`);
@@ -394,18 +405,12 @@ class ReplicatedOptimizer:
 
     def __init__(self, param_groups: ParamGroups, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE):
-        _check_hparams(lr, betas, eps, weight_decay)
-        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
-        self.grads = DataParallelGrads(param_groups, bucket_size=bucket_size, shard=False)
-        self.num_steps = 0
+        super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=False)
         self.moments = [[self._zeros(p) for p in buf.params] for buf in self.grads.buffers]
 
     @staticmethod
     def _zeros(p: torch.Tensor) -> dict:
         return {"exp_avg": torch.zeros_like(p, dtype=torch.float32), "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
-
-    def zero_grad(self) -> None:
-        self.grads.zero()
 
     @torch.no_grad()
     def step(self) -> None:
@@ -413,8 +418,7 @@ class ReplicatedOptimizer:
         self.num_steps += 1
         for buf, moments in zip(self.grads.buffers, self.moments):
             for p, m in zip(buf.params, moments):
-                adamw_update(p, p.grad, m["exp_avg"], m["exp_avg_sq"], step=self.num_steps, lr=self.lr,
-                             betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+                self._update(p, p.grad, m["exp_avg"], m["exp_avg_sq"])
 
     def state_dict(self) -> dict:
         # A copy: the live moment tensors change at the next step.
