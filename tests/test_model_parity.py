@@ -2,12 +2,13 @@
 
 import pytest
 
-from parity import assert_same_curve, distributed_losses, reference_losses, tiny_spec
+from parity import assert_same_curve, distributed_losses, job_of, reference_losses, tiny_spec, train_losses
 
 DENSE_LAYOUTS = {
     "tp2": (2, {"tensor_model_parallel_size": 2}),
     "tp2-sp": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
-    "tp4-sp": (4, {"tensor_model_parallel_size": 4, "sequence_parallel": True, "num_query_groups": None}),
+    # 4 query groups (one per TP rank): its own single-process reference.
+    "tp4-sp": (4, {"tensor_model_parallel_size": 4, "sequence_parallel": True}, {"num_query_groups": 4}),
     "pp2": (2, {"pipeline_model_parallel_size": 2}),
     "pp2-vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
     "pp4": (4, {"pipeline_model_parallel_size": 4}),
@@ -26,25 +27,13 @@ DENSE_LAYOUTS = {
 
 @pytest.mark.parametrize("name", list(DENSE_LAYOUTS))
 def test_dense_layout_matches_single_process(name):
-    world, parallel = DENSE_LAYOUTS[name]
-    parallel = dict(parallel)
-    model = {}
-    if "num_query_groups" in parallel:
-        model["num_query_groups"] = parallel.pop("num_query_groups") or 4
-    spec = tiny_spec(world=world, parallel=parallel, model=model)
-    ref = reference_losses(False) if not model else _reference_with(model)
-    assert_same_curve(distributed_losses(spec), ref)
-
-
-def _reference_with(model):
-    from parity import job_of, train_losses
-
-    return train_losses(0, 1, job_of(tiny_spec(model=model)))
+    world, parallel, *model = DENSE_LAYOUTS[name]
+    model = model[0] if model else {}
+    ref = train_losses(0, 1, job_of(tiny_spec(model=model))) if model else reference_losses(False)
+    assert_same_curve(distributed_losses(tiny_spec(world=world, parallel=parallel, model=model)), ref)
 
 
 def test_loss_falls_on_builtin_tiny():
-    from parity import job_of, train_losses
-
     job = job_of(tiny_spec(training={"train_iters": 20, "lr": 1e-2}))
     losses = train_losses(0, 1, job, iters=20)
     assert losses[0] > 5.0  # ~ln(256) at init
@@ -52,7 +41,6 @@ def test_loss_falls_on_builtin_tiny():
 
 
 def test_moe_aux_loss_reported_apart_from_lm_loss():
-    from parity import job_of, train_losses  # noqa: F401
     from workers.train import Trainer
 
     no_aux = Trainer(job_of(tiny_spec(moe=True)), 0, 1).train_step()
