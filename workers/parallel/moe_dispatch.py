@@ -47,26 +47,27 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _gather_var(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
-    """Concatenate every rank's rows (rank i holds ``sizes[i]``) in group-rank order."""
-    n, longest = len(sizes), max(sizes)
-    if longest == 0:  # sizes agree on every rank, so all of them skip the collective together
+    """Concatenate every rank's rows (rank i holds ``sizes[i]``) in group-rank order.
+
+    An all-to-all that sends this rank's rows to every peer: unlike a padded all-gather it
+    moves no padding, whatever the routing imbalance.
+    """
+    n, mine = len(sizes), sizes[comm.rank(group)]
+    if max(sizes) == 0:  # sizes agree on every rank, so all of them skip the collective together
         return x.new_zeros((0,) + tuple(x.shape[1:]))
-    padded = x.new_zeros((longest,) + tuple(x.shape[1:]))
-    padded[: x.shape[0]] = x
-    full = comm.all_gather(padded, group).view((n, longest) + tuple(x.shape[1:]))
-    return torch.cat([full[i, : sizes[i]] for i in range(n)])
+    return comm.all_to_all(torch.cat([x] * n), group, sizes, [mine] * n)
 
 
 def _scatter_var(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
-    """Sum ``x`` over ranks and keep this rank's run of rows (rank i gets ``sizes[i]``)."""
-    n, longest = len(sizes), max(sizes)
-    if longest == 0:
+    """Sum ``x`` over ranks and keep this rank's run of rows (rank i gets ``sizes[i]``).
+
+    An all-to-all of each peer's run, then a local sum (in rank order, so deterministic).
+    """
+    n, mine = len(sizes), sizes[comm.rank(group)]
+    if max(sizes) == 0:
         return x.new_zeros((0,) + tuple(x.shape[1:]))
-    padded = x.new_zeros((n, longest) + tuple(x.shape[1:]))
-    for i, part in enumerate(torch.split(x, sizes)):
-        padded[i, : sizes[i]] = part
-    mine = comm.reduce_scatter(padded.view((n * longest,) + tuple(x.shape[1:])), group)
-    return mine[: sizes[comm.rank(group)]]
+    parts = comm.all_to_all(x.contiguous(), group, [mine] * n, sizes)
+    return parts.view((n, mine) + tuple(x.shape[1:])).sum(0)
 
 
 class _GatherVar(torch.autograd.Function):
