@@ -9,6 +9,9 @@ DENSE_LAYOUTS = {
     "tp2-sp": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
     # 4 query groups (one per TP rank): its own single-process reference.
     "tp4-sp": (4, {"tensor_model_parallel_size": 4, "sequence_parallel": True}, {"num_query_groups": 4}),
+    # vocab 250 pads to 252 over tp4: the masked padding must not change the loss.
+    "tp4-sp-padded-vocab": (4, {"tensor_model_parallel_size": 4, "sequence_parallel": True},
+                            {"num_query_groups": 4, "vocab_size": 250}),
     "pp2": (2, {"pipeline_model_parallel_size": 2}),
     "pp2-vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
     "pp4": (4, {"pipeline_model_parallel_size": 4}),

@@ -69,13 +69,20 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotate-half rotary embedding of ``x [s, b, heads, d]`` at global ``positions [s]``."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> torch.Tensor:
+    """cos and sin of every (position, frequency), ``[2, s, 1, 1, head_dim / 2]``.
+
+    Positions are fixed per rank (its CP chunks), so a chunk computes this once, not per layer.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    cos = angles.cos()[:, None, None, :]
-    sin = angles.sin()[:, None, None, :]
+    return torch.stack([angles.cos(), angles.sin()])[:, :, None, None, :]
+
+
+def apply_rotary(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of ``x [s, b, heads, d]`` with :func:`rotary_tables`."""
+    cos, sin = rotary[0], rotary[1]
+    d = x.shape[-1]
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -105,7 +112,7 @@ class Attention(nn.Module):
                          cfg.init_method_std)
         self.proj = RowParallelLinear(proj, ctx.tp_group, sequence_parallel=sp)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
         cfg, d = self.cfg, self.cfg.head_dim
         groups = cfg.num_query_groups // self.ctx.tp
         per_group = cfg.num_attention_heads // cfg.num_query_groups
@@ -114,8 +121,8 @@ class Attention(nn.Module):
         qkv = qkv.view(s, b, groups, per_group + 2, d)
         q = qkv[:, :, :, :per_group].reshape(s, b, groups * per_group, d)
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
-        q = apply_rotary(q, positions, cfg.rotary_base)
-        k = apply_rotary(k, positions, cfg.rotary_base)
+        q = apply_rotary(q, rotary)
+        k = apply_rotary(k, rotary)
         out = context_parallel_attention(q, k, v, group=self.ctx.cp_group, ranks=self.ctx.cp_ranks,
                                          comm_type=self.ctx.cp_comm_type)
         return self.proj(out.reshape(s, b, -1))
@@ -180,8 +187,8 @@ class DecoderLayer(nn.Module):
         self.aux_scale = 0.0  # gradient weight of this layer's aux loss, set by the trainer
         self.aux_loss_sum = None  # detached aux losses of the iteration's microbatches
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.input_norm(x), positions)
+    def forward(self, x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.input_norm(x), rotary)
         h = self.post_norm(x)
         if isinstance(self.mlp, MoELayer):
             y, aux = self.mlp(h)
@@ -210,7 +217,7 @@ class ModelChunk(nn.Module):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         self.pre_process, self.post_process = pre_process, post_process
-        self.register_buffer("positions", positions, persistent=False)
+        self.register_buffer("rotary", rotary_tables(positions, cfg.head_dim, cfg.rotary_base), persistent=False)
         vocab = padded_vocab(cfg.vocab_size, ctx.tp)
         if pre_process:
             emb = torch.zeros(vocab, cfg.hidden_size)
@@ -224,16 +231,18 @@ class ModelChunk(nn.Module):
             self.output = ColumnParallelLinear(out, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
             per = vocab // ctx.tp
             start = comm.rank(ctx.tp_group) * per
-            self.register_buffer("vocab_pad_mask", torch.arange(start, start + per) >= cfg.vocab_size, persistent=False)
+            pad = torch.arange(start, start + per) >= cfg.vocab_size
+            self.register_buffer("vocab_pad_mask", pad, persistent=False)
+            self.has_vocab_pad = bool(pad.any())  # known at build time: no per-step check
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_process:
             x = self.embedding(x)
         for layer in self.layers:
-            x = layer(x, self.positions)
+            x = layer(x, self.rotary)
         if self.post_process:
             logits = self.output(self.final_norm(x))
-            x = logits.masked_fill(self.vocab_pad_mask, float("-inf")) if bool(self.vocab_pad_mask.any()) else logits
+            x = logits.masked_fill(self.vocab_pad_mask, float("-inf")) if self.has_vocab_pad else logits
         return x
 
     def pop_aux_loss(self) -> float:
