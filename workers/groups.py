@@ -38,13 +38,6 @@ class ProcessGroups:
         """Global ranks of this rank's group of ``kind`` (attribute-style name, e.g. ``dp_cp``)."""
         return self.members[kind]
 
-    def index(self, kind: str) -> int:
-        """This rank's position inside its group of ``kind``."""
-        return self.members[kind].index(self.rank)
-
-    @property
-    def coords(self) -> dict[str, int]:
-        return self.grid.coords(self.rank)
 
 
 _EXPERT_NAMES = {"tp": "etp", "ep": "ep", "tp-ep": "tp_ep", "tp-ep-pp": "tp_ep_pp", "dp": "expert_dp", "pp": None}
