@@ -226,3 +226,45 @@ def test_data_errors_name_the_corpus_the_split_and_the_fix(tmp_path):
     assert "raytron preprocess" in data_form_problem("corpus.jsonl")
     assert data_form_problem(["0.5", "a", "0.5", "b.txt"]) is not None
     assert data_form_problem(["0.5", "a", "0.5", "b"]) is None and data_form_problem("data/wiki_text_document") is None
+
+
+# --- the spec fields --------------------------------------------------------------------------
+
+from service.spec import parse_spec, to_job_config  # noqa: E402
+
+
+def spec(**training):
+    return {"training": {"train_iters": 4, "global_batch_size": 4, "micro_batch_size": 2, **training}}
+
+
+def test_spec_data_split_and_eval_fields():
+    t = to_job_config(parse_spec(spec())).training
+    assert (t.data, t.split, t.eval_interval, t.eval_iters) == ("builtin:tiny", "969,30,1", None, 10)
+    t = to_job_config(parse_spec(spec(data=[0.7, "a/b_text_document", "0.3", "c"], split="98,2,0",
+                                      eval_interval=2, eval_iters=3))).training
+    assert t.data == ("0.7", "a/b_text_document", "0.3", "c") and hash(t)  # a tuple: the config stays frozen
+    assert (t.split, t.eval_interval, t.eval_iters) == ("98,2,0", 2, 3)
+    assert to_job_config(parse_spec(spec(data="data/wiki_text_document"))).training.data == "data/wiki_text_document"
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(data="corpus.jsonl"), "raytron preprocess"),
+    (dict(data=["0.7", "a", "b"]), "weight, prefix pairs"),
+    (dict(data=[]), "empty blend"),
+    (dict(data=["-1", "a", "2", "b"]), "must be >= 0"),
+    (dict(split="90,x"), "training.split '90,x'"),
+    (dict(split="1,2,3,4"), "training.split '1,2,3,4'"),
+    (dict(split="0,1,0"), "gives training no data"),
+    (dict(split="100,0,0", eval_interval=2), "training.eval_interval 2 needs validation data"),
+    (dict(eval_interval=0), "training.eval_interval"),
+    (dict(eval_iters=-1), "training.eval_iters"),
+])
+def test_bad_data_fields_are_refused(fields, needle):
+    with pytest.raises(ValueError) as e:
+        parse_spec(spec(**fields))
+    assert needle in str(e.value), str(e.value)
+
+
+def test_no_evaluation_needs_no_validation_share():
+    parse_spec(spec(split="100,0,0"))
+    parse_spec(spec(split="100,0,0", eval_interval=2, eval_iters=0))

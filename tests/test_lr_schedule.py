@@ -124,3 +124,44 @@ def test_iterations_are_one_based():
     s = LRSchedule.from_iters(lr=MAX, train_iters=10, global_batch_size=2)
     with pytest.raises(ValueError, match="1-based"):
         s.lr_for_iteration(0)
+
+
+# --- the spec fields --------------------------------------------------------------------------
+
+from service.spec import parse_spec, to_job_config  # noqa: E402
+
+
+def spec(**training):
+    return {"training": {"train_iters": 12, "global_batch_size": 4, "micro_batch_size": 2, **training}}
+
+
+def test_spec_fields_reach_the_schedule():
+    job = to_job_config(parse_spec(spec(lr=1e-3, min_lr=1e-4, lr_warmup_iters=3, lr_decay_style="cosine")))
+    t = job.training
+    assert (t.min_lr, t.lr_warmup_iters, t.lr_decay_style, t.lr_decay_iters) == (1e-4, 3, "cosine", None)
+    s = LRSchedule.from_config(t)
+    assert s.lr_for_iteration(2) == pytest.approx(1e-3 / 3)
+    assert s.lr_for_update(12) == pytest.approx(1e-4)
+    w = to_job_config(parse_spec(spec(lr_decay_style="WSD", lr_wsd_decay_iters=4, lr_wsd_decay_style="linear",
+                                      lr_warmup_fraction=0.25, lr_decay_iters=8))).training
+    assert LRSchedule.from_config(w).lr_for_update(6) == pytest.approx(1e-3 * 0.5)
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(lr_warmup_iters=2, lr_warmup_fraction=0.1), "set only one of lr_warmup_iters (2) and lr_warmup_fraction"),
+    (dict(lr_warmup_iters=12), "must be shorter than lr_decay_iters (12)"),
+    (dict(lr_warmup_iters=5, lr_decay_iters=4), "must be shorter than lr_decay_iters (4)"),
+    (dict(min_lr=0.1), "min_lr (0.1) <= lr (0.001)"),
+    (dict(lr_decay_style="WSD"), "WSD needs lr_wsd_decay_iters"),
+    (dict(lr_decay_style="WSD", lr_wsd_decay_iters=13), "lr_wsd_decay_iters (13)"),
+    (dict(lr_decay_style="cosine-ish"), "training.lr_decay_style"),
+    (dict(lr_wsd_decay_style="sqrt"), "training.lr_wsd_decay_style"),
+    (dict(lr_warmup_fraction=1.5), "training.lr_warmup_fraction"),
+    (dict(lr_warmup_iters=-1), "training.lr_warmup_iters"),
+    (dict(lr_decay_iters=0), "training.lr_decay_iters"),
+    (dict(min_lr=-1.0), "training.min_lr"),
+])
+def test_bad_schedule_fields_are_refused(fields, needle):
+    with pytest.raises(ValueError) as e:
+        parse_spec(spec(**fields))
+    assert needle in str(e.value), str(e.value)
