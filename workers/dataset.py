@@ -324,6 +324,8 @@ def eval_index(train_iteration: int, eval_interval: int | None) -> int | None:
 
     Megatron evaluates when ``iteration % eval_interval == 0``; evaluation ``e`` is the one
     after iteration ``(e + 1) * eval_interval``. A restart recomputes it from the iteration.
+    Megatron also evaluates once after the last iteration: that is evaluation
+    ``train_iters // eval_interval``, continuing the same validation stream.
     """
     if not eval_interval or train_iteration <= 0 or train_iteration % eval_interval:
         return None
