@@ -6,7 +6,8 @@ processes (the server and each job's controller) write at once: every write is o
 transaction that first locks the job's row on PostgreSQL (``SELECT ... FOR UPDATE``) and, on
 SQLite, starts with ``BEGIN IMMEDIATE`` so that writers queue on the file lock for up to
 ``busy_timeout_s`` instead of failing when a read lock cannot be upgraded. Readers in WAL
-mode never wait for a writer.
+mode never wait for a writer. WAL needs the processes on one machine with the file on a local
+disk (not NFS): writers on other machines need PostgreSQL.
 
 Events are the record (ARCHITECTURE.md, rule 12). An event is the dict of
 ``JobEvent.to_dict()`` (time, kind, state, message, data), numbered 1, 2, ... per job, and
@@ -57,8 +58,12 @@ jobs = sa.Table(
     sa.Column("sizes", _json),
     sa.Column("iteration", sa.Integer, nullable=False),
 )
-_job_fk = lambda: sa.Column("job_id", sa.String(128), sa.ForeignKey("jobs.id", ondelete="CASCADE"),  # noqa: E731
-                            primary_key=True)
+
+
+def _job_fk() -> sa.Column:
+    return sa.Column("job_id", sa.String(128), sa.ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+
+
 events = sa.Table(
     "events", _md, _job_fk(),
     sa.Column("seq", sa.Integer, primary_key=True, autoincrement=False),
@@ -141,14 +146,17 @@ class JobStore:
         priority = int(spec.get("priority", 0) if priority is None else priority)
         job_id = job_id or f"{name}-{uuid.uuid4().hex[:8]}"
         now = time.time()
-        with self._write() as conn:
-            if conn.execute(sa.select(jobs.c.id).where(jobs.c.id == job_id)).first() is not None:
-                raise ValueError(f"job id {job_id!r} exists already; choose another or leave it out")
-            conn.execute(jobs.insert().values(id=job_id, name=name, spec=spec, priority=priority, state="QUEUED",
-                                              submitted_at=now, updated_at=now, sizes=sizes, iteration=0))
-            conn.execute(events.insert().values(job_id=job_id, seq=1, time=now, kind="state", state="QUEUED",
-                                                message="submitted", data={"priority": priority}))
-            return self._job(conn, job_id)
+        try:
+            with self._write() as conn:
+                conn.execute(jobs.insert().values(id=job_id, name=name, spec=spec, priority=priority, state="QUEUED",
+                                                  submitted_at=now, updated_at=now, sizes=sizes, iteration=0))
+                conn.execute(events.insert().values(job_id=job_id, seq=1, time=now, kind="state", state="QUEUED",
+                                                    message="submitted", data={"priority": priority}))
+                return self._job(conn, job_id)
+        except sa.exc.IntegrityError:
+            if self.get_job(job_id) is None:
+                raise
+            raise ValueError(f"job id {job_id!r} exists already; choose another or leave it out") from None
 
     def get_job(self, job_id: str) -> dict | None:
         with self.engine.connect() as conn:
@@ -202,11 +210,15 @@ class JobStore:
         with self._write() as conn:
             return self._append(conn, job_id, self._lock(conn, job_id), event, seq)
 
-    def events(self, job_id: str, after_seq: int | None = None, limit: int | None = None) -> list[dict]:
-        """The job's events in order, those after ``after_seq`` only when given; each with its ``seq``."""
+    def events(self, job_id: str, after_seq: int | None = None, *, kind: str | None = None,
+               limit: int | None = None) -> list[dict]:
+        """The job's events in order, each with its ``seq``; only those after ``after_seq`` and of
+        ``kind`` when given (``events(id, kind="placement")[-1]`` is where the ranks last were)."""
         query = sa.select(events).where(events.c.job_id == job_id).order_by(events.c.seq).limit(limit)
         if after_seq is not None:
             query = query.where(events.c.seq > after_seq)
+        if kind is not None:
+            query = query.where(events.c.kind == kind)
         with self.engine.connect() as conn:
             rows = [_drop_job_id(r) for r in conn.execute(query).mappings()]
             if not rows:

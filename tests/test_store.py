@@ -150,6 +150,7 @@ def test_a_controllers_history_drives_the_job_row(store):
     assert [e["seq"] for e in store.events(job)] == list(range(1, 14))
     assert [e["kind"] for e in store.events(job, after_seq=11)] == ["iteration", "state"]
     assert store.events(job, after_seq=1)[0] == {**history[0], "seq": 2}
+    assert [e["data"] for e in store.events(job, kind="placement")] == [{"placement": [{"rank": 0}]}]
     one, two = store.attempts(job)
     assert (one["number"], one["reason"], one["ended_at"]) == (1, "RESTARTING: restart 1", history[6]["time"])
     assert (two["number"], two["from_checkpoint"], two["reason"]) == (2, "/ckpt/iter_1", "SUCCEEDED: 2 iterations")
