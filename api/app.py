@@ -1,0 +1,111 @@
+"""The REST API (ARCHITECTURE.md contract 4), built by :func:`create_app`; nothing happens at import.
+
+``create_app(settings, store=..., launcher=..., cluster=...)`` wires the routes to one job store,
+one launcher and one cluster view. The app's lifespan starts the :class:`~service.scheduler.Scheduler`
+(which first re-attaches to the jobs of an earlier server) and stops it on shutdown; running jobs
+keep running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Depends, FastAPI
+
+from api import http_errors
+from api.deps import require_token
+from api.http_errors import error_response
+from api.routes import cluster as cluster_routes, health, jobs, plan, streams
+from service.launchers import JobLauncher
+from service.scheduler import ClusterView, Scheduler
+from service.store import JobStore
+
+API_PREFIX = "/api/v1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """What the server is configured with (``raytron serve``'s flags)."""
+
+    data_dir: Path
+    """Job logs, the token file and (by default) the SQLite database live here."""
+    api_token: str = field(repr=False)
+    """The bearer token every request but /healthz must carry; never logged (``repr=False``)."""
+    max_body_bytes: int = 1 << 20
+    """Larger request bodies are refused with 413 before they are read."""
+    poll_s: float = 0.5
+    """How often the scheduler looks at runners and the queue."""
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a body over ``limit`` bytes, by Content-Length or as it streams in."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        too_big = error_response(413, "body_too_large", f"the request body is larger than {self.limit} bytes")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            if not length.isdigit():
+                return await error_response(400, "bad_request", "invalid Content-Length")(scope, receive, send)
+            return await too_big(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooBig()
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooBig:
+            await too_big(scope, receive, send)
+
+
+class _TooBig(Exception):
+    pass
+
+
+def create_app(settings: Settings, *, store: JobStore, launcher: JobLauncher, cluster: ClusterView,
+               scheduler: Scheduler | None = None) -> FastAPI:
+    """The FastAPI app.
+
+    Args:
+        settings: the server's settings.
+        store: the job store (the single record).
+        launcher: starts job runners (:class:`service.launchers.LocalProcessLauncher`, ...).
+        cluster: the nodes and GPU slots jobs are admitted against.
+        scheduler: a ready scheduler (tests); default one over ``store``, ``launcher`` and ``cluster``.
+    """
+    scheduler = scheduler or Scheduler(store, launcher, cluster, poll_s=settings.poll_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="raytron", version="0.1.0", lifespan=lifespan,
+                  description="Megatron-style 5D-parallel training jobs on Ray. Every route but /healthz needs "
+                              "`Authorization: Bearer <token>`.")
+    app.state.settings, app.state.store, app.state.scheduler, app.state.cluster = settings, store, scheduler, cluster
+    app.state.launcher = launcher
+    http_errors.install(app)
+    api = [jobs.router, streams.router, plan.router, cluster_routes.router]
+    for router in api:
+        app.include_router(router, prefix=API_PREFIX, dependencies=[Depends(require_token)])
+    app.include_router(health.router)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    return app
+

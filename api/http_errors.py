@@ -1,0 +1,81 @@
+"""JSON errors with stable codes: every failure of a request is ``{"code", "message", ...}``.
+
+Handlers turn FastAPI's and the service's exceptions into those bodies, so no request ever
+gets an HTML page or a traceback; a malformed request (bad JSON, wrong types, unknown ids) is
+a 4xx. Codes are stable: clients may switch on them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.scheduler import JobNotActive, NeverFits
+from service.store import UnknownJob
+
+log = logging.getLogger("raytron.api")
+
+_HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+               405: "method_not_allowed", 406: "not_acceptable", 409: "conflict", 413: "body_too_large",
+               415: "unsupported_media_type", 422: "invalid_request", 429: "too_many_requests"}
+
+
+class ApiError(Exception):
+    """An error answer: HTTP ``status``, stable ``code``, a readable ``message`` and extra fields."""
+
+    def __init__(self, status: int, code: str, message: str, **extra):
+        super().__init__(message)
+        self.status, self.code, self.message, self.extra = status, code, message, extra
+
+
+def error_response(status: int, code: str, message: str, headers: dict | None = None, **extra) -> JSONResponse:
+    return JSONResponse({"code": code, "message": message, **extra}, status_code=status, headers=headers)
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers on ``app``."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return error_response(exc.status, exc.code, exc.message, headers, **exc.extra)
+
+    @app.exception_handler(UnknownJob)
+    async def _unknown_job(request: Request, exc: UnknownJob):
+        return error_response(404, "job_not_found", str(exc))
+
+    @app.exception_handler(NeverFits)
+    async def _never_fits(request: Request, exc: NeverFits):
+        return error_response(409, "never_fits", str(exc))
+
+    @app.exception_handler(JobNotActive)
+    async def _not_active(request: Request, exc: JobNotActive):
+        return error_response(409, "job_not_active", str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            where = next(e for e in errors if e.get("type") == "json_invalid")
+            detail = (where.get("ctx") or {}).get("error", "")
+            return error_response(400, "invalid_json", f"the request body is not valid JSON: {detail}".rstrip(": "))
+        problems = [{"field": ".".join(str(x) for x in e["loc"] if x != "body"), "message": e["msg"]} for e in errors]
+        return error_response(422, "invalid_request", "; ".join(f"{p['field']}: {p['message']}" for p in problems),
+                              errors=problems)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        code = _HTTP_CODES.get(exc.status_code, "error")
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no route {request.method} {request.url.path}; see /docs"
+        return error_response(exc.status_code, code, message, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):  # a bug: logged, answered without a traceback
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(500, "internal_error", f"internal error ({type(exc).__name__}); see the server log")

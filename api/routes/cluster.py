@@ -1,0 +1,22 @@
+"""``GET /api/v1/cluster``: where jobs run, and how many GPU slots are free."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api.deps import ClusterDep, SchedulerDep
+from api.schemas import ClusterPublic
+
+router = APIRouter(tags=["cluster"])
+
+
+@router.get("/cluster", response_model=ClusterPublic)
+def get_cluster(cluster: ClusterDep, scheduler: SchedulerDep) -> dict:
+    """The Ray address, the dashboard URL and every node's GPU slots (used = held by raytron's jobs)."""
+    used = scheduler.used_slots()
+    nodes = [{"node_id": n.node_id, "gpus": n.gpus, "gpus_used": min(n.gpus, used.get(n.node_id, 0)),
+              "gpus_free": max(0, n.gpus - used.get(n.node_id, 0)) if n.alive else 0, "alive": n.alive}
+             for n in cluster.nodes()]
+    return {"ray_address": cluster.ray_address, "dashboard_url": cluster.dashboard_url, "nodes": nodes,
+            "gpus_total": sum(n["gpus"] for n in nodes if n["alive"]),
+            "gpus_free": sum(n["gpus_free"] for n in nodes), "queue_length": scheduler.queue_length()}

@@ -1,0 +1,115 @@
+"""``raytron serve``: the REST API under uvicorn, with the queue and the job runners.
+
+``add_parser(sub)`` registers the sub-command on the CLI's sub-parsers; ``python -m api.serve_cmd``
+runs it alone. SIGTERM and SIGINT stop the server cleanly (uvicorn's handlers): the scheduler
+stops, running jobs keep running, and a server started again with the same data dir re-attaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_DATA_DIR = "~/.raytron"
+
+
+def data_dir_default() -> str:
+    return os.environ.get("RAYTRON_DATA_DIR") or DEFAULT_DATA_DIR
+
+
+def shape(text: str) -> tuple[int, int]:
+    """``NODESxGPUS`` such as ``2x4``."""
+    try:
+        nodes, gpus = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NODESxGPUS such as 2x4, got {text!r}") from None
+    if not (1 <= nodes <= 4096 and 1 <= gpus <= 1024):
+        raise argparse.ArgumentTypeError(f"expected NODESxGPUS with 1-4096 nodes of 1-1024 GPUs, got {text!r}")
+    return nodes, gpus
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {port}")
+    return port
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
+    p.add_argument("--simulate", type=shape, default=None, metavar="NODESxGPUS",
+                   help="admit jobs against NODES nodes of GPUS slots each (local processes run them)")
+    p.add_argument("--data-dir", default=None, help=f"logs, token, database (default $RAYTRON_DATA_DIR or "
+                   f"{DEFAULT_DATA_DIR})")
+    p.add_argument("--database-url", default=None, help="SQLAlchemy URL (default: SQLite in the data dir)")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="run the REST API, the job queue and the job runners",
+                       description="Serve the REST API (contract 4) with a persistent job store and a gang queue. "
+                                   "Every request but /healthz needs the token of RAYTRON_API_TOKEN or "
+                                   "DATA_DIR/api_token (created on first start).")
+    add_arguments(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def default_cluster(simulate: tuple[int, int] | None):
+    from service.ray_cluster import local_gpu_count
+    from service.scheduler import StaticCluster
+
+    if simulate is not None:
+        return StaticCluster(*simulate)
+    return StaticCluster(1, local_gpu_count() or os.cpu_count() or 1)
+
+
+def build_app(args):
+    """The app for parsed ``serve`` arguments (and the store, to close)."""
+    from api.app import Settings, create_app
+    from api.auth import load_or_create_token
+    from service.launchers import LocalProcessLauncher
+    from service.store import JobStore, sqlite_url
+
+    data_dir = Path(args.data_dir or data_dir_default()).expanduser().resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    database_url = args.database_url or sqlite_url(data_dir)
+    store = JobStore(database_url)
+    launcher = LocalProcessLauncher(data_dir, database_url)
+    settings = Settings(data_dir=data_dir, api_token=load_or_create_token(data_dir))
+    return create_app(settings, store=store, launcher=launcher, cluster=default_cluster(args.simulate)), store
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        app, store = build_app(args)
+    except ValueError as e:  # a bad database URL, a newer schema, ...
+        print(f"raytron serve: error: {e}", file=sys.stderr)
+        return 2
+    print(f"raytron serve: http://{args.host}:{args.port}/docs (token: RAYTRON_API_TOKEN or "
+          f"{Path(args.data_dir or data_dir_default()).expanduser()}/api_token)", file=sys.stderr, flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
+    finally:
+        store.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="raytron serve")
+    add_arguments(parser)
+    return cmd_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""What a job would need, from the pure rank math: grid, placement, memory and traffic. Runs nothing.
+
+Used by ``POST /api/v1/plan`` and ``raytron plan SPEC``. No torch import: parameter counts come
+from the model's shapes (the same shapes :mod:`workers.model` builds; ``tests/test_plan.py``
+checks them against a real model's ``numel``).
+
+Memory (fp32 training, as the trainer runs today): per parameter 4 bytes of weight, 4 of
+gradient and 8 of Adam moments; the distributed optimizer (ZeRO-1) keeps an fp32 master copy
+and the moments only for its 1/n shard (n = dp x cp for dense weights, expert dp for experts):
+``4 + 4 + 12/n`` bytes. Activations are not estimated.
+
+Traffic is the bytes *sent* per iteration, summed over all ranks, modelled as ring collectives
+(an all-reduce of M bytes over n ranks: each rank sends ``2(n-1)/n x M``; all-gather or
+reduce-scatter: ``(n-1)/n x M``) and point-to-point sends. Each ring hop (consecutive ranks of a
+group, as Megatron lists them) is in-node when both ranks share a node of the placement plan.
+Per microbatch and layer: TP 4 all-reduce-equivalents of the activation (2 forward, 2 backward;
+with SP the all-gather/reduce-scatter pairs move the same bytes); CP the K/V chunks around the
+ring (cp-1 sends forward, twice that backward); EP 4 all-to-alls of the routed tokens (dispatch
+and combine, forward and backward); PP one activation per stage boundary forward and one
+gradient backward; DP one all-reduce (or reduce-scatter + all-gather) of the gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.placement import plan_placement
+from service.spec import JobSpec
+from workers.grid import ParallelGrid
+
+BYTES = 4  # fp32 weights, gradients, activations
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The model sizes the estimates use (defaults resolved as :func:`service.spec.to_job_config` does)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    groups: int
+    ffn: int
+    vocab: int
+    seq: int
+    experts: int | None
+    topk: int
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> "Shapes":
+        m = spec.model
+        return cls(m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups or m.num_attention_heads,
+                   m.ffn_hidden_size or 4 * m.hidden_size, m.vocab_size, m.seq_length, m.num_moe_experts,
+                   m.moe_router_topk)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def rank_parameters(s: Shapes, grid: ParallelGrid, rank: int) -> dict[str, int]:
+    """Parameters one rank holds: ``dense`` (reduced over dp x cp) and ``expert`` (over expert dp)."""
+    c = grid.coords(rank)
+    tp, etp = grid.tp, grid.etp
+    h, d = s.hidden, s.head_dim
+    qkv = (s.heads + 2 * s.groups) * d * h // tp
+    proj = h * s.heads * d // tp
+    norms = 2 * h
+    dense_layer = qkv + proj + norms
+    expert_layer = 0
+    if s.experts:
+        dense_layer += s.experts * h  # the router is replicated
+        expert_layer = (s.experts // grid.ep) * 3 * s.ffn * h // etp
+    else:
+        dense_layer += 3 * s.ffn * h // tp  # gate, up (fused) and down
+    layers = s.layers // grid.pp
+    dense = layers * dense_layer
+    padded = -(-s.vocab // tp) * tp
+    if c["pp"] == 0:
+        dense += padded // tp * h
+    if c["pp"] == grid.pp - 1:
+        dense += padded // tp * h + h
+    return {"dense": dense, "expert": layers * expert_layer}
+
+
+def memory(s: Shapes, grid: ParallelGrid) -> list[dict]:
+    """Per rank: parameters and bytes of weights, gradients and optimizer state, without and with
+    the distributed optimizer."""
+    out = []
+    for rank in range(grid.world_size):
+        p = rank_parameters(s, grid, rank)
+        total = p["dense"] + p["expert"]
+        shard = p["dense"] / (grid.dp * grid.cp) + p["expert"] / grid.expert_dp
+        out.append({"rank": rank, "parameters": total, "dense_parameters": p["dense"],
+                    "expert_parameters": p["expert"], "param_bytes": BYTES * total, "grad_bytes": BYTES * total,
+                    "optimizer_bytes": 2 * BYTES * total,
+                    "optimizer_bytes_distributed": round(3 * BYTES * shard),
+                    "total_bytes": 4 * BYTES * total,
+                    "total_bytes_distributed": round(2 * BYTES * total + 3 * BYTES * shard)})
+    return out
+
+
+class _Traffic:
+    def __init__(self, node_of: list[int]):
+        self.node_of = node_of
+        self.totals: dict[str, dict[str, float]] = {}
+
+    def send(self, kind: str, src: int, dst: int, nbytes: float) -> None:
+        where = "in_node" if self.node_of[src] == self.node_of[dst] else "cross_node"
+        bucket = self.totals.setdefault(kind, {"in_node": 0.0, "cross_node": 0.0})
+        bucket[where] += nbytes
+
+    def ring(self, kind: str, group: list[int], per_rank_bytes: float) -> None:
+        """A ring collective in which each rank sends ``per_rank_bytes`` to its successor."""
+        n = len(group)
+        if n > 1:
+            for i, r in enumerate(group):
+                self.send(kind, r, group[(i + 1) % n], per_rank_bytes)
+
+    def all_to_all(self, kind: str, group: list[int], per_rank_bytes: float) -> None:
+        """Each rank sends ``per_rank_bytes`` spread evenly over the group (its own share stays)."""
+        n = len(group)
+        for src in group:
+            for dst in group:
+                if src != dst:
+                    self.send(kind, src, dst, per_rank_bytes / n)
+
+
+def traffic(s: Shapes, spec: JobSpec, grid: ParallelGrid, node_of: list[int]) -> dict[str, dict[str, int]]:
+    """Bytes sent per iteration by each parallel dimension, in-node vs cross-node (see module docstring)."""
+    t, p = spec.training, spec.parallel
+    mbs = t.global_batch_size // (t.micro_batch_size * grid.dp)  # microbatches per iteration per dp rank
+    layers = s.layers // grid.pp
+    tokens = s.seq // grid.cp * t.micro_batch_size  # per microbatch on one rank (before SP)
+    act = tokens * s.hidden * BYTES
+    tr = _Traffic(node_of)
+    for kind in ("tp", "cp", "ep", "dp", "pp"):
+        tr.totals[kind] = {"in_node": 0.0, "cross_node": 0.0}
+    n = grid.tp
+    for g in grid.groups("tp"):
+        tr.ring("tp", g, mbs * layers * 4 * 2 * (n - 1) / n * act)
+    if grid.cp > 1:
+        kv = 2 * tokens * s.groups * s.head_dim * BYTES // grid.tp
+        for g in grid.groups("cp"):
+            # p2p ring attention: each K/V chunk visits every other rank; backward sends K/V and dK/dV
+            tr.ring("cp", g, mbs * layers * 3 * (grid.cp - 1) * kv)
+    if s.experts and grid.ep > 1:
+        routed = tokens // (grid.tp if p.sequence_parallel else 1) * s.topk * s.hidden * BYTES
+        for g in grid.groups("ep", expert=True):
+            tr.all_to_all("ep", g, mbs * layers * 4 * routed)
+    if grid.pp > 1:
+        chunks = grid.pp * (p.virtual_pipeline_model_parallel_size or 1)
+        boundary = mbs * act // (grid.tp if p.sequence_parallel else 1)
+        for g in grid.groups("pp"):
+            for k in range(chunks - 1):  # virtual stage k lives on pp rank k % pp
+                src, dst = g[k % grid.pp], g[(k + 1) % grid.pp]
+                tr.send("pp", src, dst, boundary)  # activations forward
+                tr.send("pp", dst, src, boundary)  # their gradients backward
+    for g in grid.groups("dp-cp"):
+        dense = rank_parameters(s, grid, g[0])["dense"] * BYTES
+        tr.ring("dp", g, 2 * (len(g) - 1) / len(g) * dense)
+    if s.experts:
+        for g in grid.groups("dp", expert=True):
+            expert = rank_parameters(s, grid, g[0])["expert"] * BYTES
+            tr.ring("dp", g, 2 * (len(g) - 1) / len(g) * expert)
+    return {k: {w: round(v) for w, v in d.items()} for k, d in tr.totals.items()}
+
+
+def plan_job(spec: JobSpec) -> dict:
+    """The whole plan of a valid spec: grid sizes, placement, memory per rank, traffic per iteration."""
+    world = spec.world_size
+    p = spec.parallel
+    grid = ParallelGrid(world, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                        cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+                        etp=p.expert_tensor_parallel_size, vpp=p.virtual_pipeline_model_parallel_size, order=p.order)
+    placement = plan_placement(grid, spec.resources.gpus_per_node, spec.resources.num_nodes)
+    node_of = [pl.node for pl in placement]
+    s = Shapes.of(spec)
+    mem = memory(s, grid)
+    ranks = []
+    for pl in placement:
+        c = grid.coords(pl.rank)
+        ranks.append({"rank": pl.rank, "node": pl.node, "local": pl.local,
+                      **{k: c[k] for k in ("tp", "cp", "dp", "pp", "ep", "etp", "expert_dp")}})
+    return {"name": spec.name, "world_size": world, "num_nodes": spec.resources.num_nodes,
+            "gpus_per_node": spec.resources.gpus_per_node, "sizes": grid.sizes(), "order": grid.order,
+            "model_parameters": model_parameters(s),
+            "placement": ranks, "memory": mem, "traffic": traffic(s, spec, grid, node_of)}
+
+
+def model_parameters(s: Shapes) -> int:
+    """Parameters of the whole, unsharded model (the vocabulary unpadded)."""
+    one = ParallelGrid(1)
+    p = rank_parameters(s, one, 0)
+    return p["dense"] + p["expert"]

@@ -1,0 +1,264 @@
+"""The server loop: submit -> QUEUED; admit by gang; launch; watch the runners; recover after a restart.
+
+A :class:`Scheduler` owns no job state of its own: the store is the record (jobs, events) and
+the runner each launcher starts writes the job's events there. The scheduler only
+
+* stores a submitted job QUEUED, refusing one that can never fit the cluster (:class:`NeverFits`);
+* in a background thread, admits queued jobs with :func:`service.queue.admit` against the free
+  GPU slots (the cluster's slots minus those held by the jobs it launched), records the
+  admission (an ``"admission"`` event naming the nodes, so a restarted server knows which slots
+  are held) and asks the launcher to start the runner;
+* notices a runner that ended without a final state (killed, crashed) and records FAILED, or
+  CANCELLED when a cancel was asked;
+* on start, re-attaches to the runners of jobs that were running when a previous server
+  stopped, and records FAILED for those whose runner is gone.
+
+Nothing here prints; ``logging`` carries what an operator may want to see.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from service.launchers import JobLauncher
+from service.queue import QueuedJob, admit, can_ever_fit
+from service.spec import JobSpec
+from service.store import TERMINAL_STATES, InvalidTransition, JobStore, UnknownJob
+
+log = logging.getLogger("raytron.scheduler")
+ACTIVE_STATES = ("STARTING", "RUNNING", "RESTARTING")
+
+
+@dataclass(frozen=True)
+class NodeSlots:
+    node_id: str
+    gpus: int
+    alive: bool = True
+
+
+class ClusterView(Protocol):
+    """What the scheduler and ``GET /api/v1/cluster`` know of the cluster."""
+
+    ray_address: str | None
+    dashboard_url: str | None
+
+    def nodes(self) -> list[NodeSlots]:
+        """The alive nodes and their GPU slots (all of them, free or not)."""
+
+
+class StaticCluster:
+    """A fixed cluster of ``num_nodes`` x ``gpus_per_node`` slots (``--simulate``, tests)."""
+
+    def __init__(self, num_nodes: int, gpus_per_node: int, *, ray_address: str | None = None,
+                 dashboard_url: str | None = None):
+        self._nodes = [NodeSlots(f"node-{i}", gpus_per_node) for i in range(num_nodes)]
+        self.ray_address, self.dashboard_url = ray_address, dashboard_url
+
+    def nodes(self) -> list[NodeSlots]:
+        return list(self._nodes)
+
+
+class NeverFits(ValueError):
+    """The job needs more than the whole cluster (HTTP 409); the message has needed vs available."""
+
+
+class JobNotActive(ValueError):
+    """A cancel of a job that has already ended (HTTP 409)."""
+
+
+def queued_job(row: dict) -> QueuedJob:
+    res = row["spec"].get("resources") or {}
+    return QueuedJob(id=row["id"], submitted_at=row["submitted_at"], priority=row["priority"],
+                     num_nodes=int(res.get("num_nodes", 1)), gpus_per_node=int(res.get("gpus_per_node", 1)))
+
+
+class Scheduler:
+    """Admission, launching and supervision of jobs (see the module docstring).
+
+    Args:
+        store: the job store.
+        launcher: starts and stops runners.
+        cluster: the cluster's nodes and slots.
+        poll_s: how often the loop looks at runners and the queue (a submit or cancel wakes it at once).
+        vanish_grace_s: a runner that exited is given this long for its last events to land
+            before the scheduler records a final state for it.
+    """
+
+    def __init__(self, store: JobStore, launcher: JobLauncher, cluster: ClusterView, *, poll_s: float = 0.5,
+                 vanish_grace_s: float = 2.0):
+        self.store, self.launcher, self.cluster = store, launcher, cluster
+        self.poll_s, self.vanish_grace_s = poll_s, vanish_grace_s
+        self._held: dict[str, tuple[tuple[str, ...], int]] = {}  # launched job -> (nodes, gpus per node)
+        self._dead_since: dict[str, float] = {}
+        self._cancelled: set[str] = set()
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- the API's calls ----------------------------------------------------------------------
+    def submit(self, spec: JobSpec, *, priority: int = 0, sizes: dict | None = None) -> dict:
+        """Store the job QUEUED; raises :class:`NeverFits` when the cluster can never hold it."""
+        data = {**spec.model_dump(mode="json"), "priority": priority}
+        probe = QueuedJob(id=spec.name, submitted_at=0.0, priority=priority, num_nodes=spec.resources.num_nodes,
+                          gpus_per_node=spec.resources.gpus_per_node)
+        refusal = can_ever_fit(probe, self.total_slots())
+        if refusal is not None:
+            raise NeverFits(refusal.replace(f"job {spec.name} ", "this job ", 1))
+        row = self.store.create_job(data, name=spec.name, priority=priority, sizes=sizes)
+        self._wake.set()
+        return row
+
+    def cancel(self, job_id: str) -> dict:
+        """Cancel a job: a queued one at once, a running one through its launcher (in the background)."""
+        with self._lock:
+            row = self.store.get_job(job_id)
+            if row is None:
+                raise UnknownJob(f"no job {job_id!r}")
+            if row["state"] in TERMINAL_STATES:
+                raise JobNotActive(f"job {job_id} is {row['state']} already; only a queued or running job can be "
+                                   f"cancelled")
+            self._cancelled.add(job_id)
+            if job_id not in self._held:
+                try:
+                    return self.store.update_job(job_id, state="CANCELLED", message="cancelled while queued",
+                                                 error={"code": "cancelled", "message": "cancelled while queued"})
+                except InvalidTransition:
+                    return self.store.get_job(job_id)
+        threading.Thread(target=self._cancel_runner, args=(job_id,), daemon=True, name=f"cancel-{job_id}").start()
+        return row
+
+    def total_slots(self) -> dict[str, int]:
+        return {n.node_id: n.gpus for n in self.cluster.nodes() if n.alive}
+
+    def used_slots(self) -> dict[str, int]:
+        used: dict[str, int] = {}
+        with self._lock:
+            for nodes, gpus in self._held.values():
+                for node in nodes:
+                    used[node] = used.get(node, 0) + gpus
+        return used
+
+    def queue_length(self) -> int:
+        with self._lock:
+            return sum(1 for r in self.store.jobs_in_states("QUEUED") if r["id"] not in self._held)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Recover the jobs of an earlier server, then run the loop in a daemon thread."""
+        self.recover()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="raytron-scheduler")
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the loop; running jobs keep running (a restarted server re-attaches to them)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def recover(self) -> None:
+        """Re-attach to the runners of jobs an earlier server launched; FAILED for vanished ones."""
+        for row in self.store.jobs_in_states("QUEUED", *ACTIVE_STATES):
+            admission = self.store.events(row["id"], kind="admission")
+            if row["state"] == "QUEUED" and not admission:
+                continue  # never launched: it waits in the queue as before
+            nodes = tuple(admission[-1]["data"].get("nodes", ())) if admission else ()
+            if self.launcher.reattach(row):
+                log.info("re-attached to job %s (%s)", row["id"], row["state"])
+                with self._lock:
+                    self._held[row["id"]] = (nodes, queued_job(row).gpus_per_node)
+            else:
+                self._finish(row["id"], "FAILED", "runner_vanished",
+                             "the job's runner process was gone when the server restarted")
+
+    def step(self) -> None:
+        """One pass: supervise launched runners, then admit and launch what fits."""
+        self._supervise()
+        self._admit()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad pass (database busy...)
+                log.exception("scheduler pass failed; retrying")
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+
+    def _supervise(self) -> None:
+        with self._lock:
+            launched = list(self._held)
+        for job_id in launched:
+            row = self.store.get_job(job_id)
+            alive = self.launcher.is_alive(job_id)
+            if row is not None and row["state"] in TERMINAL_STATES and not alive:
+                self._release(job_id)
+                continue
+            if alive:
+                self._dead_since.pop(job_id, None)
+                continue
+            since = self._dead_since.setdefault(job_id, time.monotonic())
+            if time.monotonic() - since < self.vanish_grace_s:
+                continue  # its last events may still be landing
+            if job_id in self._cancelled:
+                self._finish(job_id, "CANCELLED", "cancelled", "cancelled by request")
+            else:
+                self._finish(job_id, "FAILED", "runner_exited", "the job's runner process exited without "
+                             "recording a final state (see the job's logs)")
+            self._release(job_id)
+
+    def _admit(self) -> None:
+        with self._lock:
+            queued = [queued_job(r) for r in self.store.jobs_in_states("QUEUED") if r["id"] not in self._held]
+            if not queued:
+                return
+            total = self.total_slots()
+            used = self.used_slots()
+            free = {node: max(0, n - used.get(node, 0)) for node, n in total.items()}
+            plan = admit(free, queued, cluster_total=total)
+            for job, refusal in plan.never_fit:
+                self._finish(job.id, "FAILED", "never_fits", refusal)
+            for admission in plan.start:
+                self._launch(admission.job, admission.nodes)
+
+    def _launch(self, job: QueuedJob, nodes: tuple) -> None:
+        nodes = tuple(str(n) for n in nodes)
+        # Recorded before the runner starts: a server killed right after still knows the slots are held.
+        self.store.append_event(job.id, {"time": time.time(), "kind": "admission", "state": "QUEUED",
+                                         "message": f"admitted on {', '.join(nodes)}", "data": {"nodes": list(nodes)}})
+        self._held[job.id] = (nodes, job.gpus_per_node)
+        row = self.store.get_job(job.id)
+        try:
+            handle = self.launcher.launch(row)
+            log.info("launched job %s (%s)", job.id, handle)
+        except Exception as exc:  # noqa: BLE001 - a launch failure fails the job, not the server
+            log.exception("launching job %s failed", job.id)
+            self._finish(job.id, "FAILED", "launch_failed", f"could not start the job's runner: {exc}")
+            self._held.pop(job.id, None)
+
+    def _cancel_runner(self, job_id: str) -> None:
+        try:
+            self.launcher.cancel(job_id)
+        finally:
+            self._wake.set()
+
+    def _release(self, job_id: str) -> None:
+        with self._lock:
+            self._held.pop(job_id, None)
+            self._dead_since.pop(job_id, None)
+            self._cancelled.discard(job_id)
+        reap = getattr(self.launcher, "reap", None)
+        if reap is not None:
+            reap(job_id)
+        self._wake.set()  # its slots are free: the queue may move
+
+    def _finish(self, job_id: str, state: str, code: str, message: str) -> None:
+        try:
+            self.store.update_job(job_id, state=state, message=message, error={"code": code, "message": message})
+        except InvalidTransition:
+            pass  # the runner recorded its own final state in the meantime
