@@ -65,14 +65,19 @@ def _field_errors(prefix: str, e: ValidationError) -> list[dict]:
 
 
 def _path_of(message: str) -> str:
-    """The field a cross-field message is mostly about (its first ``section.field``)."""
+    """The field a cross-field message is about: the first ``section.field`` or bare field name in it
+    (rules name the field they are about first: "model.num_layers 3 is not divisible by ...")."""
+    found: list[tuple[int, str]] = []
     m = _PATH.search(message)
     if m:
-        return m.group(1)
-    for word in _WORD.findall(message):  # a bare field name, e.g. "expert_model_parallel_size 2 needs ..."
-        for section, model in SECTIONS.items():
-            if word in model.model_fields:
-                return f"{section}.{word}"
+        found.append((m.start(), m.group(1)))
+    for m in _WORD.finditer(message):  # a bare name, e.g. "expert_model_parallel_size 2 needs ..."
+        section = next((k for k, model in SECTIONS.items() if m.group(1) in model.model_fields), None)
+        if section is not None:
+            found.append((m.start(), f"{section}.{m.group(1)}"))
+            break
+    if found:
+        return min(found)[1]
     return "resources" if "world_size" in message else "spec"
 
 

@@ -1,0 +1,148 @@
+"""The server loop, stepped one pass at a time against a fake launcher and a real SQLite store."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from service.scheduler import NeverFits, Scheduler, StaticCluster
+from service.spec import parse_spec
+from service.store import JobStore, sqlite_url
+
+
+class FakeLauncher:
+    """Runners that live until the test ends them."""
+
+    def __init__(self):
+        self.launched: list[str] = []
+        self.alive: set[str] = set()
+        self.cancelled: list[str] = []
+        self.known: set[str] = set()  # what reattach finds (runners of an earlier server)
+
+    def launch(self, job):
+        self.launched.append(job["id"])
+        self.alive.add(job["id"])
+        return job["id"]
+
+    def cancel(self, job_id):
+        self.cancelled.append(job_id)
+        self.alive.discard(job_id)
+
+    def is_alive(self, job_id):
+        return job_id in self.alive
+
+    def reattach(self, job):
+        if job["id"] in self.known:
+            self.alive.add(job["id"])
+            return True
+        return False
+
+
+def spec(name, nodes=1, gpus=2):
+    return parse_spec({"name": name, "resources": {"num_nodes": nodes, "gpus_per_node": gpus},
+                       "training": {"global_batch_size": nodes * gpus * 2, "micro_batch_size": 1}})
+
+
+@pytest.fixture
+def env(tmp_path):
+    store = JobStore(sqlite_url(tmp_path))
+    launcher = FakeLauncher()
+    sched = Scheduler(store, launcher, StaticCluster(2, 2), vanish_grace_s=0.0)
+    yield store, launcher, sched
+    store.close()
+
+
+def finish(store, launcher, job_id, state="SUCCEEDED"):
+    for s in ("STARTING", "RUNNING", state):
+        store.update_job(job_id, state=s)
+    launcher.alive.discard(job_id)
+
+
+def test_whole_cluster_jobs_run_one_after_the_other(env):
+    store, launcher, sched = env
+    a = sched.submit(spec("a", nodes=2))["id"]
+    b = sched.submit(spec("b", nodes=2))["id"]
+    sched.step()
+    assert launcher.launched == [a]  # mutation: admit against total instead of free slots -> both launched
+    assert sched.used_slots() == {"node-0": 2, "node-1": 2} and sched.queue_length() == 1
+    sched.step()
+    assert launcher.launched == [a]
+    finish(store, launcher, a)
+    sched.step()  # releases a's slots
+    sched.step()
+    assert launcher.launched == [a, b]
+    assert store.get_job(b)["state"] == "QUEUED"  # the runner, not the scheduler, records STARTING
+
+
+def test_priority_order(env):
+    store, launcher, sched = env
+    blocker = sched.submit(spec("blocker", nodes=2))["id"]
+    sched.step()
+    low = sched.submit(spec("low", nodes=2))["id"]
+    high = sched.submit(spec("high", nodes=2), priority=5)["id"]
+    finish(store, launcher, blocker)
+    sched.step(); sched.step()
+    assert launcher.launched == [blocker, high]  # mutation: priority not passed to the queue -> low first
+    finish(store, launcher, high)
+    sched.step(); sched.step()
+    assert launcher.launched == [blocker, high, low]
+
+
+def test_never_fits_is_refused_at_submission(env):
+    _, launcher, sched = env
+    with pytest.raises(NeverFits, match=r"needs 3 node\(s\) x 2 GPU slots = 6 GPU slots.*2 node\(s\) x 2 GPU slots"):
+        sched.submit(spec("big", nodes=3))
+    with pytest.raises(NeverFits, match="gpus_per_node"):
+        sched.submit(spec("wide", nodes=1, gpus=4))
+
+
+def test_runner_that_exits_without_a_final_state_fails_the_job(env):
+    store, launcher, sched = env
+    a = sched.submit(spec("a"))["id"]
+    sched.step()
+    store.update_job(a, state="STARTING")
+    launcher.alive.discard(a)  # crashed
+    sched.step()
+    job = store.get_job(a)
+    assert job["state"] == "FAILED" and job["error"]["code"] == "runner_exited"
+    assert sched.used_slots() == {}
+
+
+def test_cancel_queued_and_running(env):
+    store, launcher, sched = env
+    a = sched.submit(spec("a", nodes=2))["id"]
+    b = sched.submit(spec("b", nodes=2))["id"]
+    sched.step()
+    assert sched.cancel(b)["state"] == "CANCELLED"  # queued: at once
+    store.update_job(a, state="STARTING")
+    sched.cancel(a)
+    deadline = time.monotonic() + 5
+    while a not in launcher.cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sched.step()
+    assert store.get_job(a)["state"] == "CANCELLED"  # the fake runner recorded nothing: the scheduler does
+    assert launcher.launched == [a]
+
+
+def test_restart_reattaches_live_runners_and_fails_vanished_ones(env, tmp_path):
+    store, launcher, sched = env
+    live = sched.submit(spec("live"))["id"]
+    gone = sched.submit(spec("gone"))["id"]
+    waiting = sched.submit(spec("waiting", nodes=2))["id"]
+    sched.step()
+    for j in (live, gone):
+        store.update_job(j, state="STARTING")
+    # A new server over the same store: only `live` still has a runner.
+    relaunch = FakeLauncher()
+    relaunch.known = {live}
+    again = Scheduler(store, relaunch, StaticCluster(2, 2), vanish_grace_s=0.0)
+    again.recover()
+    assert store.get_job(live)["state"] == "STARTING"
+    failed = store.get_job(gone)
+    assert failed["state"] == "FAILED" and failed["error"]["code"] == "runner_vanished"
+    assert store.get_job(waiting)["state"] == "QUEUED"
+    assert again.used_slots() == {"node-0": 2}  # mutation: held slots not rebuilt -> waiting starts too early
+    again.step()
+    assert relaunch.launched == []  # `waiting` needs both nodes; `live` holds one
+    assert [e["state"] for e in store.events(live, kind="state")] == ["QUEUED", "STARTING"]  # nothing twice
