@@ -1,0 +1,62 @@
+"""`raytron serve` killed with SIGKILL mid-job and started again on the same data dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from test_api import Server, pid_alive, tiny, wait_for
+
+
+def test_sigkill_mid_job_then_restart_the_job_finishes_with_its_history_once(tmp_path):
+    srv = Server(tmp_path / "data").start()
+    with srv.client() as api:
+        job_id = api.post("/jobs", json=tiny("survivor", world=2, iters=150)).json()["id"]
+        wait_for(api, job_id, ("STARTING", "RUNNING"))
+    srv.stop(signal.SIGKILL)
+    runner = json.loads((srv.data_dir / "jobs" / job_id / "runner.json").read_text())["pid"]
+    assert pid_alive(runner)  # the runner outlives the server (its own session)
+
+    again = Server(srv.data_dir)
+    again.port, again.url = srv.port, srv.url  # same address, as a restarted service
+    again.start()
+    try:
+        with again.client() as api:
+            assert api.get(f"/jobs/{job_id}").json()["state"] in ("STARTING", "RUNNING")  # re-attached, not FAILED
+            job = wait_for(api, job_id, ("SUCCEEDED", "FAILED", "CANCELLED"), timeout_s=180)
+            assert job["state"] == "SUCCEEDED", job
+            assert len(job["losses"]) == 150
+            events = api.get(f"/jobs/{job_id}/events").json()["events"]
+            assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+            assert [e["state"] for e in events if e["kind"] == "state"] == ["QUEUED", "STARTING", "RUNNING",
+                                                                            "SUCCEEDED"]
+            assert [e["data"]["iteration"] for e in events if e["kind"] == "iteration"] == list(range(1, 151))
+            assert sum(e["kind"] == "admission" for e in events) == 1  # not launched a second time
+            # the restarted server admits new work once the survivor's slots are free
+            nxt = api.post("/jobs", json=tiny("next", world=2, iters=1)).json()["id"]
+            assert wait_for(api, nxt, ("SUCCEEDED", "FAILED"))["state"] == "SUCCEEDED"
+    finally:
+        again.stop()
+
+
+def test_a_runner_gone_with_the_server_is_failed_with_a_reason(tmp_path):
+    srv = Server(tmp_path / "data").start()
+    with srv.client() as api:
+        job_id = api.post("/jobs", json=tiny("orphan", world=1, iters=10 ** 6)).json()["id"]
+        wait_for(api, job_id, ("RUNNING",))
+    srv.stop(signal.SIGKILL)
+    runner = json.loads((srv.data_dir / "jobs" / job_id / "runner.json").read_text())["pid"]
+    os.killpg(runner, signal.SIGKILL)  # the machine rebooted, say: the runner and its ranks are gone
+    deadline = time.monotonic() + 10
+    while pid_alive(runner) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    again = Server(srv.data_dir).start()
+    try:
+        with again.client() as api:
+            job = api.get(f"/jobs/{job_id}").json()
+            assert job["state"] == "FAILED"  # mutation: recover() skipped -> stays RUNNING forever
+            assert job["error"]["code"] == "runner_vanished" and "gone" in job["error"]["message"]
+    finally:
+        again.stop()
