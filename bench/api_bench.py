@@ -1,0 +1,124 @@
+"""REST API throughput (run by hand): `python bench/api_bench.py [--clients 200] [--requests 10]`.
+
+Starts `raytron serve` (a child process, SQLite in a temporary data dir, a 1x1 static cluster),
+submits one long "blocker" job so that every later submission stays QUEUED (nothing else runs),
+then measures
+
+* ``GET /api/v1/jobs/{id}`` latency (p50, p99) and rate under ``--clients`` concurrent clients, each
+  sending ``--requests`` requests one after the other (one asyncio process of clients, so the
+  figures include the client's own cost on the same cores);
+* submissions per second: ``--submissions`` ``POST /api/v1/jobs`` from 8 concurrent clients.
+
+At the end every job is cancelled and the server stopped. Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from test_api import Server, tiny, wait_for  # noqa: E402
+
+
+async def _get_latencies(url: str, token: str, job_id: str, clients: int, requests: int) -> tuple[list[float], float]:
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, limits=limits,
+                                 timeout=120) as http:
+        latencies: list[float] = []
+
+        async def one_client():
+            for _ in range(requests):
+                t0 = time.perf_counter()
+                r = await http.get(f"/jobs/{job_id}")
+                latencies.append(time.perf_counter() - t0)
+                r.raise_for_status()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one_client() for _ in range(clients)))
+        return latencies, time.perf_counter() - t0
+
+
+async def _submit(url: str, token: str, count: int, clients: int = 8) -> tuple[list[str], float]:
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as http:
+        ids: list[str] = []
+        todo = iter(range(count))
+
+        async def one_client():
+            for i in todo:
+                r = await http.post("/jobs", json=tiny(f"bench-{i}", world=1, iters=1))
+                r.raise_for_status()
+                ids.append(r.json()["id"])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one_client() for _ in range(clients)))
+        return ids, time.perf_counter() - t0
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=200)
+    parser.add_argument("--requests", type=int, default=10, help="GET requests per client")
+    parser.add_argument("--submissions", type=int, default=200)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="raytron-bench-") as tmp:
+        srv = Server(Path(tmp) / "data", simulate="1x1").start()
+        url = f"{srv.url}/api/v1"
+        runner = None
+        try:
+            with srv.client() as api:
+                blocker = api.post("/jobs", json=tiny("blocker", world=1, iters=10 ** 7)).json()["id"]
+                wait_for(api, blocker, ("STARTING", "RUNNING"))
+                # Hold its slot without its CPU: the ranks would otherwise take a core from the server.
+                runner = json.loads((srv.data_dir / "jobs" / blocker / "runner.json").read_text())["pid"]
+                os.killpg(runner, signal.SIGSTOP)
+                ids, submit_s = asyncio.run(_submit(url, srv.token, args.submissions))
+                lat, get_s = asyncio.run(_get_latencies(url, srv.token, ids[0], args.clients, args.requests))
+                os.killpg(runner, signal.SIGCONT)
+                for job_id in ids + [blocker]:
+                    api.post(f"/jobs/{job_id}/cancel")
+                wait_for(api, blocker, ("CANCELLED",), timeout_s=60)
+        finally:
+            if runner is not None:  # whatever happened, never leave the stopped blocker behind
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.killpg(runner, sig)
+                    except ProcessLookupError:
+                        pass
+            srv.stop()
+            errors = [line for line in srv.log.read_text().splitlines() if "Error" in line or "Traceback" in line]
+            if os.environ.get("RAYTRON_BENCH_LOG"):
+                Path(os.environ["RAYTRON_BENCH_LOG"]).write_text(srv.log.read_text())
+    if errors:
+        print("server log errors:\n" + "\n".join(errors[:10]))
+    result = {"get_p50_ms": 1000 * statistics.median(lat), "get_p99_ms": 1000 * pct(lat, 0.99),
+              "get_per_s": len(lat) / get_s, "submissions_per_s": len(ids) / submit_s}
+    print(f"{'measure':<44}{'value':>12}")
+    print(f"{f'GET /jobs/{{id}} p50, {args.clients} clients':<44}{result['get_p50_ms']:>9.1f} ms")
+    print(f"{f'GET /jobs/{{id}} p99, {args.clients} clients':<44}{result['get_p99_ms']:>9.1f} ms")
+    print(f"{'GET /jobs/{id} requests/s':<44}{result['get_per_s']:>12.0f}")
+    print(f"{f'POST /jobs submissions/s ({len(ids)}, 8 clients)':<44}{result['submissions_per_s']:>12.1f}")
+    print(f"(machine: {os.cpu_count()} CPUs, client and server on the same machine)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
