@@ -45,10 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     p.add_argument("--simulate", type=shape, default=None, metavar="NODESxGPUS",
-                   help="admit jobs against NODES nodes of GPUS slots each (local processes run them)")
+                   help="admit jobs against NODES nodes of GPUS slots each; with --launcher ray, start a simulated "
+                        "Ray cluster of that shape on this machine")
     p.add_argument("--data-dir", default=None, help=f"logs, token, database (default $RAYTRON_DATA_DIR or "
                    f"{DEFAULT_DATA_DIR})")
     p.add_argument("--database-url", default=None, help="SQLAlchemy URL (default: SQLite in the data dir)")
+    p.add_argument("--launcher", choices=("processes", "ray"), default=None,
+                   help="how job runners start: local processes, or Ray Jobs on the Ray cluster (RAY_ADDRESS, "
+                        "a simulated one with --simulate, else an embedded one); default ray when RAY_ADDRESS "
+                        "is set, else processes")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
 
 
@@ -71,8 +76,16 @@ def default_cluster(simulate: tuple[int, int] | None):
     return StaticCluster(1, local_gpu_count() or os.cpu_count() or 1)
 
 
-def build_app(args):
-    """The app for parsed ``serve`` arguments (and the store, to close)."""
+def launcher_kind(args) -> str:
+    return args.launcher or ("ray" if os.environ.get("RAY_ADDRESS") else "processes")
+
+
+def build_app(args, ray_session=None):
+    """The app for parsed ``serve`` arguments (and the store, to close).
+
+    Args:
+        ray_session: the :class:`service.ray_cluster.RaySession` jobs run on, for ``--launcher ray``.
+    """
     from api.app import Settings, create_app
     from api.auth import load_or_create_token
     from service.launchers import LocalProcessLauncher
@@ -82,17 +95,37 @@ def build_app(args):
     data_dir.mkdir(parents=True, exist_ok=True)
     database_url = args.database_url or sqlite_url(data_dir)
     store = JobStore(database_url)
-    launcher = LocalProcessLauncher(data_dir, database_url)
     settings = Settings(data_dir=data_dir, api_token=load_or_create_token(data_dir))
-    return create_app(settings, store=store, launcher=launcher, cluster=default_cluster(args.simulate)), store
+    if ray_session is None:
+        launcher, cluster = LocalProcessLauncher(data_dir, database_url), default_cluster(args.simulate)
+    else:
+        from service.ray_jobs import RayClusterView, RayJobsLauncher
+
+        if not ray_session.dashboard_url:
+            raise ValueError(f"the Ray cluster at {ray_session.address} has no dashboard, which Ray Jobs need; "
+                             f"start it with the dashboard (ray[default]) or use --launcher processes")
+        launcher = RayJobsLauncher(data_dir, database_url, store, ray_session.dashboard_url)
+        cluster = RayClusterView(ray_session.address, ray_session.dashboard_url)
+    return create_app(settings, store=store, launcher=launcher, cluster=cluster), store
 
 
 def cmd_serve(args) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if launcher_kind(args) == "processes":
+        return _serve(args, None)
+    from service.ray_cluster import ray_session
+
+    # The cluster lives as long as the server when raytron starts it (--simulate, or embedded).
+    with ray_session(args.simulate) as session:
+        print(f"raytron serve: Ray dashboard {session.dashboard_url or '(none)'}", file=sys.stderr, flush=True)
+        return _serve(args, session)
+
+
+def _serve(args, session) -> int:
     import uvicorn
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        app, store = build_app(args)
+        app, store = build_app(args, session)
     except ValueError as e:  # a bad database URL, a newer schema, ...
         print(f"raytron serve: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,106 @@
+"""Jobs as Ray Jobs: the runner submitted through Ray's job submission API, and Ray's view of the nodes.
+
+:class:`RayJobsLauncher` submits the same entry point as the local launcher
+(``python -m service.job_main JOB_ID ...``, see :mod:`service.launchers`) as a Ray Job whose
+submission id is ``raytron-JOB_ID``, so the job shows on the dashboard's Jobs page with its
+logs, and a restarted server finds it again by that id. The id is recorded as the job's
+``ray_job_id``. The entry point's output is also appended to ``DATA_DIR/jobs/JOB_ID/driver.log``
+(``tee``), where ``GET /api/v1/jobs/{id}/logs`` reads; the data dir and the database must be
+reachable from the node that runs the entry point (Ray runs it on the head node by default,
+where ``raytron serve`` runs).
+
+Cancel is Ray's ``stop_job``: SIGTERM to the entry point (the runner records CANCELLED and stops
+its ranks), then SIGKILL after Ray's grace period.
+
+:class:`RayClusterView` lists the alive Ray nodes and their GPU resources (a connected driver).
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+
+from service.launchers import runner_command
+from service.logs import job_dir, log_path, write_runner
+from service.scheduler import NodeSlots
+from service.store import JobStore
+
+ALIVE = ("PENDING", "RUNNING")
+
+
+def submission_id(job_id: str) -> str:
+    return f"raytron-{job_id}"
+
+
+class RayJobsLauncher:
+    """Runs each job as a Ray Job.
+
+    Args:
+        data_dir: the service's data dir (logs, runner records).
+        database_url: the store the runner writes to.
+        store: the same store, to record ``ray_job_id``.
+        dashboard_url: the Ray dashboard (job submission API), e.g. ``http://127.0.0.1:8265``.
+        env: environment variables for the entry point (``runtime_env``).
+        submit_timeout_s: how long to retry a submission the cluster is not ready for yet.
+    """
+
+    def __init__(self, data_dir: str | Path, database_url: str, store: JobStore, dashboard_url: str, *,
+                 env: dict | None = None, submit_timeout_s: float = 60.0):
+        from ray.job_submission import JobSubmissionClient
+
+        self.data_dir, self.database_url, self.store = Path(data_dir), database_url, store
+        self.client = JobSubmissionClient(dashboard_url)
+        self.env = env or {}
+        self.submit_timeout_s = submit_timeout_s
+
+    def launch(self, job: dict) -> str:
+        job_dir(self.data_dir, job["id"]).mkdir(parents=True, exist_ok=True)
+        command = " ".join(shlex.quote(x) for x in runner_command(job["id"], self.data_dir, self.database_url))
+        log = shlex.quote(str(log_path(self.data_dir, job["id"])))
+        # pipefail: the Ray job's status is the runner's, not tee's
+        entrypoint = f"bash -o pipefail -c {shlex.quote(f'{command} 2>&1 | tee -a {log}')}"
+        deadline = time.monotonic() + self.submit_timeout_s
+        while True:
+            try:
+                sid = self.client.submit_job(entrypoint=entrypoint, submission_id=submission_id(job["id"]),
+                                             runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", **self.env}},
+                                             metadata={"raytron_job_id": job["id"], "name": job["name"]})
+                break
+            except RuntimeError as e:
+                # A cluster that just started has no job agent yet ("No available agent ... try again later")
+                if "try again" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+        write_runner(self.data_dir, job["id"], {"kind": "ray_job", "submission_id": sid})
+        self.store.update_job(job["id"], ray_job_id=sid)
+        return sid
+
+    def _status(self, job_id: str) -> str | None:
+        try:
+            return str(self.client.get_job_status(submission_id(job_id)).value)
+        except Exception:  # noqa: BLE001 - unknown to Ray (never submitted, or the cluster was replaced)
+            return None
+
+    def is_alive(self, job_id: str) -> bool:
+        return self._status(job_id) in ALIVE
+
+    def reattach(self, job: dict) -> bool:
+        return self.is_alive(job["id"])
+
+    def cancel(self, job_id: str) -> None:
+        if self.is_alive(job_id):
+            self.client.stop_job(submission_id(job_id))
+
+
+class RayClusterView:
+    """The alive nodes of the Ray cluster this process is connected to, with their GPU slots."""
+
+    def __init__(self, ray_address: str, dashboard_url: str | None):
+        self.ray_address, self.dashboard_url = ray_address, dashboard_url
+
+    def nodes(self) -> list[NodeSlots]:
+        import ray
+
+        return [NodeSlots(n["NodeID"], int(n.get("Resources", {}).get("GPU", 0)), bool(n.get("Alive")))
+                for n in ray.nodes() if n.get("Alive")]
