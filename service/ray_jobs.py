@@ -46,7 +46,7 @@ class RayJobsLauncher:
     """
 
     def __init__(self, data_dir: str | Path, database_url: str, store: JobStore, dashboard_url: str, *,
-                 env: dict | None = None, submit_timeout_s: float = 60.0):
+                 env: dict | None = None, submit_timeout_s: float = 180.0):
         from ray.job_submission import JobSubmissionClient
 
         self.data_dir, self.database_url, self.store = Path(data_dir), database_url, store

@@ -71,9 +71,20 @@ class Server:
         return httpx.Client(base_url=f"{self.url}/api/v1", headers={"Authorization": f"Bearer {token}"}, timeout=30)
 
     def stop(self, sig=signal.SIGTERM) -> None:
+        """Stop the server; the job runners it started keep running (as in production)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
             self.proc.wait(30)
+
+    def kill_runners(self) -> None:
+        """Kill every job runner (and its ranks) the servers on this data dir left behind."""
+        for record in self.data_dir.glob("jobs/*/runner.json"):
+            pid = json.loads(record.read_text()).get("pid")
+            if pid and pid_alive(pid):
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 def wait_for(client: httpx.Client, job_id: str, states, timeout_s: float = 120) -> dict:
@@ -99,6 +110,7 @@ def server(tmp_path_factory):
     srv = Server(tmp_path_factory.mktemp("api")).start()
     yield srv
     srv.stop()
+    srv.kill_runners()
     assert "Traceback" not in srv.log.read_text()
 
 
@@ -134,6 +146,7 @@ def test_token_file_created_0600_and_never_printed(tmp_path):
         assert httpx.get(f"{srv.url}/api/v1/jobs", headers={"Authorization": "Bearer x" + token}).status_code == 401
     finally:
         srv.stop()
+        srv.kill_runners()
     assert token not in srv.log.read_text()
     again = Server(tmp_path / "d", token=None).start()  # a restart keeps the token
     try:

@@ -39,6 +39,7 @@ def test_sigkill_mid_job_then_restart_the_job_finishes_with_its_history_once(tmp
             assert wait_for(api, nxt, ("SUCCEEDED", "FAILED"))["state"] == "SUCCEEDED"
     finally:
         again.stop()
+        again.kill_runners()
 
 
 def test_a_runner_gone_with_the_server_is_failed_with_a_reason(tmp_path):
@@ -60,3 +61,4 @@ def test_a_runner_gone_with_the_server_is_failed_with_a_reason(tmp_path):
             assert job["error"]["code"] == "runner_vanished" and "gone" in job["error"]["message"]
     finally:
         again.stop()
+        again.kill_runners()
