@@ -74,7 +74,9 @@ class EventList(BaseModel):
 
 class RankPlacement(BaseModel, extra="allow"):
     rank: int
-    node_id: str | None = None
+    node_id: str | None = Field(None, description="the node the rank reported (hostname or Ray node id)")
+    node: str | int | None = Field(None, description="the cluster node admitted for the rank's bundle")
+    local: int | None = Field(None, description="the rank's slot (GPU index) on its node")
     pid: int | None = None
     tp: int | None = None
     cp: int | None = None

@@ -11,7 +11,8 @@ the runner each launcher starts writes the job's events there. The scheduler onl
 * notices a runner that ended without a final state (killed, crashed) and records FAILED, or
   CANCELLED when a cancel was asked;
 * on start, re-attaches to the runners of jobs that were running when a previous server
-  stopped, and records FAILED for those whose runner is gone.
+  stopped, and records FAILED for those whose runner is gone (a job admitted whose runner never
+  recorded anything is queued again: nothing of it ran).
 
 Nothing here prints; ``logging`` carries what an operator may want to see.
 """
@@ -172,6 +173,10 @@ class Scheduler:
                 log.info("re-attached to job %s (%s)", row["id"], row["state"])
                 with self._lock:
                     self._held[row["id"]] = (nodes, queued_job(row).gpus_per_node)
+            elif row["state"] == "QUEUED":
+                # Admitted, but its runner never recorded a thing (the server died around the launch):
+                # nothing ran, so it simply waits for admission again.
+                log.info("job %s was admitted but never started; it is queued again", row["id"])
             else:
                 self._finish(row["id"], "FAILED", "runner_vanished",
                              "the job's runner process was gone when the server restarted")

@@ -133,6 +133,9 @@ def test_restart_reattaches_live_runners_and_fails_vanished_ones(env, tmp_path):
     sched.step()
     for j in (live, gone):
         store.update_job(j, state="STARTING")
+    unstarted = store.create_job({"resources": {"num_nodes": 1, "gpus_per_node": 1}}, name="unstarted")["id"]
+    store.append_event(unstarted, {"time": time.time(), "kind": "admission", "state": "QUEUED",
+                                   "data": {"nodes": ["node-0"]}})  # the server died right after admitting it
     # A new server over the same store: only `live` still has a runner.
     relaunch = FakeLauncher()
     relaunch.known = {live}
@@ -142,6 +145,7 @@ def test_restart_reattaches_live_runners_and_fails_vanished_ones(env, tmp_path):
     failed = store.get_job(gone)
     assert failed["state"] == "FAILED" and failed["error"]["code"] == "runner_vanished"
     assert store.get_job(waiting)["state"] == "QUEUED"
+    assert store.get_job(unstarted)["state"] == "QUEUED"  # nothing of it ran: it is queued again
     assert again.used_slots() == {"node-0": 2}  # mutation: held slots not rebuilt -> waiting starts too early
     again.step()
     assert relaunch.launched == []  # `waiting` needs both nodes; `live` holds one

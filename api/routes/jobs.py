@@ -111,9 +111,40 @@ def get_placement(job_id: str, store: StoreDep) -> dict:
     if not events:
         return {"job_id": job_id, "attempt": len(attempts), "reported_at": None, "ranks": []}
     last = events[-1]
-    ranks = (last["data"] or {}).get("placement") or []
+    ranks = sorted((last["data"] or {}).get("placement") or [], key=lambda r: r.get("rank", 0))
     return {"job_id": job_id, "attempt": len(attempts), "reported_at": last["time"],
-            "ranks": sorted(ranks, key=lambda r: r.get("rank", 0))}
+            "ranks": _with_slots(store, job_id, ranks)}
+
+
+def _with_slots(store: JobStore, job_id: str, ranks: list[dict]) -> list[dict]:
+    """Fill in the planned node (the admitted node's id) and local slot of ranks that did not report one."""
+    if not ranks or all("local" in r for r in ranks):
+        return ranks
+    from service.placement import plan_placement
+    from service.spec import parse_spec
+    from workers.grid import ParallelGrid
+
+    row = get_row(store, job_id)
+    try:
+        spec = parse_spec({k: v for k, v in row["spec"].items() if k != "priority"})
+        p = spec.parallel
+        grid = ParallelGrid(spec.world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                            cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+                            etp=p.expert_tensor_parallel_size, vpp=p.virtual_pipeline_model_parallel_size,
+                            order=p.order)
+        plan = plan_placement(grid, spec.resources.gpus_per_node, spec.resources.num_nodes)
+    except ValueError:
+        return ranks
+    admitted = store.events(job_id, kind="admission")
+    nodes = (admitted[-1]["data"] or {}).get("nodes", []) if admitted else []
+    out = []
+    for r in ranks:
+        planned = plan[r["rank"]] if 0 <= r.get("rank", -1) < len(plan) else None
+        if planned is not None:
+            r = {"node": nodes[planned.node] if planned.node < len(nodes) else planned.node,
+                 "local": planned.local, **r}
+        out.append(r)
+    return out
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobPublic,
