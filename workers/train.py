@@ -23,7 +23,7 @@ from workers.groups import ProcessGroups, build_process_groups
 from workers.model import ModelChunk, ShardContext, local_positions
 from workers.parallel import comm
 from workers.parallel.context import cp_split
-from workers.parallel.data import build_optimizer
+from workers.parallel.optimizer import build_optimizer
 from workers.parallel.pipeline import partition_layers, schedule
 from workers.parallel.pipeline_exec import run_pipeline
 from workers.parallel.tensor import vocab_parallel_cross_entropy
@@ -71,6 +71,10 @@ class Trainer:
         self.tokens_per_iteration = t.global_batch_size * job.model.seq_length
         s_local = job.model.seq_length // g.cp // (g.tp if p.sequence_parallel else 1)
         self.activation_shape = (s_local, t.micro_batch_size, job.model.hidden_size)
+        if g.pp > 1:
+            # NCCL: batched p2p on a group whose communicator does not exist yet needs every
+            # member to take part in that first call; one collective creates it up front.
+            comm.all_reduce(torch.zeros(1, device=self.device), self.groups.pp)
 
     @property
     def iteration(self) -> int:
@@ -127,7 +131,7 @@ class Trainer:
             actions, stage=self.stage, pp=self.grid.pp, vpp=self.vpp, pp_ranks=self.groups.ranks("pp"),
             chunks=self.chunks, num_microbatches=self.num_microbatches, get_input=get_input, loss_fn=loss_fn,
             tensor_shape=self.activation_shape, group=self.groups.pp, device=self.device,
-            before_last_backward=lambda: self.optimizer.grads.set_last_microbatch(True),
+            before_last_backward=lambda chunk: self.optimizer.grads.arm(self.chunks[chunk].parameters()),
         )
         self.optimizer.step()
         loss = self._global_loss(mb_losses)

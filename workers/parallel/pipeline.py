@@ -103,12 +103,12 @@ def schedule_1f1b(num_microbatches: int, pp: int, stage: int) -> list[Action]:
 
 
 def interleaved_warmup(num_microbatches: int, pp: int, vpp: int, stage: int) -> int:
-    """Forward steps the interleaved schedule runs before its first backward on ``stage``."""
-    total = num_microbatches * vpp
-    if num_microbatches == pp:
-        # Megatron: with exactly pp microbatches every forward is warm-up (one round per chunk).
-        return total
-    return min((pp - stage - 1) * 2 + (vpp - 1) * pp, total)
+    """Forward steps the interleaved schedule runs before its first backward on ``stage``.
+
+    Current Megatron's rule for every microbatch count; its old special case (``m == pp``:
+    every forward is warm-up) was dropped there and here.
+    """
+    return min((pp - stage - 1) * 2 + (vpp - 1) * pp, num_microbatches * vpp)
 
 
 def _virtual(k: int, pp: int, vpp: int, forward: bool) -> tuple[int, int]:
