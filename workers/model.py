@@ -38,6 +38,7 @@ class ShardContext:
 
     tp_group: object = None
     cp_group: object = None
+    tp_cp_group: object = None
     cp_ranks: tuple[int, ...] | None = None
     ep_group: object = None
     etp_group: object = None
@@ -52,6 +53,11 @@ class ShardContext:
     @property
     def cp(self) -> int:
         return comm.world_size(self.cp_group)
+
+    @property
+    def token_group(self):
+        """The ranks whose tokens together make one microbatch: TP x CP with SP, else CP."""
+        return self.tp_cp_group if self.sequence_parallel and self.tp > 1 else self.cp_group
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -168,6 +174,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ShardContext, index: int):
         super().__init__()
         prefix = f"layers.{index}"
+        self.index = index  # global layer index: the parameter names' prefix
         self.ctx = ctx
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
         self.attention = Attention(cfg, ctx, f"{prefix}.attention")
@@ -181,6 +188,7 @@ class DecoderLayer(nn.Module):
                 init_full(ctx.seed, f"{prefix}.experts.down", (e, h, f), std),
                 topk=cfg.moe_router_topk, ep_group=ctx.ep_group, etp_group=ctx.etp_group,
                 aux_loss_coeff=cfg.moe_aux_loss_coeff, sequence_parallel=ctx.sequence_parallel,
+                token_group=ctx.token_group,
             )
         else:
             self.mlp = MLP(cfg, ctx, f"{prefix}.mlp")
@@ -244,6 +252,30 @@ class ModelChunk(nn.Module):
             logits = self.output(self.final_norm(x))
             x = logits.masked_fill(self.vocab_pad_mask, float("-inf")) if self.has_vocab_pad else logits
         return x
+
+    def logical_parameters(self):
+        """Yield ``(full name, param, shards)`` for every parameter of this chunk.
+
+        The full name uses the global layer index (``layers.5.attention.qkv.weight``), the
+        same on every layout. ``shards`` says which part of the full tensor ``param`` is: a
+        tuple of ``(dim, index, count)``, i.e. the ``index``-th of ``count`` equal slices of
+        ``dim`` (empty for a replicated param). The vocab-parallel tables include the vocab
+        padding rows; ``mlp.gate_up`` is laid out ``[gate_r; up_r]`` per TP rank.
+        """
+        tp = (comm.rank(self.ctx.tp_group), self.ctx.tp)
+        ep = (comm.rank(self.ctx.ep_group), comm.world_size(self.ctx.ep_group))
+        etp = (comm.rank(self.ctx.etp_group), comm.world_size(self.ctx.etp_group))
+        for name, p in self.named_parameters():
+            if name.startswith("layers."):
+                _, local, rest = name.split(".", 2)
+                name = f"layers.{self.layers[int(local)].index}.{rest}"
+            shards = []
+            if getattr(p, "tensor_model_parallel", False) and tp[1] > 1:
+                shards.append((p.partition_dim, *tp))
+            if getattr(p, "is_expert", False):
+                shards += [(dim, *where) for dim, where in ((p.ep_partition_dim, ep), (p.etp_partition_dim, etp))
+                           if where[1] > 1]
+            yield name, p, tuple(shards)
 
     def pop_aux_loss(self) -> float:
         """Sum of this chunk's MoE aux losses over layers and microbatches since the last call."""

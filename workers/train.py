@@ -51,7 +51,7 @@ class Trainer:
         self.vpp = p.virtual_pipeline_model_parallel_size or 1
         self.stage = c["pp"]
         self.ctx = ShardContext(
-            tp_group=self.groups.tp, cp_group=self.groups.cp, cp_ranks=tuple(self.groups.ranks("cp")),
+            tp_group=self.groups.tp, cp_group=self.groups.cp, tp_cp_group=self.groups.tp_cp, cp_ranks=tuple(self.groups.ranks("cp")),
             ep_group=self.groups.ep, etp_group=self.groups.etp, sequence_parallel=p.sequence_parallel,
             cp_comm_type=p.cp_comm_type, seed=t.seed,
         )
@@ -112,7 +112,9 @@ class Trainer:
         t0 = time.perf_counter()
         for chunk in self.chunks:
             for layer in chunk.layers:
-                layer.aux_scale = 1.0 / (self.num_microbatches * self._token_shards())
+                # Each rank backpropagates its share of each microbatch's aux loss; the global
+                # objective is the mean over the num_microbatches x dp microbatches.
+                layer.aux_scale = 1.0 / (self.num_microbatches * self.grid.dp)
         self.optimizer.zero_grad()
         actions = schedule(self.num_microbatches, self.grid.pp, self.job.parallel.virtual_pipeline_model_parallel_size,
                            self.stage)
@@ -157,18 +159,15 @@ class Trainer:
         comm.all_reduce(value, self.groups.pp)  # other stages hold 0
         return float(value.item())
 
-    def _token_shards(self) -> int:
-        """Ranks that see different tokens of one microbatch-slot (dp x cp, x tp with SP);
-        without SP the tp ranks see the same tokens and compute the same aux loss."""
-        return self.grid.dp * self.grid.cp * self.grid.tp
-
     def _global_aux_loss(self) -> float:
-        """The MoE load-balancing loss (summed over layers, averaged over microbatches and
-        token shards), reported apart from the LM loss; it depends on how tokens are sharded."""
+        """The MoE load-balancing loss (summed over layers, averaged over microbatches),
+        reported apart from the LM loss: every rank's shares, summed over the world. Without
+        SP the TP ranks compute the same share, so it is counted once per TP group."""
         import torch.distributed as dist
 
         local = sum(chunk.pop_aux_loss() for chunk in self.chunks)
-        value = torch.tensor([local / (self.num_microbatches * self._token_shards())], dtype=torch.float64,
+        replicas = 1 if self.job.parallel.sequence_parallel else self.grid.tp
+        value = torch.tensor([local / (self.num_microbatches * self.grid.dp * replicas)], dtype=torch.float64,
                              device=self.device)
         if self.grid.world_size > 1:
             comm.all_reduce(value, dist.group.WORLD)
