@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.parallel import comm
+from workers.parallel.initializer import materialize
 from workers.parallel.moe_dispatch import AllToAllDispatcher
 
 
@@ -55,7 +56,7 @@ class TopKRouter(nn.Module):
         token_group=None,
     ):
         super().__init__()
-        if full_weight.dim() != 2:
+        if len(full_weight.shape) != 2:
             raise ValueError(f"router weight must be [num_experts, hidden], got shape {tuple(full_weight.shape)}")
         num_experts = full_weight.shape[0]
         if not 1 <= topk <= num_experts:
@@ -64,7 +65,7 @@ class TopKRouter(nn.Module):
             raise ValueError(f"moe_aux_loss_coeff ({aux_loss_coeff}) must be >= 0")
         self.num_experts, self.topk, self.aux_loss_coeff = num_experts, topk, aux_loss_coeff
         self.token_group = token_group
-        self.weight = nn.Parameter(full_weight.detach().clone().float())
+        self.weight = nn.Parameter(materialize(full_weight).detach().clone().float())
         self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,7 +120,7 @@ class SwiGLUExperts(nn.Module):
 
     def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ep_group=None, etp_group=None):
         super().__init__()
-        if w_gate.dim() != 3 or w_up.shape != w_gate.shape:
+        if len(w_gate.shape) != 3 or tuple(w_up.shape) != tuple(w_gate.shape):
             raise ValueError(
                 f"w_gate and w_up must both be [E, ffn, h]; got {tuple(w_gate.shape)} and {tuple(w_up.shape)}"
             )
@@ -141,10 +142,12 @@ class SwiGLUExperts(nn.Module):
         self.num_local_experts, ffn_local = num_experts // ep, ffn // etp
         e0 = comm.rank(ep_group) * self.num_local_experts
         f0 = comm.rank(etp_group) * ffn_local
-        experts, cols = slice(e0, e0 + self.num_local_experts), slice(f0, f0 + ffn_local)
-        self.w_gate = self._param(w_gate[experts, cols], etp_dim=1)
-        self.w_up = self._param(w_up[experts, cols], etp_dim=1)
-        self.w_down = self._param(w_down[experts, :, cols], etp_dim=2)
+        def mine(w, etp_dim: int):  # only this rank's block is made when ``w`` is lazy
+            return materialize(w.narrow(0, e0, self.num_local_experts).narrow(etp_dim, f0, ffn_local))
+
+        self.w_gate = self._param(mine(w_gate, 1), etp_dim=1)
+        self.w_up = self._param(mine(w_up, 1), etp_dim=1)
+        self.w_down = self._param(mine(w_down, 2), etp_dim=2)
 
     @staticmethod
     def _param(shard: torch.Tensor, etp_dim: int) -> nn.Parameter:

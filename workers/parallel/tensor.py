@@ -9,8 +9,9 @@ replicated over the full sequence (SP off) or as its ``seq/tp`` slice (SP on, se
 ``sequence.py``). An MLP is ``column -> activation -> row``: one collective forward, one
 backward.
 
-Every layer is built from the *full* weight the caller initialised (``config.init_full``);
-rank ``r`` copies its contiguous slice, so every layout starts from the same model. The
+Every layer is built from the *full* weight the caller initialised: a tensor, or a lazy one
+(:mod:`workers.parallel.initializer`) of which only rank ``r``'s contiguous slice is ever
+made, so every layout starts from the same model at O(shard) cost. The
 slice is tagged ``tensor_model_parallel = True`` and ``partition_dim`` (0 or 1) for
 checkpointing and gradient-norm code. ``group=None`` means no TP: the layers then match
 ``F.linear`` / ``F.embedding`` / ``F.cross_entropy`` and need no process group.
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.parallel import comm
+from workers.parallel.initializer import materialize
 from workers.parallel.sequence import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -102,9 +104,10 @@ def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 
 
-def _shard(full: torch.Tensor, dim: int, group, what: str, field: str) -> nn.Parameter:
-    """This rank's contiguous slice of ``full`` along ``dim``, as a tagged parameter."""
-    if full.dim() != 2:
+def _shard(full, dim: int, group, what: str, field: str) -> nn.Parameter:
+    """This rank's contiguous slice of ``full`` (a tensor or a lazy block) along ``dim``, as a
+    tagged parameter."""
+    if len(full.shape) != 2:
         raise ValueError(f"{what}: expected a 2-D full weight, got shape {tuple(full.shape)}")
     n, r = comm.world_size(group), comm.rank(group)
     size = full.shape[dim]
@@ -114,7 +117,7 @@ def _shard(full: torch.Tensor, dim: int, group, what: str, field: str) -> nn.Par
             f"choose {field} as a multiple of {n} (or a smaller tensor_model_parallel_size)"
         )
     per = size // n
-    param = nn.Parameter(full.detach().narrow(dim, r * per, per).clone())
+    param = nn.Parameter(materialize(full.narrow(dim, r * per, per)).detach().clone())
     param.tensor_model_parallel = True
     param.partition_dim = dim
     return param
