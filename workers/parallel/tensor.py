@@ -26,10 +26,7 @@ from torch import nn
 
 from workers.parallel import comm
 from workers.parallel.initializer import materialize
-from workers.parallel.sequence import (
-    gather_from_sequence_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-)
+from workers.parallel.sequence import reduce_scatter_to_sequence_parallel_region
 
 # ---------------------------------------------------------------------------------------
 # Mappings (Megatron's mappings.py, the TP half; the SP half lives in sequence.py).
@@ -70,6 +67,27 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _split_last(grad, ctx.group), None
+
+
+class _LinearWithSequenceGather(torch.autograd.Function):
+    """``all_gather_seq(x) @ W.T`` that saves the sequence *shard* ``x`` for backward and
+    gathers it again there (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``
+    with sequence parallelism): the gathered ``[s, b, in]`` input is never kept, so a
+    column-parallel layer stores 1/tp of its input, at the price of one more all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.group = group
+        ctx.save_for_backward(x, weight)
+        return F.linear(comm.all_gather(x, group, dim=0), weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        full = comm.all_gather(x, ctx.group, dim=0)
+        grad_input = comm.reduce_scatter(grad.matmul(weight), ctx.group, dim=0)
+        grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]))
+        return grad_input, grad_weight, None
 
 
 def _split_last(x: torch.Tensor, group) -> torch.Tensor:
@@ -131,8 +149,9 @@ class ColumnParallelLinear(nn.Module):
             ``[r*out/tp, (r+1)*out/tp)``.
         group: the tensor-parallel group (``None``: no TP).
         sequence_parallel: the input is this rank's ``[s/tp, b, in]`` sequence shard and is
-            all-gathered along the sequence (backward reduce-scatters); otherwise the input
-            is the replicated ``[s, b, in]`` (backward all-reduces).
+            all-gathered along the sequence (backward gathers it again and reduce-scatters the
+            input gradient; only the shard is saved); otherwise the input is the replicated
+            ``[s, b, in]`` (backward all-reduces).
         gather_output: all-gather the output to ``[s, b, out]``; otherwise it stays
             ``[s, b, out/tp]``, ready for a RowParallelLinear or the vocab-parallel loss.
     """
@@ -146,11 +165,10 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _shard(full_weight, 0, group, "ColumnParallelLinear", "output size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)
+        if self.sequence_parallel and comm.world_size(self.group) > 1:
+            y = _LinearWithSequenceGather.apply(x, self.weight, self.group)
         else:
-            x = copy_to_tensor_parallel_region(x, self.group)
-        y = F.linear(x, self.weight)
+            y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.group)
         return y
