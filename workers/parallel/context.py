@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 
 from workers.parallel import comm
-from workers.parallel.context_ring import RingAttention
+from workers.parallel.context_ring import RingAttention, ring_plans
 
 COMM_TYPES = ("p2p", "all_gather")
 
@@ -217,9 +217,10 @@ def context_parallel_attention(
         )
     seq_len = q.shape[0] * cp
     scale = _scale(q, softmax_scale)
-    positions = [cp_positions(seq_len, cp, r, device=q.device) for r in range(cp)]
     if comm_type == "p2p":
-        return RingAttention.apply(q, k, v, scale, positions, cp_rank, ranks, group)
+        plans = ring_plans(seq_len, cp, cp_rank, str(q.device))
+        return RingAttention.apply(q, k, v, scale, plans, cp_rank, ranks, group)
+    positions = [cp_positions(seq_len, cp, r, device=q.device) for r in range(cp)]
     d = k.shape[-1]
     kv = _GatherKV.apply(torch.cat([k, v], dim=-1), group, torch.cat(positions))
     k_full, v_full = kv.split(d, dim=-1)

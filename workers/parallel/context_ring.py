@@ -21,6 +21,7 @@ Internal layouts: queries/outputs ``[s, b, kv_heads, group, d]``; K/V travel as 
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -63,6 +64,28 @@ def block_plan(q_pos: torch.Tensor, k_pos: torch.Tensor):
     cols = mask.any(dim=0).nonzero().squeeze(1)
     sub = mask.index_select(0, rows).index_select(1, cols)
     return rows, cols, (None if bool(sub.all()) else sub)
+
+
+@functools.lru_cache(maxsize=64)
+def ring_plans(seq_len: int, cp: int, cp_rank: int, device: str = "cpu") -> tuple:
+    """:func:`block_plan` of every ring step of ``cp_rank``, computed once per layout.
+
+    Positions are static, so the plans are too: working them out on the host once (rather
+    than per step, where ``nonzero`` and ``all`` would each wait for the device) removes the
+    host syncs from the ring. Step ``j`` pairs this rank's queries with the K/V block that
+    started at CP rank ``cp_rank - j``.
+    """
+    from workers.parallel.context import cp_positions
+
+    positions = [cp_positions(seq_len, cp, r) for r in range(cp)]
+    plans = []
+    for step in range(cp):
+        plan = block_plan(positions[cp_rank], positions[(cp_rank - step) % cp])
+        if plan is not None:
+            rows, cols, mask = plan
+            plan = tuple(t if t is None else t.to(device) for t in (rows, cols, mask))
+        plans.append(plan)
+    return tuple(plans)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask) -> torch.Tensor:
@@ -111,7 +134,7 @@ class RingAttention(torch.autograd.Function):
     """Causal attention across the CP ring; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, positions: Sequence[torch.Tensor], cp_rank: int, ranks, group):
+    def forward(ctx, q, k, v, scale: float, plans: Sequence, cp_rank: int, ranks, group):
         cp = len(ranks)
         assert cp > 1, "the ring needs at least two ranks; cp == 1 is plain causal attention"
         num_kv_heads, d = k.shape[2], k.shape[3]
@@ -125,7 +148,7 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
                 works = _exchange(kv, incoming, nxt, prv, _tag(_TAG_KV_FORWARD, step, cp), group)
-            plan = block_plan(positions[cp_rank], positions[(cp_rank - step) % cp])
+            plan = plans[step]
             if plan is not None:
                 rows, cols, mask = plan
                 kb, vb = kv.index_select(0, cols).split(d, dim=-1)
@@ -136,13 +159,13 @@ class RingAttention(torch.autograd.Function):
             kv = incoming if incoming is not None else kv
         out = out.reshape(q.shape)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.positions, ctx.cp_rank, ctx.ranks, ctx.group = scale, positions, cp_rank, ranks, group
+        ctx.scale, ctx.plans, ctx.cp_rank, ctx.ranks, ctx.group = scale, plans, cp_rank, ranks, group
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        scale, positions, cp_rank, ranks, group = ctx.scale, ctx.positions, ctx.cp_rank, ctx.ranks, ctx.group
+        scale, plans, cp_rank, ranks, group = ctx.scale, ctx.plans, ctx.cp_rank, ctx.ranks, ctx.group
         cp = len(ranks)
         num_kv_heads, d = k.shape[2], k.shape[3]
         nxt, prv = ranks[(cp_rank + 1) % cp], ranks[(cp_rank - 1) % cp]
@@ -160,7 +183,7 @@ class RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(kv)
                 works = _exchange(kv, incoming, nxt, prv, _tag(_TAG_KV_BACKWARD, step, cp), group)
             dkv = torch.zeros_like(kv)
-            plan = block_plan(positions[cp_rank], positions[(cp_rank - step) % cp])
+            plan = plans[step]
             if plan is not None:
                 rows, cols, mask = plan
                 kb, vb = kv.index_select(0, cols).split(d, dim=-1)
