@@ -28,17 +28,6 @@ import torch
 
 from workers.parallel import comm
 
-# Tag offsets (multiplied by the step count) keep the three message kinds apart when two of
-# them are in flight between the same pair of ranks.
-_TAG_KV_FORWARD = 0
-_TAG_KV_BACKWARD = 1
-_TAG_DKV = 2
-
-
-def _tag(kind: int, step: int, cp: int) -> int:
-    return kind * cp + step
-
-
 def _group_heads(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     s, b, h, d = x.shape
     return x.reshape(s, b, num_kv_heads, h // num_kv_heads, d)
@@ -125,9 +114,13 @@ def _merge(out, lse, rows, blk_out, blk_lse) -> None:
     lse.index_copy_(-1, rows, new_lse)
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, tag: int, group):
-    """Send to the next rank and receive from the previous one; returns the work handles."""
-    return comm.p2p([(send, nxt, tag)], [(recv, prv, tag)], group)
+def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group):
+    """Send to the next rank and receive from the previous one in one batch; returns the works.
+
+    No tags (NCCL has none): every rank posts its exchanges in the same order (K/V of step
+    j, then the dK/dV of step j), so each pair's messages match in posting order.
+    """
+    return comm.p2p([(send, nxt)], [(recv, prv)], group)
 
 
 class RingAttention(torch.autograd.Function):
@@ -147,7 +140,7 @@ class RingAttention(torch.autograd.Function):
             works, incoming = [], None
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
-                works = _exchange(kv, incoming, nxt, prv, _tag(_TAG_KV_FORWARD, step, cp), group)
+                works = _exchange(kv, incoming, nxt, prv, group)
             plan = plans[step]
             if plan is not None:
                 rows, cols, mask = plan
@@ -181,7 +174,7 @@ class RingAttention(torch.autograd.Function):
             works, incoming = [], None
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
-                works = _exchange(kv, incoming, nxt, prv, _tag(_TAG_KV_BACKWARD, step, cp), group)
+                works = _exchange(kv, incoming, nxt, prv, group)
             dkv = torch.zeros_like(kv)
             plan = plans[step]
             if plan is not None:
@@ -202,7 +195,7 @@ class RingAttention(torch.autograd.Function):
                     # What the ranks before us accumulated for this same block.
                     dkv += dkv_in
                 dkv_in, dkv_sent = torch.empty_like(kv), dkv
-                pending = _exchange(dkv_sent, dkv_in, nxt, prv, _tag(_TAG_DKV, step, cp), group)
+                pending = _exchange(dkv_sent, dkv_in, nxt, prv, group)
             kv = incoming if incoming is not None else kv
         for work in pending:
             work.wait()

@@ -13,9 +13,10 @@ same interface (``shape``, ``narrow``, ``materialize``): :class:`Cat` (fused QKV
 group, gate/up interleaved per TP rank) and :class:`Zeros` (vocab padding). A layer slices a
 lazy full weight with ``narrow`` exactly as it would a tensor, and only the slice is made.
 
-The generator: the 64-bit counter and the 63-bit key are mixed with four rounds of
-MurmurHash3's 32-bit finaliser into two 32-bit uniforms, then Box-Muller in float64. The
-32-bit multiplies are done in 16-bit halves so no int64 product overflows.
+The generator: the counter's low 32 bits, keyed, go through MurmurHash3's 32-bit finaliser
+(one more round folds in the high bits of counters past 2**32); two more keyed rounds give two
+32-bit uniforms, then Box-Muller in float64. The 32-bit multiplies are done in 16-bit halves
+so no int64 product overflows.
 """
 
 from __future__ import annotations
@@ -28,27 +29,38 @@ import torch
 _M32 = 0xFFFFFFFF
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``(x * c) mod 2**32`` for int64 ``x`` in [0, 2**32) without overflowing int64."""
-    lo, hi = x & 0xFFFF, x >> 16
-    return ((lo * c) + (((hi * c) & 0xFFFF) << 16)) & _M32
+def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` in place, for int64 ``x`` in [0, 2**32), without int64 overflow."""
+    hi = x >> 16
+    x &= 0xFFFF
+    x *= c
+    hi *= c
+    hi &= 0xFFFF
+    hi <<= 16
+    x += hi
+    x &= _M32
+    return x
 
 
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's finaliser: a bijection of [0, 2**32) with full avalanche."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
+def _fmix32_(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's finaliser in place: a bijection of [0, 2**32) with full avalanche."""
+    x ^= x >> 16
+    x = _mul32_(x, 0x85EBCA6B)
+    x ^= x >> 13
+    x = _mul32_(x, 0xC2B2AE35)
+    x ^= x >> 16
+    return x
 
 
 def normal_from_counters(counters: torch.Tensor, key: int) -> torch.Tensor:
     """Standard normal float64 variates, one per int64 ``counter`` (>= 0), keyed by ``key``."""
     k0, k1 = key & _M32, (key >> 32) & _M32
-    base = _fmix32(_fmix32((counters & _M32) ^ k0) ^ (counters >> 32) ^ k1)
-    u1 = (_fmix32(base ^ 0x9E3779B9).double() + 0.5) / 2.0**32  # in (0, 1): log is finite
-    u2 = _fmix32(base ^ 0x7F4A7C15).double() / 2.0**32
+    base = _fmix32_((counters & _M32) ^ k0)
+    if counters.numel() and int(counters.max()) >> 32:  # tensors past 2**32 elements
+        hi = counters >> 32
+        base = torch.where(hi != 0, _fmix32_(base ^ hi), base)
+    u1 = (_fmix32_(base ^ (0x9E3779B9 ^ k1)).double() + 0.5) / 2.0**32  # in (0, 1): log is finite
+    u2 = _fmix32_(base ^ (0x7F4A7C15 ^ k1)).double() / 2.0**32
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
 
 
