@@ -11,7 +11,7 @@ from parity import check_layout, tiny_spec
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
 
 LAYOUTS = {
-    # name: (moe, world, parallel[, training overrides])
+    # name: (moe, world, parallel[, training overrides[, model overrides]])
     "cp2-p2p": (False, 2, {"context_parallel_size": 2}),
     "cp2-all-gather": (False, 2, {"context_parallel_size": 2, "cp_comm_type": "all_gather"}),
     "cp4": (False, 4, {"context_parallel_size": 4}),
@@ -30,15 +30,18 @@ LAYOUTS = {
     "moe-cp2-ep2": (True, 4, {"context_parallel_size": 2, "expert_model_parallel_size": 2}),
     "moe-mb2-cp2-ep2": (True, 4, {"context_parallel_size": 2, "expert_model_parallel_size": 2},
                         {"micro_batch_size": 2}),
+    # A large coefficient: the aux loss and its gradient dominate, still layout-invariant.
+    "moe-aux1-tp2-sp-cp2": (True, 4, {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                      "context_parallel_size": 2}, None, {"moe_aux_loss_coeff": 1.0}),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name):
-    moe, world, parallel, *training = LAYOUTS[name]
-    training = training[0] if training else None
-    model = MOE if moe else None
-    check_layout(tiny_spec(moe=moe, world=world, parallel=parallel, training=training), model, training)
+    moe, world, parallel, training, extra = (LAYOUTS[name] + (None, None))[:5]
+    model = {**MOE, **(extra or {})} if moe else None
+    spec = tiny_spec(moe=moe, world=world, parallel=parallel, training=training, model=extra)
+    check_layout(spec, model, training)
 
 
 def test_full_5d_moe_layout_16_ranks():
