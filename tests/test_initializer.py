@@ -3,7 +3,7 @@
 import torch
 
 from workers.config import init_full
-from workers.parallel.initializer import Cat, NormalInit, Zeros, materialize, normal_from_counters
+from workers.parallel.initializer import BLOCK, Cat, NormalInit, Zeros, materialize
 
 
 def test_shard_is_the_slice_of_the_full_tensor():
@@ -34,6 +34,16 @@ def test_values_depend_on_seed_name_and_position_only():
     assert abs(torch.corrcoef(torch.stack([x.flatten()[:-1], x.flatten()[1:]]))[0, 1].item()) < 5e-3
     assert not torch.equal(x[:10], NormalInit(4, "embedding", (1000, 1000), 1.0).materialize()[:10])
     assert not torch.equal(x[:10], NormalInit(3, "output", (1000, 1000), 1.0).materialize()[:10])
-    # Counters past 2**32 (tensors of more than 4G elements) are distinct draws.
-    z = normal_from_counters(torch.tensor([5, 5 + 2**32, 5 + 2**33]), 99)
-    assert len(set(z.tolist())) == 3
+
+
+def test_shards_across_block_boundaries():
+    # Short rows: several whole rows per block; long rows: tiles of BLOCK per row.
+    for shape in [(3 * BLOCK // 7 + 5, 7), (3, 2 * BLOCK + 100), (2, 3, BLOCK + 1)]:
+        init = NormalInit(5, "w", shape, 1.0)
+        full = init.materialize()
+        assert len(set(full.flatten().tolist())) > 0.999 * full.numel()  # no block repeats another
+        for dim in range(len(shape)):
+            n = shape[dim]
+            for start, length in [(0, n // 2), (n // 3, n - n // 3), (n - 1, 1)]:
+                got = init.narrow(dim, start, length).materialize()
+                assert torch.equal(got, full.narrow(dim, start, length)), (shape, dim, start, length)

@@ -1,67 +1,81 @@
 """Initial weights as a pure function of (seed, name, full shape), drawn per shard.
 
-Every element of a parameter's full, unsharded tensor is a normal variate computed from its
-own counter, the element's flat index in the full tensor, keyed by the job seed and the
-parameter's name (a counter-based generator, as Philox is): no generator state runs through
-the tensor, so a rank computes exactly its shard's elements, in O(shard) time and memory,
-and gets the same numbers a single process gets for those positions. That is what keeps
-layouts interchangeable (the full model is the same) without every rank drawing the whole
-model first.
+A parameter's full, unsharded tensor is cut into fixed blocks, and each block is drawn from
+its own counter-based generator (Philox, keyed by the job seed and the parameter's name, the
+block's index as the counter): no generator state runs from one block to the next, so a rank
+draws only the blocks its shard overlaps, in O(shard) time and memory, and gets the same
+numbers a single process gets for those positions. That is what keeps layouts
+interchangeable (the full model is the same) without every rank drawing the whole model.
+
+Blocks follow the last dimension, so both kinds of tensor-parallel split stay O(shard): a row
+of up to :data:`BLOCK` elements belongs to one block with its neighbours (whole rows per
+block: a dim-0 split reads whole blocks), and a longer row is cut into tiles of :data:`BLOCK`
+(a last-dim split reads only its tiles of each row).
 
 The parts of the model that are not one normal tensor are built from lazy pieces with the
 same interface (``shape``, ``narrow``, ``materialize``): :class:`Cat` (fused QKV per query
 group, gate/up interleaved per TP rank) and :class:`Zeros` (vocab padding). A layer slices a
 lazy full weight with ``narrow`` exactly as it would a tensor, and only the slice is made.
-
-The generator: the counter's low 32 bits, keyed, go through MurmurHash3's 32-bit finaliser
-(one more round folds in the high bits of counters past 2**32); two more keyed rounds give two
-32-bit uniforms, then Box-Muller in float64. The 32-bit multiplies are done in 16-bit halves
-so no int64 product overflows.
 """
 
 from __future__ import annotations
 
-import math
+import hashlib
 from typing import Sequence
 
+import numpy as np
 import torch
 
-_M32 = 0xFFFFFFFF
+BLOCK = 4096
+"""Elements per generator block: large enough that seeding is cheap next to drawing."""
 
 
-def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``(x * c) mod 2**32`` in place, for int64 ``x`` in [0, 2**32), without int64 overflow."""
-    hi = x >> 16
-    x &= 0xFFFF
-    x *= c
-    hi *= c
-    hi &= 0xFFFF
-    hi <<= 16
-    x += hi
-    x &= _M32
-    return x
+def _key(seed: int, name: str) -> int:
+    """Philox's 128-bit key for one parameter."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=16).digest(), "little")
 
 
-def _fmix32_(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's finaliser in place: a bijection of [0, 2**32) with full avalanche."""
-    x ^= x >> 16
-    x = _mul32_(x, 0x85EBCA6B)
-    x ^= x >> 13
-    x = _mul32_(x, 0xC2B2AE35)
-    x ^= x >> 16
-    return x
+def _block(key: int, index: int, n: int) -> np.ndarray:
+    """Block ``index``'s ``n`` standard normal float64 values.
+
+    The block index is the counter's second 64-bit word: drawing advances the first word,
+    so blocks' streams never overlap.
+    """
+    return np.random.Generator(np.random.Philox(counter=index << 64, key=key)).standard_normal(n)
 
 
-def normal_from_counters(counters: torch.Tensor, key: int) -> torch.Tensor:
-    """Standard normal float64 variates, one per int64 ``counter`` (>= 0), keyed by ``key``."""
-    k0, k1 = key & _M32, (key >> 32) & _M32
-    base = _fmix32_((counters & _M32) ^ k0)
-    if counters.numel() and int(counters.max()) >> 32:  # tensors past 2**32 elements
-        hi = counters >> 32
-        base = torch.where(hi != 0, _fmix32_(base ^ hi), base)
-    u1 = (_fmix32_(base ^ (0x9E3779B9 ^ k1)).double() + 0.5) / 2.0**32  # in (0, 1): log is finite
-    u2 = _fmix32_(base ^ (0x7F4A7C15 ^ k1)).double() / 2.0**32
-    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
+def _rows(box: Sequence[tuple[int, int]], lead: Sequence[int]) -> np.ndarray:
+    """Indices, ascending, of the box's rows in the full tensor viewed as ``[rows, last]``."""
+    index, stride = np.zeros((), dtype=np.int64), 1
+    for dim in reversed(range(len(lead))):
+        offset, length = box[dim]
+        step = np.arange(offset, offset + length, dtype=np.int64) * stride
+        index = index + step.reshape((length,) + (1,) * (len(lead) - 1 - dim))
+        stride *= lead[dim]
+    return index.reshape(-1)
+
+
+def draw(key: int, full_shape: Sequence[int], box: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Standard normal values of ``box`` (``(offset, length)`` per dim) of a full tensor."""
+    lead, last = tuple(full_shape[:-1]), full_shape[-1]
+    rows = _rows(box[:-1], lead)
+    c0, width = box[-1]
+    out = np.empty((rows.size, width))
+    if last <= BLOCK:
+        per = BLOCK // last  # whole rows per block
+        total = int(np.prod(lead, dtype=np.int64)) if lead else 1
+        blocks, starts, counts = np.unique(rows // per, return_index=True, return_counts=True)
+        for b, start, count in zip(blocks.tolist(), starts.tolist(), counts.tolist()):
+            first = b * per
+            values = _block(key, b, min(per, total - first) * last).reshape(-1, last)
+            out[start : start + count] = values[rows[start : start + count] - first, c0 : c0 + width]
+    else:
+        tiles = -(-last // BLOCK)
+        t0, t1 = c0 // BLOCK, (c0 + width - 1) // BLOCK
+        for i, r in enumerate(rows.tolist()):
+            parts = [_block(key, r * tiles + t, min(BLOCK, last - t * BLOCK)) for t in range(t0, t1 + 1)]
+            out[i] = np.concatenate(parts)[c0 - t0 * BLOCK : c0 - t0 * BLOCK + width]
+    return out.reshape(tuple(length for _, length in box))
 
 
 class NormalInit:
@@ -76,10 +90,8 @@ class NormalInit:
 
     def __init__(self, seed: int, name: str, shape: Sequence[int], std: float,
                  box: tuple[tuple[int, int], ...] | None = None):
-        from workers.config import stable_seed
-
         self.seed, self.name, self.full_shape, self.std = seed, name, tuple(shape), std
-        self.key = stable_seed(seed, name)
+        self.key = _key(seed, name)
         self.box = box if box is not None else tuple((0, n) for n in self.full_shape)
 
     @property
@@ -95,14 +107,8 @@ class NormalInit:
 
     def materialize(self, device=None) -> torch.Tensor:
         """The float32 values of the box: O(box) work, whatever the full size."""
-        counters = torch.zeros((), dtype=torch.int64, device=device)
-        stride = 1
-        for dim in reversed(range(len(self.full_shape))):
-            offset, length = self.box[dim]
-            index = torch.arange(offset, offset + length, dtype=torch.int64, device=device) * stride
-            counters = counters + index.view((length,) + (1,) * (len(self.full_shape) - 1 - dim))
-            stride *= self.full_shape[dim]
-        return (normal_from_counters(counters, self.key) * self.std).to(torch.float32)
+        values = draw(self.key, self.full_shape, self.box) * self.std
+        return torch.from_numpy(values.astype(np.float32)).to(device)
 
 
 class Zeros:

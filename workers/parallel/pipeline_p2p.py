@@ -28,7 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
-from workers.parallel.pipeline import Action, interleaved_warmup
+from workers.parallel.pipeline import Action, interleaved_warmup, schedule
 
 
 @dataclass(frozen=True)
@@ -178,8 +178,6 @@ def check_nccl_safe(num_microbatches: int, pp: int, vpp: int | None = None) -> i
     Raises:
         ValueError: the plans deadlock or pair messages wrongly.
     """
-    from workers.parallel.pipeline import schedule
-
     chunks = vpp or 1
     plans = [p2p_plan(schedule(num_microbatches, pp, vpp, s), s, pp, chunks) for s in range(pp)]
     return simulate_nccl(plans)
