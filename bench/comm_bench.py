@@ -95,6 +95,7 @@ _SOURCES = {
     "workers.parallel.pipeline_exec": "pp",
     "workers.parallel.moe_dispatch": "moe",
     "workers.parallel.data": "grads",
+    "workers.parallel.optimizer": "grads",
     "workers.train": "loss",
 }
 TRAFFIC = ("tp", "cp", "pp", "ep", "etp", "grads:dense", "grads:sp", "grads:expert", "loss:dp-cp", "loss:pp",
