@@ -349,3 +349,44 @@ def test_executor_rejects_mismatched_sizes():
             [], stage=0, pp=2, vpp=2, pp_ranks=[0, 1], chunks=[torch.nn.Identity()], num_microbatches=2,
             get_input=None, loss_fn=None, tensor_shape=(1,),
         )
+
+
+def _recording_rank(rank, world_size):
+    """Run pp2 interleaved and pp2 1F1B, recording every comm.p2p call the executor makes."""
+    from workers.parallel import comm
+
+    calls = []
+    original = comm.p2p
+
+    def recording(sends, recvs, group=None):
+        calls.append((tuple(("send", peer) for _, peer, *_ in sends), tuple(("recv", peer) for _, peer, *_ in recvs),
+                      tuple(tuple(t.shape) for t, *_ in sends)))
+        return original(sends, recvs, group)
+
+    comm.p2p = recording
+    out = []
+    for vpp, m in ((2, 4), (1, 4)):
+        calls.clear()
+        layers = _toy_model()
+        mine = partition_layers(_L, 2, vpp if vpp > 1 else None)[rank]
+        inputs, targets = _data(m)
+        run_pipeline(schedule(m, 2, vpp if vpp > 1 else None, rank), stage=rank, pp=2, vpp=vpp, pp_ranks=(0, 1),
+                     chunks=[torch.nn.Sequential(*(layers[i] for i in idx)) for idx in mine], num_microbatches=m,
+                     get_input=lambda mb: inputs[mb], loss_fn=lambda mb, o: _loss(o, targets[mb], m),
+                     tensor_shape=(_S, _B, _H))
+        out.append(list(calls))
+    return out
+
+
+@pytest.mark.slow
+def test_executor_posts_exactly_the_plan():
+    """What the NCCL simulator proves is what runs: one comm.p2p batch per non-empty plan step,
+    with the plan's sends and receives, in order."""
+    results = run_ranks(_recording_rank, 2)
+    for rank, per_config in enumerate(results):
+        for (vpp, m), calls in zip(((2, 4), (1, 4)), per_config):
+            plan = p2p_plan(schedule(m, 2, vpp if vpp > 1 else None, rank), rank, 2, vpp)
+            want = [(tuple(("send", op.peer) for op in step.ops if op.kind == "send"),
+                     tuple(("recv", op.peer) for op in step.ops if op.kind == "recv")) for step in plan if step.ops]
+            assert [(s, r) for s, r, _ in calls] == want, (rank, vpp)
+            assert all(shape == (_S, _B, _H) for _, _, shapes in calls for shape in shapes)

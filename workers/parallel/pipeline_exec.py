@@ -93,6 +93,8 @@ def run_pipeline(
     last_backward = {a.chunk: a.microbatch for a in actions if a.kind == "B"}  # the last one wins
 
     def exchange(ops) -> None:
+        if not ops:
+            return
         sends, recvs = [], []
         for op in ops:
             peer = pp_ranks[op.peer]
