@@ -93,6 +93,8 @@ def _compute_steps(actions: Sequence[Action], stage: int, pp: int, vpp: int) -> 
     steady = range(warmup, warmup + 2 * (total - warmup), 2)
     steps = [(a,) for a in actions[:warmup]]
     steps += [(actions[i], actions[i + 1]) for i in steady]
+    if any((f.kind, b.kind) != ("F", "B") for f, b in steps[warmup:]):
+        raise ValueError(f"stage {stage}: not an interleaved table (the steady state must alternate F and B)")
     steps += [(a,) for a in actions[warmup + 2 * (total - warmup):]]
     return steps
 
