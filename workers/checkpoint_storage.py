@@ -87,7 +87,11 @@ class Storage:
         return size, value
 
     def write_json(self, path: str, obj) -> tuple[int, int]:
-        return self.write(path, [json.dumps(obj, indent=1, sort_keys=True).encode()])
+        """Write ``obj`` as JSON; it appears under ``path`` only once whole (written under a
+        temporary name, then moved), since others poll for it and read it at once."""
+        size_crc = self.write(path + ".part", [json.dumps(obj, indent=1, sort_keys=True).encode()])
+        self.fs.move(path + ".part", path)
+        return size_crc
 
     def read(self, path: str, offset: int = 0, nbytes: int | None = None) -> bytes:
         with self.fs.open_input_file(path) as f:
