@@ -163,3 +163,27 @@ def test_nothing_to_load_is_a_clear_error(tmp_path):
 
     with pytest.raises(ValueError, match="no complete checkpoint"):
         load_checkpoint(trainer(), str(tmp_path))
+
+
+def test_object_store_commit_is_the_manifest(tmp_path):
+    """On a filesystem that is not local (pyarrow's in-memory mock stands in for s3/gs),
+    directories are not renamed: the manifest alone commits, and discovery finds it."""
+    import pyarrow.fs as pafs
+
+    from workers.checkpoint_reader import CheckpointReader, load_checkpoint
+    from workers.checkpoint_storage import Storage, latest_checkpoint, list_checkpoints
+
+    store = Storage(pafs._MockFileSystem(), "/bucket/job")
+    ck = checkpointer(tmp_path, keep_last=2)
+    ck.root = store
+    t = trainer()
+    for _ in range(3):
+        t.train_step()
+        ck.save(t)
+    found = list_checkpoints(store)
+    assert [c.iteration for c in found] == [2, 3]
+    assert all(c.storage.root.rsplit("/", 1)[1].startswith(".iter_") for c in found)
+    fresh = trainer()
+    assert load_checkpoint(fresh, CheckpointReader(latest_checkpoint(store).storage))["iteration"] == 3
+    want = t.train_step()["loss"]
+    assert fresh.train_step()["loss"] == want

@@ -10,7 +10,7 @@ attempt left behind can never be mistaken for this save's); every file is fsynce
 filesystems) once closed. The commit is two steps: ``manifest.json``, which names every file
 with its size and CRC-32, is written last, then the directory is renamed to its final name.
 On object stores, where a directory cannot be renamed atomically, the manifest alone is the
-commit: discovery (:func:`list_checkpoints`) trusts a directory only when its manifest parses
+commit and the directory keeps its temporary name: discovery (:func:`list_checkpoints`) trusts a directory only when its manifest parses
 and every file it lists is there with its size, whatever the directory is called. A crash at
 any point before the manifest leaves a directory discovery ignores, and never touches an
 earlier checkpoint.
@@ -117,17 +117,16 @@ class Storage:
     def rename_dir(self, src: str, dst: str) -> str:
         """Move a finished directory to its final name; returns where it now is.
 
-        Atomic on local filesystems (``rename``). Where the filesystem cannot move a directory
-        (object stores) it stays where it is: its manifest already made it complete.
+        Only on local filesystems, where ``rename`` is atomic. Object stores move a directory
+        object by object (copy, delete): a crash halfway would leave two incomplete halves
+        of a complete checkpoint, so there it stays where it is (its manifest made it
+        complete already).
         """
-        if self.fs.get_file_info(dst).type != pafs.FileType.NotFound:
-            self.fs.delete_dir(dst)  # an older save of the same iteration (an earlier attempt)
-        try:
-            self.fs.move(src, dst)
-        except (OSError, NotImplementedError):
-            if self.is_local:
-                raise
+        if not self.is_local:
             return src
+        if os.path.exists(dst):
+            self.fs.delete_dir(dst)  # an older save of the same iteration (an earlier attempt)
+        os.rename(src, dst)
         self._fsync(os.path.dirname(dst))
         return dst
 
