@@ -196,3 +196,10 @@ def test_resume_source_prefers_the_jobs_own_checkpoints(tmp_path):
     assert resume_source(None, None) is None
     checkpointer(tmp_path).save(trainer())
     assert resume_source(str(tmp_path), "hf:/models/x") == str(tmp_path)
+
+
+def test_a_checkpointer_serves_one_layout(tmp_path):
+    ck = checkpointer(tmp_path)
+    ck.save(trainer())
+    with pytest.raises(ValueError, match="one Checkpointer per Trainer"):
+        ck.save(trainer(parallel={"use_distributed_optimizer": True}))

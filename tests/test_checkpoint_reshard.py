@@ -53,8 +53,8 @@ def train_ranks(rank, world_size, job, *, load=None, save_root=None, save_at=(),
     t0 = time.perf_counter()
     start = load_checkpoint(trainer, load)["iteration"] if load else 0
     load_s = time.perf_counter() - t0
-    sync = Checkpointer(save_root, rank=rank, world_size=world_size) if save_root else None
-    background = Checkpointer(save_root, rank=rank, world_size=world_size, async_save=True) if save_root else None
+    sync = Checkpointer(save_root) if save_root else None
+    background = Checkpointer(save_root, async_save=True) if save_root else None
     losses, stats = [], {}
     while trainer.iteration < until:
         losses.append(trainer.train_step()["loss"])

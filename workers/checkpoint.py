@@ -142,22 +142,24 @@ def _bytes(t: torch.Tensor) -> memoryview:
 class Checkpointer:
     """Saves a trainer's checkpoints under one root; every rank of the job makes one.
 
+    One per trainer: the first save fixes who writes which piece of this layout.
+
     Args:
         uri: the checkpoint root (``checkpoint.dir``): a path or a pyarrow URI.
-        rank, world_size: this rank and the job's world size.
         keep_last: complete checkpoints to keep (older ones are pruned after each commit).
         async_save: write in a background thread (see the module docstring).
         timeout_s: how long rank 0 waits for the other ranks' files before giving up.
     """
 
-    def __init__(self, uri: str, *, rank: int = 0, world_size: int = 1, keep_last: int = 2,
-                 async_save: bool = False, timeout_s: float = 600.0):
+    def __init__(self, uri: str, *, keep_last: int = 2, async_save: bool = False, timeout_s: float = 600.0):
         if keep_last < 1:
             raise ValueError(f"checkpoint.keep_last {keep_last} must be >= 1 (the checkpoint to restart from)")
         self.root = Storage.from_uri(uri)
-        self.rank, self.world_size, self.keep_last = rank, world_size, keep_last
+        self.keep_last = keep_last
+        self.rank, self.world_size = 0, 1
         self.async_save, self.timeout_s = async_save, timeout_s
         self._owned: set[Piece] | None = None
+        self._pieces: tuple[Piece, ...] | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_committed: str | None = None  # rank 0: where the last checkpoint was committed
@@ -169,8 +171,13 @@ class Checkpointer:
         self.wait()
         t0 = time.perf_counter()
         pieces = local_pieces(trainer)
+        layout = tuple(piece for piece, _ in pieces)
         if self._owned is None:
-            self._owned = self._plan(pieces)
+            self.rank, self.world_size = trainer.rank, trainer.grid.world_size
+            self._owned, self._pieces = self._plan(pieces), layout
+        elif layout != self._pieces:
+            raise ValueError("this Checkpointer planned the writes of another trainer's layout; "
+                             "make one Checkpointer per Trainer")
         # The snapshot: a CPU copy of what this rank writes, so training can go on at once.
         mine = [(piece, data.detach().to("cpu", copy=True)) for piece, data in pieces if piece in self._owned]
         meta = {"iteration": trainer.iteration, "model": asdict(trainer.job.model),
@@ -241,8 +248,6 @@ class Checkpointer:
         size, value = self.root.write(f"{directory}/{data_file}", (_bytes(d) for _, d in mine))
         record = {"rank": self.rank, "file": data_file, "size": size, "crc32": value, "pieces": entries,
                   "rng": meta["rng"]}
-        if self.rank == 0:
-            record["meta"] = {k: v for k, v in meta.items() if k != "rng"}
         # Written last: its presence tells rank 0 that this rank is done.
         self.root.write_json(f"{directory}/{_rank_file(self.rank, 'json')}", record)
 
@@ -269,10 +274,7 @@ class Checkpointer:
 
 def save_checkpoint(trainer, uri: str, *, keep_last: int = 2) -> None:
     """One synchronous save of ``trainer`` under ``uri`` (every rank calls it)."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    Checkpointer(uri, rank=trainer.rank, world_size=world, keep_last=keep_last).save(trainer)
+    Checkpointer(uri, keep_last=keep_last).save(trainer)
 
 
 __all__ = ["Checkpointer", "Piece", "ParamView", "local_pieces", "save_checkpoint", "set_rng_state"]
