@@ -172,3 +172,41 @@ def test_moe_reshard_ep2_etp2_distopt_to_ep4_etp1(tmp_path):
     assert_same_curve(saved[0]["losses"], ref, rtol=RTOL)
     out = run(4, {"expert_model_parallel_size": 4, "expert_tensor_parallel_size": 1}, MOE, load=str(tmp_path))
     assert_same_curve(out[0]["losses"], ref[2:], rtol=RTOL)
+
+
+def crash_in_second_save(rank, world_size, job, root):
+    """Save at iteration 1; at iteration 2 the upper half of the ranks die while writing."""
+    from workers import checkpoint_storage
+    from workers.checkpoint import Checkpointer
+    from workers.train import Trainer
+
+    trainer = Trainer(job, rank, world_size)
+    ck = Checkpointer(root)
+    trainer.train_step()
+    ck.save(trainer)
+    trainer.train_step()
+    if rank >= world_size // 2:
+        def dying_write(self, path, chunks):
+            raise OSError(f"rank {rank} lost its disk while writing {path}")
+
+        checkpoint_storage.Storage.write = dying_write
+    ck.save(trainer)
+
+
+def test_crash_of_half_the_ranks_mid_save_keeps_the_previous_checkpoint(tmp_path):
+    from workers.checkpoint_reader import CheckpointReader
+    from workers.checkpoint_storage import Storage, list_checkpoints
+    from workers.spawn import RankFailure, run_ranks
+
+    job = job_of(spec(4, {}, DENSE))
+    with pytest.raises(RankFailure, match="lost its disk"):
+        run_ranks(crash_in_second_save, 4, args=(job, str(tmp_path)), timeout_s=300)
+    (debris,) = [p for p in tmp_path.iterdir() if p.name.startswith(".iter_0000002.tmp-")]
+    # Ranks 0 and 1 may or may not have finished their files before they were stopped.
+    assert {p.name for p in debris.iterdir()} <= {"rank_00000.bin", "rank_00000.json", "rank_00000.json.part",
+                                                  "rank_00001.bin", "rank_00001.json", "rank_00001.json.part"}
+    assert [c.iteration for c in list_checkpoints(Storage.from_uri(str(tmp_path)))] == [1]
+    assert CheckpointReader.open(str(tmp_path)).iteration == 1
+    one = single_process_trainer(DENSE)
+    load_checkpoint(one, str(tmp_path))
+    assert_same_curve([one.train_step()["loss"]], reference(json.dumps(DENSE))[1:2], rtol=RTOL)
