@@ -173,6 +173,17 @@ class Trainer:
             comm.all_reduce(value, dist.group.WORLD)
         return float(value.item())
 
+    # -- checkpoint hooks (workers/checkpoint.py stores the tensors; this is the rest) --------
+    def state_for_checkpoint(self) -> dict:
+        """JSON-able trainer state beside the tensors; add the LR schedule's and the loss
+        scaler's state here when they exist (``load_state_from_checkpoint`` restores them)."""
+        return {"sampler": self.sampler.state_dict(), "optimizer_steps": self.optimizer.num_steps,
+                "lr": self.optimizer.lr}
+
+    def load_state_from_checkpoint(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.optimizer.num_steps = int(state["optimizer_steps"])
+
 
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
