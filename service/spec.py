@@ -34,6 +34,8 @@ class ModelSpec(BaseModel):
     num_moe_experts: int | None = Field(None, ge=1, description="e.g. 4 -> Mixtral-style MoE layers")
     moe_router_topk: int = Field(2, ge=1)
     moe_aux_loss_coeff: float = Field(0.0, ge=0.0)
+    rotary_base: float = Field(10000.0, gt=0, description="rotary embedding base (Llama 3: 500000)")
+    norm_epsilon: float = Field(1e-5, gt=0, description="RMSNorm epsilon")
 
 
 class ParallelSpec(BaseModel):
@@ -254,7 +256,7 @@ def to_job_config(spec: JobSpec) -> JobConfig:
         num_query_groups=m.num_query_groups or m.num_attention_heads,
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size, vocab_size=m.vocab_size,
         seq_length=m.seq_length, num_moe_experts=m.num_moe_experts, moe_router_topk=m.moe_router_topk,
-        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff, rotary_base=m.rotary_base, norm_epsilon=m.norm_epsilon,
     )
     parallel = ParallelConfig(
         tensor_model_parallel_size=p.tensor_model_parallel_size,

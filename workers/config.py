@@ -114,8 +114,9 @@ def stable_seed(seed: int, name: str) -> int:
 
 
 def init_full(seed: int, name: str, shape: tuple[int, ...], std: float):
-    """The full (unsharded) initial value of a parameter: N(0, std^2) from its own generator."""
-    import torch
+    """The full (unsharded) initial value of a parameter: N(0, std^2), a pure function of
+    (seed, name, shape). Ranks make only their shard of it with
+    :class:`workers.parallel.initializer.NormalInit`, which gives the same numbers."""
+    from workers.parallel.initializer import NormalInit
 
-    g = torch.Generator().manual_seed(stable_seed(seed, name))
-    return torch.randn(*shape, generator=g, dtype=torch.float32) * std
+    return NormalInit(seed, name, shape, std).materialize()
