@@ -134,8 +134,10 @@ def _serve(args, session) -> int:
     try:
         # keep-alive longer than uvicorn's 5 s: a client that reuses a connection just as the server
         # closes it gets a reset (seen under 200 concurrent clients)
+        # (and a bounded graceful shutdown: an open event or log stream of a long job must not hold
+        # SIGTERM up; the job itself keeps running)
         uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                      timeout_keep_alive=30)).run()
+                                      timeout_keep_alive=30, timeout_graceful_shutdown=5)).run()
     finally:
         store.close()
     return 0

@@ -62,3 +62,32 @@ def test_a_runner_gone_with_the_server_is_failed_with_a_reason(tmp_path):
     finally:
         again.stop()
         again.kill_runners()
+
+
+def test_sigterm_stops_the_server_promptly_with_streams_open(tmp_path):
+    import threading
+
+    import httpx
+
+    srv = Server(tmp_path / "data").start()
+    try:
+        with srv.client() as api:
+            job_id = api.post("/jobs", json=tiny("streamed", world=1, iters=10 ** 6)).json()["id"]
+
+            def listen():
+                try:
+                    with api.stream("GET", f"/jobs/{job_id}/events", headers={"Accept": "text/event-stream"},
+                                    timeout=60) as r:
+                        for _ in r.iter_lines():
+                            pass
+                except httpx.HTTPError:
+                    pass
+
+            threading.Thread(target=listen, daemon=True).start()
+            wait_for(api, job_id, ("STARTING", "RUNNING"))
+            t0 = time.monotonic()
+            srv.stop(signal.SIGTERM)  # mutation: no graceful-shutdown timeout -> waits for the stream forever
+            assert time.monotonic() - t0 < 15 and srv.proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises it
+    finally:
+        srv.stop(signal.SIGKILL)
+        srv.kill_runners()
