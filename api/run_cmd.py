@@ -23,18 +23,15 @@ from workers.faults import Fault
 _EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
-class _Interrupted(BaseException):
-    """A signal arrived before there was a controller to cancel."""
-
-
 class _Signals:
-    """SIGINT and SIGTERM cancel the job: before a controller exists they unwind start-up
-    (every context manager cleans up); after, they ask the controller to cancel."""
+    """SIGINT and SIGTERM cancel the job. The handler never raises (an exception in the middle
+    of a cluster's start-up would leave half-started processes behind): it asks the controller
+    to cancel, or, before there is one, records the signal for the next checkpoint of
+    :func:`cmd_run`, which then stops before starting anything more."""
 
     def __init__(self):
         self.received: signal.Signals | None = None
         self.controller = None
-        self.may_raise = True
         self._saved = {}
 
     def install(self) -> None:
@@ -52,8 +49,6 @@ class _Signals:
         self.received = signal.Signals(signum)
         if self.controller is not None:
             self.controller.cancel(f"cancelled by {self.received.name}")
-        elif self.may_raise:
-            raise _Interrupted()
 
 
 @contextlib.contextmanager
@@ -88,10 +83,6 @@ def cmd_run(args) -> int:
     except ValueError as e:
         signals.restore()
         raise UsageError(str(e)) from None
-    except _Interrupted:
-        signals.restore()
-        print(f"raytron run: cancelled by {signals.received.name} before the job started", file=sys.stderr)
-        return _EXIT[signals.received]
     if args.launcher == "processes":
         from workers.rank_main import torchrun_env
 
@@ -105,23 +96,26 @@ def cmd_run(args) -> int:
         print_plan(grid, plan_placement(grid, job.gpus_per_node, job.num_nodes))
     result = None
     try:
-        with _launcher(args, job, lambda line: print(f"raytron: {line}", file=sys.stderr)) as launcher:
-            signals.install()
-            signals.may_raise = False
-            if signals.received is None:
-                controller = start_job(job, launcher=launcher, on_event=view, job_id=job_id, faults=faults)
-                signals.controller = controller
-                while (result := controller.wait(0.2)) is None:
-                    pass
-    except _Interrupted:
-        pass
-    except JobError as e:  # the cluster could not be reached or started
-        result = result_object(job_id, "FAILED", grid, [], [], error=str(e))
+        if signals.received is None:  # a signal during validation: start nothing
+            with _launcher(args, job, lambda line: print(f"raytron: {line}", file=sys.stderr)) as launcher:
+                signals.install()  # again: starting Ray may have installed its own handlers
+                if signals.received is None:
+                    controller = start_job(job, launcher=launcher, on_event=view, job_id=job_id, faults=faults)
+                    signals.controller = controller
+                    if signals.received is not None:  # arrived between the two lines above
+                        controller.cancel(f"cancelled by {signals.received.name}")
+                    while (result := controller.wait(0.2)) is None:
+                        pass
+    except JobError as e:  # the cluster could not be reached or started: one line, no job ran
+        print(f"raytron run: error: {e}", file=sys.stderr)
+        if args.json:
+            print(result_json(result_object(job_id, "FAILED", grid, [], [], error=str(e))), flush=True)
+        return 1
     finally:
         view.close()
         signals.restore()
-    if signals.received is not None:
-        if result is None or result["state"] != "CANCELLED":
+    if signals.received is not None and (result is None or result["state"] == "CANCELLED"):
+        if result is None:  # the signal came before the job started
             result = result_object(job_id, "CANCELLED", grid, [], [], error=f"cancelled by {signals.received.name}")
         _print_result(args, result, t0, note=f"cancelled by {signals.received.name}")
         return _EXIT[signals.received]

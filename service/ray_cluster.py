@@ -89,9 +89,17 @@ def _local_ray_environment(temp_dir: str) -> Iterator[None]:
     saved_flag = getattr(constants, "ENABLE_RAY_CLUSTER", None)
     if constants is not None:
         constants.ENABLE_RAY_CLUSTER = False
+    # A head node started in-process installs a SIGTERM handler that kills the cluster and calls
+    # sys.exit(1) wherever the main thread happens to be; the caller owns signals (a SIGTERM
+    # cancels the job and then stops this cluster in order).
+    import ray._private.utils as ray_utils
+
+    saved_handler_setter = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
     try:
         yield
     finally:
+        ray_utils.set_sigterm_handler = saved_handler_setter
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -243,12 +251,34 @@ def connected_cluster(address: str, *, connect_timeout_s: float = 10.0) -> Itera
     import ray
 
     check_reachable(address, connect_timeout_s)
-    ctx = ray.init(address=address, **_init_kwargs())
+    with _captured_stderr() as captured:  # Ray's C++ client logs a line per retry while it tries
+        try:
+            ctx = ray.init(address=address, **_init_kwargs())
+        except ConnectionError as e:
+            raise ClusterUnreachable(f"RAY_ADDRESS={address} accepts connections but no Ray cluster answered "
+                                     f"({e}); fix RAY_ADDRESS or unset it to run on an embedded cluster") from None
     try:
-        yield RaySession(address=address, dashboard_url=_http(ctx.dashboard_url or ""), owned=False,
-                         static=False, num_nodes=_alive_nodes())
+        session = RaySession(address=address, dashboard_url=_http(ctx.dashboard_url or ""), owned=False,
+                             static=False, num_nodes=_alive_nodes())
+        session.notes += [line for line in captured() if line.strip()][:5]
+        yield session
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def _captured_stderr() -> Iterator:
+    """Send file descriptor 2 (C++ logging included) to a temporary file; yields a reader of its lines."""
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(2)
+        sys.stderr.flush()
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lambda: (tmp.seek(0), tmp.read().decode(errors="replace").splitlines())[1]
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 @contextlib.contextmanager

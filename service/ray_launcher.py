@@ -40,7 +40,7 @@ class RayRankGroup:
         self.actors: list = []
         self.pg = None
         self.placement: list[dict] = []
-        self._stalls: dict[int, str] = {}
+        self._inflight: list = []  # refs of the last call, drained at shutdown
 
     def start(self, faults: list[Fault]) -> list[dict]:
         import ray
@@ -100,6 +100,15 @@ class RayRankGroup:
             # A call on a killed actor fails once the GCS knows it is dead; after this wait no
             # rank of the job shows as alive in `ray list actors`.
             ray.wait([a.ping.remote() for a in actors], num_returns=len(actors), timeout=30)
+        # Read the answers a failed call left behind, so Ray does not log them as unhandled errors.
+        inflight, self._inflight = self._inflight, []
+        if inflight:
+            ray.wait(inflight, num_returns=len(inflight), timeout=10)
+            for ref in inflight:
+                try:
+                    ray.get(ref, timeout=0)
+                except Exception:  # noqa: BLE001 - the failure was reported already
+                    pass
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
@@ -109,6 +118,7 @@ class RayRankGroup:
 
         rank_of = dict(zip(refs, range(len(refs))))
         ref_of = {r: ref for ref, r in rank_of.items()}
+        self._inflight = list(refs)
 
         def poll(pending: set[int], timeout: float | None) -> list[tuple[int, object]]:
             ready, _ = ray.wait([ref_of[r] for r in pending], num_returns=1, timeout=timeout)

@@ -169,3 +169,13 @@ def test_root_cause_is_the_rank_that_broke_not_its_peers():
     assert is_root_cause(RankRaised(1, {}, "InjectedFault: rank 1: injected fault before iteration 2"))
     assert not is_root_cause(RankRaised(2, {}, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1"))
     assert not is_root_cause(RankRaised(2, {}, "RuntimeError: Timed out waiting 20000ms for recv operation"))
+
+
+def test_result_object_has_no_bare_nan():
+    from service.result import result_object
+
+    job, grid = make_job()
+    metrics = [{"loss": 2.0, "grad_norm": math.inf}, {"loss": math.nan, "grad_norm": 1.0}]
+    out = result_object("j", "FAILED", grid, metrics, [], error="x")
+    assert out["losses"] == [2.0, None] and out["grad_norm"] == [None, 1.0] and "moe_aux_loss" not in out
+    json.dumps(out, allow_nan=False)

@@ -159,14 +159,58 @@ def test_restart_after_exit_and_hang_gives_the_undisturbed_curve(cluster):
     assert failures[1]["group"] == "pp" and failures[1]["pp"] == 1
 
 
-def test_cli_run_simulated_prints_the_result_json(tmp_path):
+def test_cli_run_simulated_restarts_after_a_fault(tmp_path):
     spec = tmp_path / "tiny.yaml"
-    spec.write_text(yaml.safe_dump(spec_dict(tp=1, pp=2, nodes=2, gpus=1, iters=2, gbs=4)))
+    spec.write_text(yaml.safe_dump(spec_dict(tp=1, pp=2, nodes=2, gpus=1, iters=3, gbs=4, max_restarts=1)))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "api.cli", "run", str(spec), "--simulate", "2x4", "--json"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "api.cli", "run", str(spec), "--simulate", "2x4", "--json",
+                           "--fault", "1@2:exit"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["state"] == "SUCCEEDED" and result["iterations"] == 2 and result["world_size"] == 2
+    assert result["state"] == "SUCCEEDED" and result["iterations"] == 3 and result["world_size"] == 2
+    assert result["restarts"] == 1 and "rank 1 (node 1" in proc.stderr and "died" in proc.stderr
     assert set(result) >= {"job_id", "losses", "restarts", "sizes", "placement"}
     assert len({p["node_id"] for p in result["placement"]}) == 2  # STRICT_SPREAD: one node per bundle
+    assert "Unhandled error" not in proc.stderr  # the peers' failed calls were read, not left to Ray's logger
+    local = subprocess.run([sys.executable, "-m", "api.cli", "run", str(spec), "--launcher", "processes", "--json"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert json.loads(local.stdout.strip().splitlines()[-1])["losses"] == pytest.approx(result["losses"], rel=1e-6)
+
+
+def test_sigterm_cancels_a_ray_run_and_stops_the_cluster(tmp_path):
+    import signal
+    import time
+    import uuid
+
+    spec = tmp_path / "long.yaml"
+    spec.write_text(yaml.safe_dump(spec_dict(tp=1, pp=2, nodes=2, gpus=1, iters=1000, gbs=4)))
+    tag = uuid.uuid4().hex
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAYTRON_TEST_TAG": tag}
+    err = tmp_path / "err.txt"
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "api.cli", "run", str(spec), "--simulate", "2x1"], cwd=ROOT,
+                                env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        deadline = time.monotonic() + 240
+        while "node_id" not in err.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)  # the placement table: the actors are up
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err.read_text()[-3000:]
+    assert "CANCELLED" in out and "(cancelled by SIGTERM)" in out and len(out.splitlines()) == 1
+    assert "Traceback" not in err.read_text() and "SIGTERM" not in err.read_text()  # no Ray stack dump
+    survivors = []
+    for _ in range(50):
+        survivors = [p for p in os.listdir("/proc") if p.isdigit() and _has_tag(p, tag)]
+        if not survivors:
+            break
+        time.sleep(0.2)
+    assert survivors == []  # no rank actor, raylet, GCS or dashboard process left
+
+
+def _has_tag(pid: str, tag: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"RAYTRON_TEST_TAG={tag}".encode() in f.read()
+    except OSError:
+        return False
