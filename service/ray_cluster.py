@@ -29,15 +29,14 @@ import contextlib
 import glob
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
 from service.errors import ClusterUnreachable
+from service.proc_tree import children as _children, descendants as _descendants, reap as _reap
 
 NAMESPACE = "raytron"
 _OBJECT_STORE_BYTES = 100 * 2**20  # per simulated node; rank actors pass almost nothing through it
@@ -107,52 +106,6 @@ def _local_ray_environment(temp_dir: str) -> Iterator[None]:
                 os.environ[k] = v
         if constants is not None:
             constants.ENABLE_RAY_CLUSTER = saved_flag
-
-
-def _children(pid: int) -> set[int]:
-    """Direct children of ``pid`` (Linux /proc; empty elsewhere)."""
-    out = set()
-    for path in glob.glob(f"/proc/{pid}/task/*/children"):
-        try:
-            out.update(int(c) for c in open(path).read().split())
-        except OSError:
-            pass
-    return out
-
-
-def _descendants(roots: set[int]) -> set[int]:
-    seen, todo = set(), list(roots)
-    while todo:
-        pid = todo.pop()
-        if pid not in seen:
-            seen.add(pid)
-            todo.extend(_children(pid))
-    return seen
-
-
-def _reap(pids: set[int], timeout_s: float = 10.0) -> None:
-    """Wait for processes this session started to exit, then kill the stragglers by pid.
-
-    Ray's shutdown stops the GCS, raylets and dashboard, but the dashboard's module
-    subprocesses notice only later and meanwhile keep writing into the session folder.
-    """
-    deadline = time.monotonic() + timeout_s
-    alive = {p for p in pids if os.path.exists(f"/proc/{p}")}
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.1)
-        alive = {p for p in alive if os.path.exists(f"/proc/{p}") and not _is_zombie(p)}
-    for pid in alive:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _init_kwargs() -> dict:
