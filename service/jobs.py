@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from typing import Callable, Protocol
 
-from service.controller import JobController, RankGroup
+from service.controller import ControllerConfig, JobController, RankGroup
 from service.events import JobEvent
 from service.placement import plan_placement
 from service.policy import FailurePolicy
@@ -24,6 +24,7 @@ class Launcher(Protocol):
     """Builds the rank group of each attempt (``service.process_launcher``, ``service.ray_launcher``)."""
 
     name: str
+    config: ControllerConfig
 
     def make_group(self, job: JobConfig, grid: ParallelGrid, attempt: int, *, job_id: str) -> RankGroup:
         """The group of attempt ``attempt`` (0-based); a later attempt may get another size."""
@@ -71,6 +72,6 @@ def start_job(job: JobConfig, *, launcher: Launcher, on_event: Callable[[JobEven
     job_id = job_id or new_job_id(job)
     controller = JobController(
         job, grid, job_id=job_id, on_event=on_event, failure_policy=failure_policy, faults=faults,
-        history=history, iterations_per_call=getattr(getattr(launcher, "config", None), "iterations_per_call", 1),
+        history=history, iterations_per_call=launcher.config.iterations_per_call,
         make_group=lambda attempt: launcher.make_group(job, grid, attempt, job_id=job_id))
     return controller.start() if background else controller
