@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import time
 from multiprocessing.connection import wait as wait_any
 
 from service.controller import ControllerConfig
@@ -101,8 +102,9 @@ class ProcessRankGroup:
                 conn.send(("shutdown",))
             except (OSError, ValueError):
                 pass
+        deadline = time.monotonic() + 2.0  # one grace for all: a rank stuck in a collective never reads the pipe
         for proc in self.procs:
-            proc.join(timeout=2)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
         self.kill()
         for proc in self.procs:
             proc.join(timeout=5)
