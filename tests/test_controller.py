@@ -116,6 +116,18 @@ def test_non_finite_loss_fails_at_that_iteration_and_is_not_restarted():
     json.dumps(result, allow_nan=False)
 
 
+def test_non_finite_grad_norm_fails_the_job_too():
+    job, grid = make_job(iters=4)
+    group = FakeGroup(4)
+    run = group.run
+    group.run = lambda n: [[{**m, "grad_norm": math.inf if m["iteration"] == 2 else 0.5} for m in ms]
+                           for ms in run(n)]
+    ctrl = JobController(job, grid, job_id="gn", make_group=lambda a: group)
+    result = ctrl.run()
+    assert result["state"] == "FAILED" and "iteration 2: grad norm is inf" in result["error"]
+    assert result["grad_norm"] == [0.5] and result["restarts"] == 0
+
+
 def test_a_fault_fires_once_and_later_ones_carry_over():
     job, grid = make_job(iters=5)
     groups = []
