@@ -25,7 +25,9 @@ head dim, ``g = num_query_groups / tp`` local kv heads, ``V`` vocab padded to a 
   (after proj and after down) and 2 backward all-reduces (the input grads of qkv and gate_up),
   ``4 AR(tp, A)``; a MoE layer (its tokens are SP-sharded, no TP inside) only attention's
   ``2 AR(tp, A)``. With SP each all-reduce becomes a reduce-scatter + all-gather of the same
-  volume (``2 x (tp-1)/tp A``), so the total is unchanged. The vocab-parallel embedding adds
+  volume (``2 x (tp-1)/tp A``), and each column-parallel layer (qkv, gate_up, the output
+  layer) gathers its input shard once more in backward, ``(tp-1)/tp A`` each: it saves only
+  the shard for backward (Megatron's trade of bytes for activation memory). The vocab-parallel embedding adds
   one AR of its partial lookup (SP: RS forward, AG backward), the output layer one AR of its
   input grad (SP: AG forward, RS backward). Cross-entropy needs, per token, the log-sum-exp
   over the vocab shards and the target logit: 2 floats, ``AR(tp, 2 s b 4)`` (the
@@ -93,6 +95,7 @@ _SOURCES = {
     "workers.parallel.pipeline_exec": "pp",
     "workers.parallel.moe_dispatch": "moe",
     "workers.parallel.data": "grads",
+    "workers.parallel.optimizer": "grads",
     "workers.train": "loss",
 }
 TRAFFIC = ("tp", "cp", "pp", "ep", "etp", "grads:dense", "grads:sp", "grads:expert", "loss:dp-cp", "loss:pp",
@@ -202,9 +205,11 @@ def analytic_bytes(job: JobConfig, rank: int, routes: dict[int, list[int]] | Non
     out = dict.fromkeys(TRAFFIC, 0.0)
 
     # Tensor parallelism: 4 (dense) or 2 (MoE: attention only) all-reduce volumes per layer.
-    per_layer = (2 if m.is_moe else 4) * all_reduce_bytes(tp, act)
+    # With SP, each column-parallel layer re-gathers its saved input shard in backward.
+    regather = (tp - 1) / tp * act if sp else 0.0
+    per_layer = (2 if m.is_moe else 4) * all_reduce_bytes(tp, act) + (1 if m.is_moe else 2) * regather
     per_mb = layers * per_layer + pre * all_reduce_bytes(tp, act)
-    per_mb += post * (all_reduce_bytes(tp, act) + all_reduce_bytes(tp, 2 * s * b * FLOAT))
+    per_mb += post * (all_reduce_bytes(tp, act) + regather + all_reduce_bytes(tp, 2 * s * b * FLOAT))
     out["tp"] = nmb * per_mb
 
     # Pipeline: one tensor per virtual-stage boundary and direction.

@@ -19,7 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from service.limits import check_memory, check_world_size
 from workers.config import JobConfig, ModelConfig, ParallelConfig, TrainingConfig
+from workers.dataset import data_form_problem, parse_split
 from workers.grid import ParallelGrid
+from workers.lr_schedule import LRSchedule
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -43,6 +45,8 @@ class ModelSpec(BaseModel):
     num_moe_experts: int | None = Field(None, ge=1, description="e.g. 4 -> Mixtral-style MoE layers")
     moe_router_topk: int = Field(2, ge=1)
     moe_aux_loss_coeff: float = Field(0.0, ge=0.0)
+    rotary_base: float = Field(10000.0, gt=0, description="rotary embedding base (Llama 3: 500000)")
+    norm_epsilon: float = Field(1e-5, gt=0, description="RMSNorm epsilon")
 
 
 class ParallelSpec(BaseModel):
@@ -66,8 +70,48 @@ class TrainingSpec(BaseModel):
     micro_batch_size: int = Field(2, ge=1)
     lr: float = Field(1e-3, gt=0)
     seed: int = 1234
-    data: str = "builtin:tiny"
+    data: str | list[str | float] = Field(
+        "builtin:tiny", description="builtin:tiny, a .npy/.bin token file, a Megatron PATH prefix (PATH.bin + "
+        "PATH.idx), or a blend as Megatron's --data-path: ['0.7', 'a', '0.3', 'b']")
     weight_decay: float = Field(0.0, ge=0)
+    min_lr: float = Field(0.0, ge=0, description="the LR floor after decay")
+    lr_warmup_iters: int = Field(0, ge=0, description="linear warmup from 0 over this many iterations")
+    lr_warmup_fraction: float | None = Field(None, ge=0, le=1,
+                                             description="warmup as a fraction of lr_decay_iters; exclusive with lr_warmup_iters")
+    lr_decay_iters: int | None = Field(None, ge=1, description="default train_iters")
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "constant"
+    lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
+    lr_wsd_decay_iters: int | None = Field(None, ge=1, description="WSD: the annealing phase, at the end of decay")
+    split: str = Field("969,30,1", description="train, validation, test shares (Megatron's --split)")
+    eval_interval: int | None = Field(None, ge=1, description="evaluate every this many iterations; null = never")
+    eval_iters: int = Field(10, ge=0, description="validation global batches per evaluation")
+
+
+def training_problems(t: TrainingSpec) -> list[str]:
+    """Problems of the data, split, LR-schedule and evaluation fields, each naming the fields and the fix."""
+    out: list[str] = []
+    problem = data_form_problem(t.data)
+    if problem:
+        out.append(problem)
+    try:
+        shares = parse_split(t.split)
+    except ValueError as e:
+        out.append(str(e))
+    else:
+        if shares[0] == 0:
+            out.append(f"training.split {t.split!r} gives training no data; give the first share a positive value")
+        if t.eval_interval and t.eval_iters and shares[1] == 0:
+            out.append(f"training.eval_interval {t.eval_interval} needs validation data but training.split "
+                       f"{t.split!r} gives it no share; use a split such as '969,30,1' or eval_interval: null")
+    try:
+        LRSchedule.from_iters(
+            lr=t.lr, min_lr=t.min_lr, train_iters=t.train_iters, global_batch_size=t.global_batch_size,
+            lr_warmup_iters=t.lr_warmup_iters, lr_warmup_fraction=t.lr_warmup_fraction,
+            lr_decay_iters=t.lr_decay_iters, lr_decay_style=t.lr_decay_style,
+            lr_wsd_decay_iters=t.lr_wsd_decay_iters, lr_wsd_decay_style=t.lr_wsd_decay_style)
+    except ValueError as e:
+        out.append(f"training: {e}")
+    return out
 
 
 class CheckpointSpec(BaseModel):
@@ -194,8 +238,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
         elif vpp and (t.global_batch_size // per_step) % pp:
             out.append(f"the interleaved schedule needs the number of microbatches "
                        f"({t.global_batch_size // per_step}) to be a multiple of pipeline_model_parallel_size {pp}")
-    if not (t.data.startswith("builtin:") or Path(t.data).suffix in (".npy", ".bin")):
-        out.append(f"training.data {t.data!r}: use builtin:tiny or a token file ending in .npy or .bin")
+    out.extend(training_problems(t))
     if not out:
         try:
             check_memory(to_job_config(spec))
@@ -270,7 +313,7 @@ def to_job_config(spec: JobSpec) -> JobConfig:
         num_query_groups=m.num_query_groups or m.num_attention_heads,
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size, vocab_size=m.vocab_size,
         seq_length=m.seq_length, num_moe_experts=m.num_moe_experts, moe_router_topk=m.moe_router_topk,
-        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff, rotary_base=m.rotary_base, norm_epsilon=m.norm_epsilon,
     )
     parallel = ParallelConfig(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
@@ -284,7 +327,11 @@ def to_job_config(spec: JobSpec) -> JobConfig:
     )
     training = TrainingConfig(
         train_iters=t.train_iters, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-        lr=t.lr, seed=t.seed, data=t.data, weight_decay=t.weight_decay,
+        lr=t.lr, seed=t.seed, data=tuple(str(x) for x in t.data) if isinstance(t.data, list) else t.data,
+        weight_decay=t.weight_decay, min_lr=t.min_lr, lr_warmup_iters=t.lr_warmup_iters,
+        lr_warmup_fraction=t.lr_warmup_fraction, lr_decay_iters=t.lr_decay_iters, lr_decay_style=t.lr_decay_style,
+        lr_wsd_decay_style=t.lr_wsd_decay_style, lr_wsd_decay_iters=t.lr_wsd_decay_iters, split=t.split,
+        eval_interval=t.eval_interval, eval_iters=t.eval_iters,
     )
     return JobConfig(
         name=spec.name, model=model, parallel=parallel, training=training, world_size=spec.world_size,

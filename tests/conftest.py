@@ -16,8 +16,11 @@ torch.set_num_threads(1)
 _TIERS = {
     "slow": {"test_tensor_parallel", "test_data_parallel", "test_context_parallel", "test_expert_parallel",
              "test_model_parity", "test_model_parity_5d", "test_pipeline::test_executor_matches_single_process",
-             "test_bench_smoke::test_tp2_measurement_runs"},
-    "procs": {"test_spawn", "test_cli_run"},
+             "test_bench_smoke::test_tp2_measurement_runs",
+             "test_bench_smoke::test_every_bucket_launches_during_backward_with_interleaving",
+             "test_bench_smoke::test_sp_saves_half_the_layer_activations_at_tp2",
+             "test_hf_interop", "test_checkpoint", "test_checkpoint_reshard"},
+    "procs": {"test_spawn", "test_cli_run", "test_store::test_two_processes_write_one_database"},
 }
 
 

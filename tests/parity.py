@@ -1,25 +1,45 @@
-"""Shared helpers of the whole-model parity tests: a tiny job, a single-process reference run
-and a distributed run of the same job under another layout."""
+"""Shared helpers of the whole-model parity tests.
+
+A layout passes when, against a single process running the same spec:
+
+* every iteration's LM loss (and MoE aux loss) agrees to 1e-6 relative;
+* at iteration 0 every parameter's full gradient, assembled from the shards the ranks hold
+  after the data-parallel reduction, agrees to 1e-5 (max abs error / max abs value);
+* after the last step, every copy of a replicated parameter (over TP, CP, DP, expert-DP) is
+  bit-identical to every other copy.
+
+The gradient check is what catches gradient bugs the loss cannot see (Adam is invariant to a
+constant gradient scale, so a loss curve hides "expert grads x3"); the bit-equality check
+catches replicas that drift apart (e.g. norm grads not summed over TP with SP).
+"""
 
 from __future__ import annotations
 
 import functools
+import json
+
+import numpy as np
 
 from service.spec import parse_spec, to_job_config
 
 ITERS = 3
+LOSS_RTOL = 1e-6
+GRAD_RTOL = 1e-5
 
 
 def tiny_spec(*, moe: bool = False, world: int = 1, parallel: dict | None = None, training: dict | None = None,
               model: dict | None = None) -> dict:
+    """The parity job. MoE runs with the load-balancing loss on (coefficient 0.01), and weight
+    decay is on, so both paths are part of every comparison."""
     spec = {
         "name": "parity",
         "model": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
                   "ffn_hidden_size": 64, "vocab_size": 256, "seq_length": 16,
-                  **({"num_moe_experts": 4, "moe_router_topk": 2} if moe else {}), **(model or {})},
+                  **({"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01} if moe else {}),
+                  **(model or {})},
         "parallel": parallel or {},
         "training": {"train_iters": ITERS, "global_batch_size": 8, "micro_batch_size": 1, "lr": 3e-3,
-                     "seed": 7, **(training or {})},
+                     "seed": 7, "weight_decay": 0.1, **(training or {})},
         "resources": {"num_nodes": 1, "gpus_per_node": world},
     }
     return spec
@@ -29,30 +49,132 @@ def job_of(spec: dict):
     return to_job_config(parse_spec(spec))
 
 
-def train_losses(rank, world_size, job, iters=ITERS):
+def _reduced_grads(trainer) -> dict[str, np.ndarray]:
+    """Every local param's gradient after the data-parallel reduction, as the optimizer sees
+    it (with the distributed optimizer, all-gathered back from the reduce-scattered shards)."""
+    import torch
+
+    from workers.parallel import comm
+
+    opt = trainer.optimizer
+    opt.grads.finish()
+    flat_of = {}
+    for buf in opt.grads.buffers:
+        flat = buf.grad
+        if buf.shard:
+            flat = torch.empty(buf.numel, dtype=buf.grad.dtype)
+            for bucket in buf.buckets:
+                lo, hi, base = buf.shard_range(bucket)
+                comm.all_gather_into(flat[bucket.start : bucket.end], buf.shard_grad[base : base + hi - lo], buf.group)
+        for p in buf.params:
+            flat_of[id(p)] = flat[buf.offsets[id(p)] : buf.offsets[id(p)] + p.numel()].view(p.shape)
+    return {name: flat_of[id(p)].detach().numpy().copy() for name, p, _ in _named(trainer)}
+
+
+def _named(trainer):
+    for chunk in trainer.chunks:
+        yield from chunk.logical_parameters()
+
+
+def run_trainer(rank, world_size, job, iters=ITERS) -> dict:
+    """Train ``iters`` iterations; returns losses, aux losses, iteration-0 reduced gradients and
+    final params (numpy: tensors cannot outlive a rank process), each param with its shards."""
     from workers.train import Trainer
 
     trainer = Trainer(job, rank, world_size)
-    return [trainer.train_step()["loss"] for _ in range(iters)]
+    step, captured = trainer.optimizer.step, {}
+
+    def capture_then_step():
+        if not captured:
+            captured.update(_reduced_grads(trainer))
+        step()
+
+    trainer.optimizer.step = capture_then_step
+    metrics = [trainer.train_step() for _ in range(iters)]
+    shards = {name: s for name, _, s in _named(trainer)}
+    params = {name: p.detach().numpy().copy() for name, p, _ in _named(trainer)}
+    return {"losses": [m["loss"] for m in metrics], "aux": [m["moe_aux_loss"] for m in metrics],
+            "grads": captured, "params": params, "shards": shards}
 
 
-@functools.lru_cache(maxsize=8)
-def reference_losses(moe: bool, seq_length: int = 16) -> tuple[float, ...]:
-    """The single-process loss curve (no torch.distributed at all)."""
-    job = job_of(tiny_spec(moe=moe, model={"seq_length": seq_length}))
-    return tuple(train_losses(0, 1, job))
+@functools.lru_cache(maxsize=16)
+def _reference(key: str) -> dict:
+    model, training = json.loads(key)
+    return run_trainer(0, 1, job_of(tiny_spec(model=model, training=training)))
 
 
-def distributed_losses(spec: dict) -> list[float]:
+def reference(model: dict | None = None, training: dict | None = None) -> dict:
+    """The single-process run of the parity job (no torch.distributed at all), cached."""
+    return _reference(json.dumps([model or {}, training or {}], sort_keys=True))
+
+
+def distributed_run(spec: dict) -> list[dict]:
+    """Every rank's :func:`run_trainer` result for ``spec``."""
     from workers.spawn import run_ranks
 
     job = job_of(spec)
-    per_rank = run_ranks(train_losses, job.world_size, args=(job,), timeout_s=600)
-    assert all(r == per_rank[0] for r in per_rank), "every rank reports the same loss"
-    return per_rank[0]
+    return run_ranks(run_trainer, job.world_size, args=(job,), timeout_s=600)
 
 
-def assert_same_curve(got, ref, rtol=1e-4):
+def assert_same_curve(got, ref, rtol=LOSS_RTOL, what="loss"):
     assert len(got) == len(ref)
     for i, (a, b) in enumerate(zip(got, ref)):
-        assert abs(a - b) <= rtol * abs(b), f"iteration {i}: {a} vs single-process {b} (rel {abs(a - b) / abs(b):.2e})"
+        assert abs(a - b) <= rtol * abs(b), f"{what} iteration {i}: {a} vs single-process {b} (rel {abs(a - b) / abs(b):.2e})"
+
+
+def assemble(per_rank: list[dict], key: str) -> dict[str, np.ndarray]:
+    """Full tensors from every rank's shards of ``key`` ("grads" or "params").
+
+    Replicas of one shard must be bit-identical for "params"; for "grads" the first copy is
+    taken (they are compared against the reference anyway).
+    """
+    pieces: dict[str, dict[tuple, np.ndarray]] = {}
+    for r, result in enumerate(per_rank):
+        for name, value in result[key].items():
+            where = tuple(result["shards"][name])
+            seen = pieces.setdefault(name, {})
+            if where in seen and key == "params":
+                assert np.array_equal(seen[where], value), (
+                    f"{name} shard {where}: the copy on rank {r} differs from another replica "
+                    f"(max diff {np.abs(seen[where] - value).max():.3e})")
+            seen.setdefault(where, value)
+    return {name: _place(name, shards) for name, shards in pieces.items()}
+
+
+def _place(name: str, shards: dict[tuple, np.ndarray]) -> np.ndarray:
+    where, first = next(iter(shards.items()))
+    shape = list(first.shape)
+    for dim, _, count in where:
+        shape[dim] *= count
+    full = np.full(shape, np.nan, dtype=first.dtype)
+    for where, value in shards.items():
+        index = [slice(None)] * len(shape)
+        for dim, i, count in where:
+            size = shape[dim] // count
+            index[dim] = slice(i * size, (i + 1) * size)
+        full[tuple(index)] = value
+    assert not np.isnan(full).any(), f"{name}: the ranks' shards do not cover the full tensor"
+    tp = max((count for dim, _, count in where if name.endswith("gate_up.weight")), default=1)
+    if tp > 1:  # [gate_0; up_0; gate_1; up_1; ...] -> [gate; up], the single-process layout
+        full = full.reshape(tp, 2, -1, full.shape[-1]).transpose(1, 0, 2, 3).reshape(full.shape)
+    return full
+
+
+def check_layout(spec: dict, model: dict | None = None, training: dict | None = None) -> list[dict]:
+    """Run ``spec`` distributed and check losses, iteration-0 gradients and replicas against
+    the single-process reference of the same model and training settings."""
+    per_rank = distributed_run(spec)
+    ref = reference(model, training)
+    for r in per_rank:
+        assert r["losses"] == per_rank[0]["losses"], "every rank reports the same loss"
+    assert_same_curve(per_rank[0]["losses"], ref["losses"])
+    if ref["aux"][0]:
+        assert_same_curve(per_rank[0]["aux"], ref["aux"], what="moe aux loss")
+    grads = assemble(per_rank, "grads")
+    assert sorted(grads) == sorted(ref["grads"])
+    for name, want in ref["grads"].items():
+        got = grads[name][tuple(slice(0, n) for n in want.shape)]  # drop vocab padding rows
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err <= GRAD_RTOL, f"iteration-0 gradient of {name}: relative error {err:.2e}"
+    assemble(per_rank, "params")  # asserts replicas bit-equal
+    return per_rank

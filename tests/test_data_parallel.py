@@ -11,12 +11,8 @@ import torch
 import torch.distributed as dist
 
 from workers.parallel import comm
-from workers.parallel.data import (
-    DataParallelGrads,
-    DistributedOptimizer,
-    ReplicatedOptimizer,
-    build_optimizer,
-)
+from workers.parallel.data import DataParallelGrads
+from workers.parallel.optimizer import DistributedOptimizer, ReplicatedOptimizer, build_optimizer
 from workers.spawn import run_ranks
 
 GLOBAL_BATCH = 8
@@ -203,7 +199,10 @@ def _reference_adamw(num_steps):
     """Single process: full params, gradients summed over the ranks sharing each param."""
     dense = [torch.nn.Parameter(t) for t in _init(SHAPES_DENSE, 1)]
     experts = [[torch.nn.Parameter(t) for t in _init(SHAPES_EXPERT, 2 + pair)] for pair in range(2)]
-    opt = torch.optim.AdamW(dense + experts[0] + experts[1], **HP)
+    every = dense + experts[0] + experts[1]
+    # Megatron's rule: 1-D params (norm weights, biases) are not decayed.
+    opt = torch.optim.AdamW([{"params": [p for p in every if p.dim() > 1]},
+                             {"params": [p for p in every if p.dim() == 1], "weight_decay": 0.0}], **HP)
     history = []
     for step in range(num_steps):
         opt.zero_grad()

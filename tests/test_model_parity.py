@@ -1,10 +1,14 @@
-"""Layout invariance: every parallel layout gives the single-process loss curve (1e-4)."""
+"""Layout invariance, dense model: every layout gives the single-process run (see parity.py:
+losses to 1e-6, iteration-0 gradients to 1e-5, replicas bit-equal)."""
 
 import pytest
 
-from parity import assert_same_curve, distributed_losses, job_of, reference_losses, tiny_spec, train_losses
+from parity import check_layout, job_of, reference, run_trainer, tiny_spec
+
+MB2 = {"micro_batch_size": 2}
 
 DENSE_LAYOUTS = {
+    # name: (world, parallel[, model overrides[, training overrides]])
     "tp2": (2, {"tensor_model_parallel_size": 2}),
     "tp2-sp": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
     # 4 query groups (one per TP rank): its own single-process reference.
@@ -25,20 +29,23 @@ DENSE_LAYOUTS = {
                                            "virtual_pipeline_model_parallel_size": 2, "sequence_parallel": True,
                                            "order": "tp-pp-dp"}),
     "dp2-tp2-order-dp-first": (4, {"tensor_model_parallel_size": 2, "order": "dp-tp-pp"}),
+    # micro_batch_size 2: two sequences per microbatch through every layer and the pipeline.
+    "mb2-dp2": (2, {}, {}, MB2),
+    "mb2-tp2-sp-pp2-vpp2": (4, {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+                            {}, MB2),
 }
 
 
 @pytest.mark.parametrize("name", list(DENSE_LAYOUTS))
 def test_dense_layout_matches_single_process(name):
-    world, parallel, *model = DENSE_LAYOUTS[name]
-    model = model[0] if model else {}
-    ref = train_losses(0, 1, job_of(tiny_spec(model=model))) if model else reference_losses(False)
-    assert_same_curve(distributed_losses(tiny_spec(world=world, parallel=parallel, model=model)), ref)
+    world, parallel, model, training = (DENSE_LAYOUTS[name] + ({}, {}))[:4]
+    check_layout(tiny_spec(world=world, parallel=parallel, model=model, training=training), model, training)
 
 
 def test_loss_falls_on_builtin_tiny():
     job = job_of(tiny_spec(training={"train_iters": 20, "lr": 1e-2}))
-    losses = train_losses(0, 1, job, iters=20)
+    losses = run_trainer(0, 1, job, iters=20)["losses"]
     assert losses[0] > 5.0  # ~ln(256) at init
     assert losses[-1] < losses[0] - 1.0, losses
 
@@ -46,10 +53,16 @@ def test_loss_falls_on_builtin_tiny():
 def test_moe_aux_loss_reported_apart_from_lm_loss():
     from workers.train import Trainer
 
-    no_aux = Trainer(job_of(tiny_spec(moe=True)), 0, 1).train_step()
+    no_aux = Trainer(job_of(tiny_spec(moe=True, model={"moe_aux_loss_coeff": 0.0})), 0, 1).train_step()
     with_aux = Trainer(job_of(tiny_spec(moe=True, model={"moe_aux_loss_coeff": 0.01})), 0, 1).train_step()
     assert no_aux["moe_aux_loss"] == 0.0
     # 4 layers x coeff x (E * sum f_e P_e ~ 1 for a near-uniform router at init)
     assert 0.03 < with_aux["moe_aux_loss"] < 0.06
     # The first iteration's LM loss is computed before any update: the aux term is not in it.
     assert with_aux["loss"] == no_aux["loss"]
+
+
+def test_reference_covers_every_parameter():
+    ref = reference()
+    assert len(ref["grads"]) == 2 + 4 * 6 + 1  # embedding, output, final norm; 6 per layer
+    assert all(abs(g).max() > 0 for g in ref["grads"].values())

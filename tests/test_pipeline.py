@@ -20,6 +20,7 @@ from workers.parallel.pipeline import (
     simulate,
 )
 from workers.parallel.pipeline_exec import run_pipeline
+from workers.parallel.pipeline_p2p import Step, check_nccl_safe, p2p_plan, simulate_nccl
 from workers.spawn import run_ranks
 
 
@@ -145,14 +146,79 @@ def test_simulate_detects_deadlock_and_counts_bubble():
     assert max_in_flight(gpipe[0]) == 4 > in_flight_bound(4, 2, None, 0) == 2
 
 
+# ----------------------------------------------------------------------------- NCCL semantics
+
+
+def _admitted():
+    """Every (pp, vpp, m) the spec validation admits up to pp 8, vpp 4, m 32."""
+    for pp in range(1, 9):
+        for vpp in (None, 1, 2, 3, 4):
+            if vpp is not None and pp == 1:
+                continue  # vpp needs pp > 1
+            for m in range(1, 33):
+                if vpp is not None and m % pp:
+                    continue  # the interleaved schedule needs m a multiple of pp
+                yield pp, vpp, m
+
+
+# A valid table whose neighbours send and receive in opposite orders.
+_REORDERED = [_acts("F0 F1 F2 F3 B0 B1 B2 B3"), _acts("F3 F2 F1 F0 B3 B2 B1 B0")]
+
+
+def _old_posting_order(plan: list[Step]) -> list[Step]:
+    """The executor before NCCL-safety: every send and every receive posted on its own."""
+    return [Step((op,), ()) for step in plan for op in step.ops]
+
+
+def test_every_admitted_schedule_is_deadlock_free_under_nccl():
+    combos = list(_admitted())
+    assert len(combos) == 468
+    for pp, vpp, m in combos:
+        check_nccl_safe(m, pp, vpp)
+
+
+def test_old_posting_order_deadlocks_under_nccl():
+    deadlocked = 0
+    for pp, vpp, m in _admitted():
+        plans = [_old_posting_order(p2p_plan(schedule(m, pp, vpp, s), s, pp, vpp or 1)) for s in range(pp)]
+        try:
+            simulate_nccl(plans)
+        except ValueError as e:
+            assert "deadlock" in str(e)
+            deadlocked += 1
+    assert deadlocked == 429  # every pipeline with a steady state (pp > 1, m > 1)
+    # The cases the review named.
+    for m, pp, vpp in [(4, 2, None), (8, 4, None), (4, 2, 2), (8, 4, 2)]:
+        plans = [_old_posting_order(p2p_plan(schedule(m, pp, vpp, s), s, pp, vpp or 1)) for s in range(pp)]
+        with pytest.raises(ValueError, match="deadlock"):
+            simulate_nccl(plans)
+
+
+def test_plan_batches_send_and_receive_of_a_step_together():
+    # 1F1B steady state on stage 0 of pp2: after F1, send F1's output and receive B0's
+    # gradient in one batch (Megatron's send_forward_recv_backward).
+    plan = p2p_plan(schedule(4, 2, None, 0), 0, 2)
+    step = plan[2]
+    assert step.actions == (Action("B", 0),)
+    assert [(op.kind, op.peer, op.message) for op in step.ops] == [("send", 1, ("F", 1, 0)), ("recv", 1, ("B", 0, 1))]
+    # Interleaved steady state: F and B computed back to back, then four tensors in one batch.
+    plan = p2p_plan(schedule(8, 2, 2, 0), 0, 2, 2)
+    assert any(len(s.actions) == 2 and len(s.ops) == 4 for s in plan)
+
+
+def test_nccl_simulator_rejects_mismatched_pair_order():
+    # Valid tables whose neighbours send and receive in opposite orders: only tags could pair
+    # them up, and NCCL has none.
+    plans = [p2p_plan(t, s, 2) for s, t in enumerate(_REORDERED)]
+    with pytest.raises(ValueError, match="received as"):
+        simulate_nccl(plans)
+
+
 # ----------------------------------------------------------------------------- executor
 
 _S, _B, _H, _L = 3, 2, 4, 8
-_CONFIGS = [(pp, vpp, m) for pp in (2, 4) for vpp in (1, 2) for m in (4, 8)]
-# A valid table whose neighbours send and receive in opposite orders: only tags pair them up.
-_REORDERED = [_acts("F0 F1 F2 F3 B0 B1 B2 B3"), _acts("F3 F2 F1 F0 B3 B2 B1 B0")]
-_CONFIGS.append((2, 1, 4))
-_IDS = [f"pp{p}-vpp{v}-m{m}" for p, v, m in _CONFIGS[:-1]] + ["pp2-reordered-needs-tags"]
+_CONFIGS = [(pp, vpp, m) for pp in (2, 4) for vpp in (1, 2) for m in (pp, 8)]
+_IDS = [f"pp{p}-vpp{v}-m{m}" for p, v, m in _CONFIGS]
 
 
 def _toy_model():
@@ -202,7 +268,7 @@ def _pipeline_rank(rank, world_size):
         mine = partition_layers(_L, pp, vpp if vpp > 1 else None)[stage]
         chunks = [torch.nn.Sequential(*(layers[i] for i in idx)) for idx in mine]
         inputs, targets = _data(m)
-        table = _REORDERED[stage] if index == len(_CONFIGS) - 1 else schedule(m, pp, vpp, stage)
+        table = schedule(m, pp, vpp, stage)
         losses = run_pipeline(
             table,
             stage=stage,
@@ -283,3 +349,44 @@ def test_executor_rejects_mismatched_sizes():
             [], stage=0, pp=2, vpp=2, pp_ranks=[0, 1], chunks=[torch.nn.Identity()], num_microbatches=2,
             get_input=None, loss_fn=None, tensor_shape=(1,),
         )
+
+
+def _recording_rank(rank, world_size):
+    """Run pp2 interleaved and pp2 1F1B, recording every comm.p2p call the executor makes."""
+    from workers.parallel import comm
+
+    calls = []
+    original = comm.p2p
+
+    def recording(sends, recvs, group=None):
+        calls.append((tuple(("send", peer) for _, peer, *_ in sends), tuple(("recv", peer) for _, peer, *_ in recvs),
+                      tuple(tuple(t.shape) for t, *_ in sends)))
+        return original(sends, recvs, group)
+
+    comm.p2p = recording
+    out = []
+    for vpp, m in ((2, 4), (1, 4)):
+        calls.clear()
+        layers = _toy_model()
+        mine = partition_layers(_L, 2, vpp if vpp > 1 else None)[rank]
+        inputs, targets = _data(m)
+        run_pipeline(schedule(m, 2, vpp if vpp > 1 else None, rank), stage=rank, pp=2, vpp=vpp, pp_ranks=(0, 1),
+                     chunks=[torch.nn.Sequential(*(layers[i] for i in idx)) for idx in mine], num_microbatches=m,
+                     get_input=lambda mb: inputs[mb], loss_fn=lambda mb, o: _loss(o, targets[mb], m),
+                     tensor_shape=(_S, _B, _H))
+        out.append(list(calls))
+    return out
+
+
+@pytest.mark.slow
+def test_executor_posts_exactly_the_plan():
+    """What the NCCL simulator proves is what runs: one comm.p2p batch per non-empty plan step,
+    with the plan's sends and receives, in order."""
+    results = run_ranks(_recording_rank, 2)
+    for rank, per_config in enumerate(results):
+        for (vpp, m), calls in zip(((2, 4), (1, 4)), per_config):
+            plan = p2p_plan(schedule(m, 2, vpp if vpp > 1 else None, rank), rank, 2, vpp)
+            want = [(tuple(("send", op.peer) for op in step.ops if op.kind == "send"),
+                     tuple(("recv", op.peer) for op in step.ops if op.kind == "recv")) for step in plan if step.ops]
+            assert [(s, r) for s, r, _ in calls] == want, (rank, vpp)
+            assert all(shape == (_S, _B, _H) for _, _, shapes in calls for shape in shapes)

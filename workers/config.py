@@ -61,8 +61,28 @@ class TrainingConfig:
     micro_batch_size: int
     lr: float = 1e-3
     seed: int = 1234
-    data: str = "builtin:tiny"
+    data: str | tuple[str, ...] = "builtin:tiny"
+    """A corpus (builtin:tiny, a .npy/.bin token file, a Megatron prefix) or a blend as Megatron's
+    --data-path: ("0.7", "a", "0.3", "b") or ("a", "b") (see workers.dataset)."""
     weight_decay: float = 0.0
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: float | None = None
+    """Exclusive with lr_warmup_iters: warmup = fraction x lr_decay_iters."""
+    lr_decay_iters: int | None = None
+    """None: train_iters."""
+    lr_decay_style: str = "constant"
+    """constant | linear | cosine | inverse-square-root | WSD (workers.lr_schedule)."""
+    lr_wsd_decay_style: str = "exponential"
+    """WSD's annealing shape: exponential | linear | cosine | minus_sqrt."""
+    lr_wsd_decay_iters: int | None = None
+    """WSD: iterations of annealing at the end of the decay."""
+    split: str = "969,30,1"
+    """Train, validation, test shares of every corpus (Megatron's --split)."""
+    eval_interval: int | None = None
+    """Evaluate after every eval_interval iterations; None = never."""
+    eval_iters: int = 10
+    """Validation global batches per evaluation."""
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -94,8 +114,9 @@ def stable_seed(seed: int, name: str) -> int:
 
 
 def init_full(seed: int, name: str, shape: tuple[int, ...], std: float):
-    """The full (unsharded) initial value of a parameter: N(0, std^2) from its own generator."""
-    import torch
+    """The full (unsharded) initial value of a parameter: N(0, std^2), a pure function of
+    (seed, name, shape). Ranks make only their shard of it with
+    :class:`workers.parallel.initializer.NormalInit`, which gives the same numbers."""
+    from workers.parallel.initializer import NormalInit
 
-    g = torch.Generator().manual_seed(stable_seed(seed, name))
-    return torch.randn(*shape, generator=g, dtype=torch.float32) * std
+    return NormalInit(seed, name, shape, std).materialize()

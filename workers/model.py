@@ -6,9 +6,9 @@ untied vocab-parallel embedding and output layer. Activations are ``[seq, batch,
 with sequence parallelism the sequence is sharded over TP outside the TP regions, and with
 context parallelism each CP rank holds its two load-balanced chunks of the sequence.
 
-Every parameter is drawn on its full, unsharded shape from its own generator
-(:func:`workers.config.init_full`) and then sliced, so every layout starts from the same
-model. The vocabulary is padded to a multiple of tp with zero rows whose logits are masked
+Every parameter is a pure function of (seed, name, full shape)
+(:class:`workers.parallel.initializer.NormalInit`), of which each rank makes only its own
+shard: every layout starts from the same model, and init costs O(shard) per rank. The vocabulary is padded to a multiple of tp with zero rows whose logits are masked
 to -inf: the padding changes with tp but never the loss.
 
 A pipeline stage builds only its own layers: :class:`ModelChunk` holds a contiguous run of
@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.config import ModelConfig, init_full
+from workers.config import ModelConfig
 from workers.parallel import comm
 from workers.parallel.context import context_parallel_attention, cp_positions
 from workers.parallel.expert import MoELayer
+from workers.parallel.initializer import Cat, NormalInit, Zeros
 from workers.parallel.sequence import mark_sequence_parallel
 from workers.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -38,6 +39,7 @@ class ShardContext:
 
     tp_group: object = None
     cp_group: object = None
+    tp_cp_group: object = None
     cp_ranks: tuple[int, ...] | None = None
     ep_group: object = None
     etp_group: object = None
@@ -52,6 +54,11 @@ class ShardContext:
     @property
     def cp(self) -> int:
         return comm.world_size(self.cp_group)
+
+    @property
+    def token_group(self):
+        """The ranks whose tokens together make one microbatch: TP x CP with SP, else CP."""
+        return self.tp_cp_group if self.sequence_parallel and self.tp > 1 else self.cp_group
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -87,19 +94,22 @@ def apply_rotary(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def _fused_qkv(cfg: ModelConfig, seed: int, prefix: str) -> torch.Tensor:
+def _fused_qkv(cfg: ModelConfig, seed: int, prefix: str) -> Cat:
     """Full QKV weight laid out per query group: [q heads of group g, k_g, v_g] for g in groups.
 
     With that layout a contiguous row split over tp gives each rank whole query groups,
-    Megatron's layout for grouped-query attention.
+    Megatron's layout for grouped-query attention. Lazy: a rank makes only its groups.
     """
     d, h, ng = cfg.head_dim, cfg.hidden_size, cfg.num_query_groups
     per_group = cfg.num_attention_heads // ng
     std = cfg.init_method_std
-    q = init_full(seed, f"{prefix}.q", (ng, per_group * d, h), std)
-    k = init_full(seed, f"{prefix}.k", (ng, d, h), std)
-    v = init_full(seed, f"{prefix}.v", (ng, d, h), std)
-    return torch.cat([q, k, v], dim=1).reshape(ng * (per_group + 2) * d, h)
+    q = NormalInit(seed, f"{prefix}.q", (ng * per_group * d, h), std)
+    k = NormalInit(seed, f"{prefix}.k", (ng * d, h), std)
+    v = NormalInit(seed, f"{prefix}.v", (ng * d, h), std)
+    parts = []
+    for g in range(ng):
+        parts += [q.narrow(0, g * per_group * d, per_group * d), k.narrow(0, g * d, d), v.narrow(0, g * d, d)]
+    return Cat(parts)
 
 
 class Attention(nn.Module):
@@ -108,8 +118,8 @@ class Attention(nn.Module):
         self.cfg, self.ctx = cfg, ctx
         sp = ctx.sequence_parallel
         self.qkv = ColumnParallelLinear(_fused_qkv(cfg, ctx.seed, prefix), ctx.tp_group, sequence_parallel=sp)
-        proj = init_full(ctx.seed, f"{prefix}.proj", (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim),
-                         cfg.init_method_std)
+        proj = NormalInit(ctx.seed, f"{prefix}.proj", (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim),
+                          cfg.init_method_std)
         self.proj = RowParallelLinear(proj, ctx.tp_group, sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
@@ -135,10 +145,13 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ShardContext, prefix: str):
         super().__init__()
         h, f, std, sp, tp = cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_method_std, ctx.sequence_parallel, ctx.tp
-        gate = init_full(ctx.seed, f"{prefix}.gate", (f, h), std).view(tp, f // tp, h)
-        up = init_full(ctx.seed, f"{prefix}.up", (f, h), std).view(tp, f // tp, h)
-        self.gate_up = ColumnParallelLinear(torch.cat([gate, up], dim=1).reshape(2 * f, h), ctx.tp_group, sequence_parallel=sp)
-        self.down = RowParallelLinear(init_full(ctx.seed, f"{prefix}.down", (h, f), std), ctx.tp_group, sequence_parallel=sp)
+        gate = NormalInit(ctx.seed, f"{prefix}.gate", (f, h), std)
+        up = NormalInit(ctx.seed, f"{prefix}.up", (f, h), std)
+        per = f // tp
+        gate_up = Cat([part for r in range(tp) for part in (gate.narrow(0, r * per, per), up.narrow(0, r * per, per))])
+        self.gate_up = ColumnParallelLinear(gate_up, ctx.tp_group, sequence_parallel=sp)
+        self.down = RowParallelLinear(NormalInit(ctx.seed, f"{prefix}.down", (h, f), std), ctx.tp_group,
+                                      sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -168,6 +181,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ShardContext, index: int):
         super().__init__()
         prefix = f"layers.{index}"
+        self.index = index  # global layer index: the parameter names' prefix
         self.ctx = ctx
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
         self.attention = Attention(cfg, ctx, f"{prefix}.attention")
@@ -175,12 +189,13 @@ class DecoderLayer(nn.Module):
         if cfg.is_moe:
             e, h, f, std = cfg.num_moe_experts, cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_method_std
             self.mlp = MoELayer.from_full(
-                init_full(ctx.seed, f"{prefix}.router", (e, h), std),
-                init_full(ctx.seed, f"{prefix}.experts.gate", (e, f, h), std),
-                init_full(ctx.seed, f"{prefix}.experts.up", (e, f, h), std),
-                init_full(ctx.seed, f"{prefix}.experts.down", (e, h, f), std),
+                NormalInit(ctx.seed, f"{prefix}.router", (e, h), std),
+                NormalInit(ctx.seed, f"{prefix}.experts.gate", (e, f, h), std),
+                NormalInit(ctx.seed, f"{prefix}.experts.up", (e, f, h), std),
+                NormalInit(ctx.seed, f"{prefix}.experts.down", (e, h, f), std),
                 topk=cfg.moe_router_topk, ep_group=ctx.ep_group, etp_group=ctx.etp_group,
                 aux_loss_coeff=cfg.moe_aux_loss_coeff, sequence_parallel=ctx.sequence_parallel,
+                token_group=ctx.token_group,
             )
         else:
             self.mlp = MLP(cfg, ctx, f"{prefix}.mlp")
@@ -220,14 +235,12 @@ class ModelChunk(nn.Module):
         self.register_buffer("rotary", rotary_tables(positions, cfg.head_dim, cfg.rotary_base), persistent=False)
         vocab = padded_vocab(cfg.vocab_size, ctx.tp)
         if pre_process:
-            emb = torch.zeros(vocab, cfg.hidden_size)
-            emb[: cfg.vocab_size] = init_full(ctx.seed, "embedding", (cfg.vocab_size, cfg.hidden_size), cfg.init_method_std)
+            emb = _padded_table(ctx.seed, "embedding", cfg, vocab)
             self.embedding = VocabParallelEmbedding(emb, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, i) for i in layer_ids)
         if post_process:
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
-            out = torch.zeros(vocab, cfg.hidden_size)
-            out[: cfg.vocab_size] = init_full(ctx.seed, "output", (cfg.vocab_size, cfg.hidden_size), cfg.init_method_std)
+            out = _padded_table(ctx.seed, "output", cfg, vocab)
             self.output = ColumnParallelLinear(out, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
             per = vocab // ctx.tp
             start = comm.rank(ctx.tp_group) * per
@@ -245,6 +258,30 @@ class ModelChunk(nn.Module):
             x = logits.masked_fill(self.vocab_pad_mask, float("-inf")) if self.has_vocab_pad else logits
         return x
 
+    def logical_parameters(self):
+        """Yield ``(full name, param, shards)`` for every parameter of this chunk.
+
+        The full name uses the global layer index (``layers.5.attention.qkv.weight``), the
+        same on every layout. ``shards`` says which part of the full tensor ``param`` is: a
+        tuple of ``(dim, index, count)``, i.e. the ``index``-th of ``count`` equal slices of
+        ``dim`` (empty for a replicated param). The vocab-parallel tables include the vocab
+        padding rows; ``mlp.gate_up`` is laid out ``[gate_r; up_r]`` per TP rank.
+        """
+        tp = (comm.rank(self.ctx.tp_group), self.ctx.tp)
+        ep = (comm.rank(self.ctx.ep_group), comm.world_size(self.ctx.ep_group))
+        etp = (comm.rank(self.ctx.etp_group), comm.world_size(self.ctx.etp_group))
+        for name, p in self.named_parameters():
+            if name.startswith("layers."):
+                _, local, rest = name.split(".", 2)
+                name = f"layers.{self.layers[int(local)].index}.{rest}"
+            shards = []
+            if getattr(p, "tensor_model_parallel", False) and tp[1] > 1:
+                shards.append((p.partition_dim, *tp))
+            if getattr(p, "is_expert", False):
+                shards += [(dim, *where) for dim, where in ((p.ep_partition_dim, ep), (p.etp_partition_dim, etp))
+                           if where[1] > 1]
+            yield name, p, tuple(shards)
+
     def pop_aux_loss(self) -> float:
         """Sum of this chunk's MoE aux losses over layers and microbatches since the last call."""
         total = 0.0
@@ -253,6 +290,12 @@ class ModelChunk(nn.Module):
                 total += float(layer.aux_loss_sum)
                 layer.aux_loss_sum = None
         return total
+
+
+def _padded_table(seed: int, name: str, cfg: ModelConfig, padded: int) -> Cat:
+    """A vocab table ``[padded, hidden]``: the real rows, then zero rows up to a multiple of tp."""
+    rows = NormalInit(seed, name, (cfg.vocab_size, cfg.hidden_size), cfg.init_method_std)
+    return Cat([rows] + ([Zeros((padded - cfg.vocab_size, cfg.hidden_size))] if padded > cfg.vocab_size else []))
 
 
 def local_positions(cfg: ModelConfig, ctx: ShardContext, cp_rank: int) -> torch.Tensor:

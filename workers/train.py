@@ -23,7 +23,7 @@ from workers.groups import ProcessGroups, build_process_groups
 from workers.model import ModelChunk, ShardContext, local_positions
 from workers.parallel import comm
 from workers.parallel.context import cp_split
-from workers.parallel.data import build_optimizer
+from workers.parallel.optimizer import build_optimizer
 from workers.parallel.pipeline import partition_layers, schedule
 from workers.parallel.pipeline_exec import run_pipeline
 from workers.parallel.tensor import vocab_parallel_cross_entropy
@@ -51,7 +51,7 @@ class Trainer:
         self.vpp = p.virtual_pipeline_model_parallel_size or 1
         self.stage = c["pp"]
         self.ctx = ShardContext(
-            tp_group=self.groups.tp, cp_group=self.groups.cp, cp_ranks=tuple(self.groups.ranks("cp")),
+            tp_group=self.groups.tp, cp_group=self.groups.cp, tp_cp_group=self.groups.tp_cp, cp_ranks=tuple(self.groups.ranks("cp")),
             ep_group=self.groups.ep, etp_group=self.groups.etp, sequence_parallel=p.sequence_parallel,
             cp_comm_type=p.cp_comm_type, seed=t.seed,
         )
@@ -71,6 +71,10 @@ class Trainer:
         self.tokens_per_iteration = t.global_batch_size * job.model.seq_length
         s_local = job.model.seq_length // g.cp // (g.tp if p.sequence_parallel else 1)
         self.activation_shape = (s_local, t.micro_batch_size, job.model.hidden_size)
+        if g.pp > 1:
+            # NCCL: batched p2p on a group whose communicator does not exist yet needs every
+            # member to take part in that first call; one collective creates it up front.
+            comm.all_reduce(torch.zeros(1, device=self.device), self.groups.pp)
 
     @property
     def iteration(self) -> int:
@@ -108,7 +112,9 @@ class Trainer:
         t0 = time.perf_counter()
         for chunk in self.chunks:
             for layer in chunk.layers:
-                layer.aux_scale = 1.0 / (self.num_microbatches * self._token_shards())
+                # Each rank backpropagates its share of each microbatch's aux loss; the global
+                # objective is the mean over the num_microbatches x dp microbatches.
+                layer.aux_scale = 1.0 / (self.num_microbatches * self.grid.dp)
         self.optimizer.zero_grad()
         actions = schedule(self.num_microbatches, self.grid.pp, self.job.parallel.virtual_pipeline_model_parallel_size,
                            self.stage)
@@ -127,7 +133,7 @@ class Trainer:
             actions, stage=self.stage, pp=self.grid.pp, vpp=self.vpp, pp_ranks=self.groups.ranks("pp"),
             chunks=self.chunks, num_microbatches=self.num_microbatches, get_input=get_input, loss_fn=loss_fn,
             tensor_shape=self.activation_shape, group=self.groups.pp, device=self.device,
-            before_last_backward=lambda: self.optimizer.grads.set_last_microbatch(True),
+            before_last_backward=lambda chunk: self.optimizer.grads.arm(self.chunks[chunk].parameters()),
         )
         self.optimizer.step()
         loss = self._global_loss(mb_losses)
@@ -153,22 +159,30 @@ class Trainer:
         comm.all_reduce(value, self.groups.pp)  # other stages hold 0
         return float(value.item())
 
-    def _token_shards(self) -> int:
-        """Ranks that see different tokens of one microbatch-slot (dp x cp, x tp with SP);
-        without SP the tp ranks see the same tokens and compute the same aux loss."""
-        return self.grid.dp * self.grid.cp * self.grid.tp
-
     def _global_aux_loss(self) -> float:
-        """The MoE load-balancing loss (summed over layers, averaged over microbatches and
-        token shards), reported apart from the LM loss; it depends on how tokens are sharded."""
+        """The MoE load-balancing loss (summed over layers, averaged over microbatches),
+        reported apart from the LM loss: every rank's shares, summed over the world. Without
+        SP the TP ranks compute the same share, so it is counted once per TP group."""
         import torch.distributed as dist
 
         local = sum(chunk.pop_aux_loss() for chunk in self.chunks)
-        value = torch.tensor([local / (self.num_microbatches * self._token_shards())], dtype=torch.float64,
+        replicas = 1 if self.job.parallel.sequence_parallel else self.grid.tp
+        value = torch.tensor([local / (self.num_microbatches * self.grid.dp * replicas)], dtype=torch.float64,
                              device=self.device)
         if self.grid.world_size > 1:
             comm.all_reduce(value, dist.group.WORLD)
         return float(value.item())
+
+    # -- checkpoint hooks (workers/checkpoint.py stores the tensors; this is the rest) --------
+    def state_for_checkpoint(self) -> dict:
+        """JSON-able trainer state beside the tensors; add the LR schedule's and the loss
+        scaler's state here when they exist (``load_state_from_checkpoint`` restores them)."""
+        return {"sampler": self.sampler.state_dict(), "optimizer_steps": self.optimizer.num_steps,
+                "lr": self.optimizer.lr}
+
+    def load_state_from_checkpoint(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.optimizer.num_steps = int(state["optimizer_steps"])
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -156,8 +156,9 @@ def p2p(
 ):
     """Batched point-to-point: items are (tensor, global peer rank[, tag]). Returns the works.
 
-    A tag lets a receiver match a message by meaning rather than arrival order (the
-    interleaved pipeline sends several chunks' activations over one pair of ranks).
+    raytron's own callers pass no tag: NCCL ignores tags and matches a pair's messages in
+    posting order, so every caller keeps that order identical on both sides (the pipeline's
+    is proven by :func:`workers.parallel.pipeline_p2p.simulate_nccl`).
     """
     ops = []
     for t, peer, *tag in sends:

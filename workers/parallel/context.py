@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 
 from workers.parallel import comm
-from workers.parallel.context_ring import RingAttention
+from workers.parallel.context_ring import RingAttention, ring_plans
 
 COMM_TYPES = ("p2p", "all_gather")
 
@@ -145,8 +145,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_
     _check_qkv(q, k, v)
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"causal attention needs as many queries as keys; got {q.shape[0]} and {k.shape[0]}")
-    pos = torch.arange(q.shape[0], device=q.device)
-    return _masked_attention(q, k, v, pos, pos, _scale(q, softmax_scale))
+    # is_causal rather than an explicit mask: a mask tensor would be saved for backward, an
+    # [s, s] block that no parallelism shards.
+    sq, b, h, d = q.shape
+    out = F.scaled_dot_product_attention(
+        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+        is_causal=True, scale=_scale(q, softmax_scale), enable_gqa=True,
+    )
+    return out.permute(2, 0, 1, 3).reshape(sq, b, h, d)
 
 
 class _GatherKV(torch.autograd.Function):
@@ -211,9 +217,10 @@ def context_parallel_attention(
         )
     seq_len = q.shape[0] * cp
     scale = _scale(q, softmax_scale)
-    positions = [cp_positions(seq_len, cp, r, device=q.device) for r in range(cp)]
     if comm_type == "p2p":
-        return RingAttention.apply(q, k, v, scale, positions, cp_rank, ranks, group)
+        plans = ring_plans(seq_len, cp, cp_rank, str(q.device))
+        return RingAttention.apply(q, k, v, scale, plans, cp_rank, ranks, group)
+    positions = [cp_positions(seq_len, cp, r, device=q.device) for r in range(cp)]
     d = k.shape[-1]
     kv = _GatherKV.apply(torch.cat([k, v], dim=-1), group, torch.cat(positions))
     k_full, v_full = kv.split(d, dim=-1)

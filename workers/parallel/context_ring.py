@@ -21,22 +21,12 @@ Internal layouts: queries/outputs ``[s, b, kv_heads, group, d]``; K/V travel as 
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 
 from workers.parallel import comm
-
-# Tag offsets (multiplied by the step count) keep the three message kinds apart when two of
-# them are in flight between the same pair of ranks.
-_TAG_KV_FORWARD = 0
-_TAG_KV_BACKWARD = 1
-_TAG_DKV = 2
-
-
-def _tag(kind: int, step: int, cp: int) -> int:
-    return kind * cp + step
-
 
 def _group_heads(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     s, b, h, d = x.shape
@@ -63,6 +53,28 @@ def block_plan(q_pos: torch.Tensor, k_pos: torch.Tensor):
     cols = mask.any(dim=0).nonzero().squeeze(1)
     sub = mask.index_select(0, rows).index_select(1, cols)
     return rows, cols, (None if bool(sub.all()) else sub)
+
+
+@functools.lru_cache(maxsize=64)
+def ring_plans(seq_len: int, cp: int, cp_rank: int, device: str = "cpu") -> tuple:
+    """:func:`block_plan` of every ring step of ``cp_rank``, computed once per layout.
+
+    Positions are static, so the plans are too: working them out on the host once (rather
+    than per step, where ``nonzero`` and ``all`` would each wait for the device) removes the
+    host syncs from the ring. Step ``j`` pairs this rank's queries with the K/V block that
+    started at CP rank ``cp_rank - j``.
+    """
+    from workers.parallel.context import cp_positions
+
+    positions = [cp_positions(seq_len, cp, r) for r in range(cp)]
+    plans = []
+    for step in range(cp):
+        plan = block_plan(positions[cp_rank], positions[(cp_rank - step) % cp])
+        if plan is not None:
+            rows, cols, mask = plan
+            plan = tuple(t if t is None else t.to(device) for t in (rows, cols, mask))
+        plans.append(plan)
+    return tuple(plans)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask) -> torch.Tensor:
@@ -102,16 +114,20 @@ def _merge(out, lse, rows, blk_out, blk_lse) -> None:
     lse.index_copy_(-1, rows, new_lse)
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, tag: int, group):
-    """Send to the next rank and receive from the previous one; returns the work handles."""
-    return comm.p2p([(send, nxt, tag)], [(recv, prv, tag)], group)
+def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group):
+    """Send to the next rank and receive from the previous one in one batch; returns the works.
+
+    No tags (NCCL has none): every rank posts its exchanges in the same order (K/V of step
+    j, then the dK/dV of step j), so each pair's messages match in posting order.
+    """
+    return comm.p2p([(send, nxt)], [(recv, prv)], group)
 
 
 class RingAttention(torch.autograd.Function):
     """Causal attention across the CP ring; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, positions: Sequence[torch.Tensor], cp_rank: int, ranks, group):
+    def forward(ctx, q, k, v, scale: float, plans: Sequence, cp_rank: int, ranks, group):
         cp = len(ranks)
         assert cp > 1, "the ring needs at least two ranks; cp == 1 is plain causal attention"
         num_kv_heads, d = k.shape[2], k.shape[3]
@@ -124,8 +140,8 @@ class RingAttention(torch.autograd.Function):
             works, incoming = [], None
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
-                works = _exchange(kv, incoming, nxt, prv, _tag(_TAG_KV_FORWARD, step, cp), group)
-            plan = block_plan(positions[cp_rank], positions[(cp_rank - step) % cp])
+                works = _exchange(kv, incoming, nxt, prv, group)
+            plan = plans[step]
             if plan is not None:
                 rows, cols, mask = plan
                 kb, vb = kv.index_select(0, cols).split(d, dim=-1)
@@ -136,13 +152,13 @@ class RingAttention(torch.autograd.Function):
             kv = incoming if incoming is not None else kv
         out = out.reshape(q.shape)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale, ctx.positions, ctx.cp_rank, ctx.ranks, ctx.group = scale, positions, cp_rank, ranks, group
+        ctx.scale, ctx.plans, ctx.cp_rank, ctx.ranks, ctx.group = scale, plans, cp_rank, ranks, group
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        scale, positions, cp_rank, ranks, group = ctx.scale, ctx.positions, ctx.cp_rank, ctx.ranks, ctx.group
+        scale, plans, cp_rank, ranks, group = ctx.scale, ctx.plans, ctx.cp_rank, ctx.ranks, ctx.group
         cp = len(ranks)
         num_kv_heads, d = k.shape[2], k.shape[3]
         nxt, prv = ranks[(cp_rank + 1) % cp], ranks[(cp_rank - 1) % cp]
@@ -158,9 +174,9 @@ class RingAttention(torch.autograd.Function):
             works, incoming = [], None
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
-                works = _exchange(kv, incoming, nxt, prv, _tag(_TAG_KV_BACKWARD, step, cp), group)
+                works = _exchange(kv, incoming, nxt, prv, group)
             dkv = torch.zeros_like(kv)
-            plan = block_plan(positions[cp_rank], positions[(cp_rank - step) % cp])
+            plan = plans[step]
             if plan is not None:
                 rows, cols, mask = plan
                 kb, vb = kv.index_select(0, cols).split(d, dim=-1)
@@ -179,7 +195,7 @@ class RingAttention(torch.autograd.Function):
                     # What the ranks before us accumulated for this same block.
                     dkv += dkv_in
                 dkv_in, dkv_sent = torch.empty_like(kv), dkv
-                pending = _exchange(dkv_sent, dkv_in, nxt, prv, _tag(_TAG_DKV, step, cp), group)
+                pending = _exchange(dkv_sent, dkv_in, nxt, prv, group)
             kv = incoming if incoming is not None else kv
         for work in pending:
             work.wait()

@@ -14,14 +14,15 @@ collectives in the same order, whatever order autograd visits params in. ``finis
 launches what is left and waits, so results are identical with or without overlap (and a
 caller that never marks the last microbatch is merely slower).
 
+With interleaving a stage holds several model chunks whose last backwards come at different
+times; :meth:`DataParallelGrads.arm` marks one chunk's params final on its own (Megatron enables
+each chunk's grad sync on that chunk's last microbatch), so every bucket can go out during
+backward with or without interleaving.
+
 With ``shard=True`` (the distributed optimizer) each bucket is padded to a multiple of the
 group size and reduce-scattered: rank r keeps the summed gradient of the r-th 1/n slice of
-every bucket, Megatron's layout. :class:`DistributedOptimizer` runs AdamW on an fp32 master
-copy of those slices and all-gathers the result back into the params.
-:class:`ReplicatedOptimizer` is the plain path (all-reduce + ``torch.optim.AdamW``); both
-share one interface, built by :func:`build_optimizer`. This file is longer than the usual
-~300 lines because the grad buffers, both optimizers and their checkpoint state share one
-layout and are easiest to check together.
+every bucket, Megatron's layout. The optimizers that consume these buffers live in
+:mod:`workers.parallel.optimizer`.
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ class DataParallelGrads:
             seen |= {id(p) for p in params}
             self.buffers.append(GradBuffer(params, group, bucket_size, shard=shard))
         self._last = False
+        self._armed: set[int] = set()  # ids of params whose gradients are final this iteration
         self._finished = False
         self._hooks = []
         for buf in self.buffers:
@@ -193,7 +195,7 @@ class DataParallelGrads:
                     view.add_(p.grad)
                 p.grad = view
             self._finished = False
-            if self._last:
+            if self._last or id(p) in self._armed:
                 buf.mark_ready(p)
 
         return hook
@@ -201,6 +203,15 @@ class DataParallelGrads:
     def set_last_microbatch(self, last: bool) -> None:
         """Mark whether the next backward is the iteration's last (reduce as buckets fill)."""
         self._last = last
+
+    def arm(self, params: Iterable[torch.Tensor]) -> None:
+        """Mark ``params``' next backward as their last this iteration (reduce as buckets fill).
+
+        Unlike :meth:`set_last_microbatch` this covers only ``params``: with interleaving, one
+        model chunk's last backward comes while other chunks still have backwards to run.
+        Cleared by :meth:`finish`.
+        """
+        self._armed.update(id(p) for p in params)
 
     @contextlib.contextmanager
     def last_microbatch(self):
@@ -221,6 +232,7 @@ class DataParallelGrads:
     def finish(self) -> None:
         """Launch every bucket not yet launched, wait for all; a no-op if already finished."""
         self._last = False
+        self._armed.clear()
         if self._finished:
             return
         for buf in self.buffers:
@@ -244,211 +256,13 @@ class DataParallelGrads:
         self._hooks.clear()
 
 
-def _check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    if lr < 0 or eps < 0 or weight_decay < 0:
-        raise ValueError(f"lr ({lr}), eps ({eps}) and weight_decay ({weight_decay}) must be >= 0")
-    if not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas {tuple(betas)} must each lie in [0, 1), e.g. (0.9, 0.999)")
+_MOVED = {"adamw_update", "DistributedOptimizer", "ReplicatedOptimizer", "build_optimizer"}
 
 
-@torch.no_grad()
-def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-                 step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """One AdamW step in place: exactly ``torch.optim.AdamW``'s single-tensor math (decoupled
-    weight decay, bias correction). Written out rather than calling torch.optim, whose first
-    use imports torch._dynamo (~2 CPU-seconds per rank at start-up)."""
-    beta1, beta2 = betas
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+def __getattr__(name: str):
+    # The optimizers moved to workers.parallel.optimizer; imports from here keep working.
+    if name in _MOVED:
+        from workers.parallel import optimizer
 
-
-class _AdamWOverGrads:
-    """What both optimizers share: AdamW's hyperparameters, the bucketed grads, the step count."""
-
-    def __init__(self, param_groups: ParamGroups, lr: float, betas, eps: float, weight_decay: float, *,
-                 bucket_size: int | None, shard: bool):
-        _check_hparams(lr, betas, eps, weight_decay)
-        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
-        self.grads = DataParallelGrads(param_groups, bucket_size=bucket_size, shard=shard)
-        self.num_steps = 0
-
-    def zero_grad(self) -> None:
-        self.grads.zero()
-
-    def _update(self, param, grad, exp_avg, exp_avg_sq) -> None:
-        adamw_update(param, grad, exp_avg, exp_avg_sq, step=self.num_steps, lr=self.lr, betas=self.betas,
-                     eps=self.eps, weight_decay=self.weight_decay)
-
-
-class DistributedOptimizer(_AdamWOverGrads):
-    """ZeRO-1 AdamW: each rank keeps the fp32 master params and Adam moments of its 1/n shard.
-
-    The math is ``torch.optim.AdamW``'s (decoupled weight decay, bias correction), applied
-    elementwise to the flat shard, so per-rank optimizer memory is ~1/n of the model's.
-
-    Args:
-        param_groups: ``[(params, group), ...]`` as for :class:`DataParallelGrads`.
-        lr, betas, eps, weight_decay: AdamW's hyperparameters (``lr`` may be reassigned).
-        bucket_size: elements per gradient bucket.
-    """
-
-    def __init__(self, param_groups: ParamGroups, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE):
-        super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=True)
-        self.shards = []
-        for buf in self.grads.buffers:
-            n = buf.numel // buf.num_ranks
-            master = torch.zeros(n, dtype=torch.float32, device=buf.grad.device)
-            self.shards.append({"param": master, "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)})
-            self._load_master(buf, master)
-
-    @staticmethod
-    @torch.no_grad()
-    def _load_master(buf: GradBuffer, master: torch.Tensor) -> None:
-        for p, a, b, s in buf.pieces():
-            master[s : s + b - a].copy_(p.detach().reshape(-1)[a:b])
-
-    @torch.no_grad()
-    def step(self) -> None:
-        """Finish the gradient reduction, update this rank's shard, all-gather the params."""
-        self.grads.finish()
-        self.num_steps += 1
-        for buf, state in zip(self.grads.buffers, self.shards):
-            master, exp_avg, exp_avg_sq = state["param"], state["exp_avg"], state["exp_avg_sq"]
-            if buf.params and buf.params[0].dtype == torch.float32:
-                # fp32 params hold exactly the master values; re-reading them keeps the master
-                # right if model weights were loaded after this optimizer was built.
-                self._load_master(buf, master)
-            self._update(master, buf.shard_grad.float(), exp_avg, exp_avg_sq)
-            self._gather_params(buf, master)
-
-    def _gather_params(self, buf: GradBuffer, master: torch.Tensor) -> None:
-        scratch = torch.empty(max((b.end - b.start for b in buf.buckets), default=0), dtype=buf.grad.dtype,
-                              device=buf.grad.device)
-        for bucket in buf.buckets:
-            lo, hi, base = buf.shard_range(bucket)
-            full = scratch[: bucket.end - bucket.start]
-            comm.all_gather_into(full, master[base : base + hi - lo].to(buf.grad.dtype), buf.group)
-            for p in bucket.params:
-                a = buf.offsets[id(p)] - bucket.start
-                p.detach().copy_(full[a : a + p.numel()].view_as(p))
-
-    def state_dict(self) -> dict:
-        """This rank's sharded state (valid only for the same layout: group sizes, buckets)."""
-        return {"step": self.num_steps, "numel": [buf.numel for buf in self.grads.buffers],
-                "num_ranks": [buf.num_ranks for buf in self.grads.buffers],
-                "shards": [{k: v.clone() for k, v in s.items()} for s in self.shards]}
-
-    def load_state_dict(self, state: dict) -> None:
-        mine = ([buf.numel for buf in self.grads.buffers], [buf.num_ranks for buf in self.grads.buffers])
-        if (list(state["numel"]), list(state["num_ranks"])) != mine:
-            raise ValueError(
-                f"sharded optimizer state for buffers of {state['numel']} elements over {state['num_ranks']} ranks "
-                f"does not fit this layout ({mine[0]} over {mine[1]}); load a full_state_dict() instead"
-            )
-        self.num_steps = int(state["step"])
-        for dst, src in zip(self.shards, state["shards"]):
-            for k in dst:
-                dst[k].copy_(src[k])
-
-    def full_state_dict(self) -> dict:
-        """The unsharded AdamW moments, layout-independent (a collective over every group).
-
-        Returns ``{"step": int, "state": [[{"exp_avg", "exp_avg_sq"} per param] per group]}``
-        with params in the order given and tensors of the params' shapes.
-        """
-        out = []
-        for buf, shard in zip(self.grads.buffers, self.shards):
-            full = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                flat = torch.empty(buf.numel, dtype=torch.float32, device=buf.grad.device)
-                for bucket in buf.buckets:
-                    lo, hi, base = buf.shard_range(bucket)
-                    comm.all_gather_into(flat[bucket.start : bucket.end], shard[key][base : base + hi - lo], buf.group)
-                full[key] = flat
-            out.append([{k: full[k][buf.offsets[id(p)] : buf.offsets[id(p)] + p.numel()].view(p.shape).clone()
-                         for k in full} for p in buf.params])
-        return {"step": self.num_steps, "state": out}
-
-    @torch.no_grad()
-    def load_full_state_dict(self, state: dict) -> None:
-        """Load :meth:`full_state_dict` output (from any layout); the model params must hold
-        the matching weights already (they are the master copy)."""
-        _check_full_state(state, self.grads.buffers)
-        self.num_steps = int(state["step"])
-        for buf, shard, entries in zip(self.grads.buffers, self.shards, state["state"]):
-            index = {id(p): i for i, p in enumerate(buf.params)}
-            self._load_master(buf, shard["param"])
-            for p, a, b, s in buf.pieces():
-                for key in ("exp_avg", "exp_avg_sq"):
-                    shard[key][s : s + b - a].copy_(entries[index[id(p)]][key].reshape(-1)[a:b])
-
-
-def _check_full_state(state: dict, buffers: list[GradBuffer]) -> None:
-    want = [[tuple(p.shape) for p in buf.params] for buf in buffers]
-    got = [[tuple(e["exp_avg"].shape) for e in group] for group in state["state"]]
-    if want != got:
-        raise ValueError(f"optimizer state holds params of shapes {got}, this model has {want}")
-
-
-class ReplicatedOptimizer(_AdamWOverGrads):
-    """The plain data-parallel path: all-reduced buckets + AdamW on the full params.
-
-    Same interface as :class:`DistributedOptimizer` (and the same math, :func:`adamw_update`);
-    every rank holds the full state.
-    """
-
-    def __init__(self, param_groups: ParamGroups, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE):
-        super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=False)
-        self.moments = [[self._zeros(p) for p in buf.params] for buf in self.grads.buffers]
-
-    @staticmethod
-    def _zeros(p: torch.Tensor) -> dict:
-        return {"exp_avg": torch.zeros_like(p, dtype=torch.float32), "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
-
-    @torch.no_grad()
-    def step(self) -> None:
-        self.grads.finish()
-        self.num_steps += 1
-        for buf, moments in zip(self.grads.buffers, self.moments):
-            for p, m in zip(buf.params, moments):
-                self._update(p, p.grad, m["exp_avg"], m["exp_avg_sq"])
-
-    def state_dict(self) -> dict:
-        # A copy: the live moment tensors change at the next step.
-        return self.full_state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.load_full_state_dict(state)
-
-    def full_state_dict(self) -> dict:
-        """Same format as :meth:`DistributedOptimizer.full_state_dict` (no communication)."""
-        return {"step": self.num_steps,
-                "state": [[{k: v.clone() for k, v in m.items()} for m in moments] for moments in self.moments]}
-
-    def load_full_state_dict(self, state: dict) -> None:
-        _check_full_state(state, self.grads.buffers)
-        self.num_steps = int(state["step"])
-        for buf, moments, entries in zip(self.grads.buffers, self.moments, state["state"]):
-            for p, m, e in zip(buf.params, moments, entries):
-                for k in m:
-                    m[k].copy_(e[k].to(m[k]))
-
-
-def build_optimizer(param_groups: ParamGroups, *, distributed: bool, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                    weight_decay: float = 0.0, bucket_size: int | None = DEFAULT_BUCKET_SIZE):
-    """AdamW over data-parallel param groups: ZeRO-1 sharded (``distributed``) or replicated.
-
-    Both results offer ``grads`` (a :class:`DataParallelGrads`), ``zero_grad()``, ``step()``
-    (which finishes the gradient reduction first), a settable ``lr``, ``num_steps``,
-    ``state_dict()``/``load_state_dict()`` and layout-independent
-    ``full_state_dict()``/``load_full_state_dict()``.
-    """
-    cls = DistributedOptimizer if distributed else ReplicatedOptimizer
-    return cls(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size)
+        return getattr(optimizer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,9 @@ needs.
   over those k gives the gates (Mixtral; Megatron's ``moe_router_pre_softmax=False``). The
   router weight is replicated; its grad is complete once summed over every rank that holds
   different tokens, which the trainer does over dp-cp, plus over TP when the tokens are
-  TP-sharded (``param.sequence_parallel``, as for norm weights).
+  TP-sharded (``param.sequence_parallel``, as for norm weights). The load-balancing loss is
+  Megatron's: per-expert token counts are summed over the ranks that share a microbatch's
+  tokens (TP x CP with SP) before the loss, so it does not depend on the layout.
 * :class:`SwiGLUExperts`: ``y = W_down (silu(W_gate x) * W_up x)`` per expert. EP rank r owns
   experts ``[r*E/ep, (r+1)*E/ep)``; ETP rank j owns the j-th slice of every owned expert's ffn
   dim (gate/up rows, down columns), so its output is a partial sum that the dispatcher's
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.parallel import comm
+from workers.parallel.initializer import materialize
 from workers.parallel.moe_dispatch import AllToAllDispatcher
 
 
@@ -40,16 +43,20 @@ class TopKRouter(nn.Module):
         aux_loss_coeff: weight of the load-balancing loss; 0 disables it.
         sequence_parallel: the caller's tokens are TP-sharded, so the weight's grad must also
             be all-reduced over TP (sets ``weight.sequence_parallel``).
+        token_group: the ranks whose tokens together make one microbatch (TP x CP with SP,
+            CP without; ``None``: this rank holds them all). The aux loss counts tokens per
+            expert over this group.
 
     Raises:
         ValueError: bad weight rank, topk out of range or negative coefficient.
     """
 
     def __init__(
-        self, full_weight: torch.Tensor, topk: int, aux_loss_coeff: float = 0.0, *, sequence_parallel: bool = False
+        self, full_weight: torch.Tensor, topk: int, aux_loss_coeff: float = 0.0, *, sequence_parallel: bool = False,
+        token_group=None,
     ):
         super().__init__()
-        if full_weight.dim() != 2:
+        if len(full_weight.shape) != 2:
             raise ValueError(f"router weight must be [num_experts, hidden], got shape {tuple(full_weight.shape)}")
         num_experts = full_weight.shape[0]
         if not 1 <= topk <= num_experts:
@@ -57,7 +64,8 @@ class TopKRouter(nn.Module):
         if aux_loss_coeff < 0:
             raise ValueError(f"moe_aux_loss_coeff ({aux_loss_coeff}) must be >= 0")
         self.num_experts, self.topk, self.aux_loss_coeff = num_experts, topk, aux_loss_coeff
-        self.weight = nn.Parameter(full_weight.detach().clone().float())
+        self.token_group = token_group
+        self.weight = nn.Parameter(materialize(full_weight).detach().clone().float())
         self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,18 +81,27 @@ class TopKRouter(nn.Module):
         return gates, topk_idx, self._aux_loss(logits, topk_idx)
 
     def _aux_loss(self, logits: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
-        """Switch load balancing, ``coeff * E * sum_e f_e * P_e`` over the local tokens.
+        """This rank's share of the Switch load-balancing loss of the microbatch.
 
-        ``f_e`` is the fraction of the T*k choices that went to expert e (no gradient) and
-        ``P_e`` the mean over tokens of the full softmax probability of e (as Megatron's
-        ``switch_load_balancing_loss_func``), so perfectly balanced routing gives ``coeff``.
+        The loss is ``coeff * E * sum_e f_e * P_e`` over the microbatch's T tokens, ``f_e`` the
+        fraction of the T*k choices that went to expert e (no gradient) and ``P_e`` the mean
+        full-softmax probability of e. As in Megatron (``switch_load_balancing_loss_func``),
+        the counts behind ``f_e`` are summed over :attr:`token_group` first, and each rank
+        keeps its own tokens' part of ``P_e``: the shares of the group's ranks add up to the
+        loss of the whole microbatch, and each share's gradient is exactly that loss's
+        gradient with respect to this rank's tokens.
         """
-        if self.aux_loss_coeff == 0 or logits.shape[0] == 0:
+        if self.aux_loss_coeff == 0:
             return logits.new_zeros(())
-        num_choices = topk_idx.numel()
-        f = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts).to(logits.dtype) / num_choices
-        p = torch.softmax(logits, dim=-1).mean(0)
-        return self.aux_loss_coeff * self.num_experts * (f * p).sum()
+        flat = topk_idx.reshape(-1)
+        # scatter_add, not bincount: no device-to-host sync to size the output.
+        counts = torch.zeros(self.num_experts, dtype=logits.dtype, device=logits.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=logits.dtype))
+        comm.all_reduce(counts, self.token_group)
+        total_tokens = logits.shape[0] * comm.world_size(self.token_group)
+        probs_sum = torch.softmax(logits, dim=-1).sum(0)
+        scale = self.num_experts * self.aux_loss_coeff / (self.topk * total_tokens * total_tokens)
+        return (probs_sum * counts).sum() * scale
 
 
 class SwiGLUExperts(nn.Module):
@@ -103,7 +120,7 @@ class SwiGLUExperts(nn.Module):
 
     def __init__(self, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, ep_group=None, etp_group=None):
         super().__init__()
-        if w_gate.dim() != 3 or w_up.shape != w_gate.shape:
+        if len(w_gate.shape) != 3 or tuple(w_up.shape) != tuple(w_gate.shape):
             raise ValueError(
                 f"w_gate and w_up must both be [E, ffn, h]; got {tuple(w_gate.shape)} and {tuple(w_up.shape)}"
             )
@@ -125,10 +142,12 @@ class SwiGLUExperts(nn.Module):
         self.num_local_experts, ffn_local = num_experts // ep, ffn // etp
         e0 = comm.rank(ep_group) * self.num_local_experts
         f0 = comm.rank(etp_group) * ffn_local
-        experts, cols = slice(e0, e0 + self.num_local_experts), slice(f0, f0 + ffn_local)
-        self.w_gate = self._param(w_gate[experts, cols], etp_dim=1)
-        self.w_up = self._param(w_up[experts, cols], etp_dim=1)
-        self.w_down = self._param(w_down[experts, :, cols], etp_dim=2)
+        def mine(w, etp_dim: int):  # only this rank's block is made when ``w`` is lazy
+            return materialize(w.narrow(0, e0, self.num_local_experts).narrow(etp_dim, f0, ffn_local))
+
+        self.w_gate = self._param(mine(w_gate, 1), etp_dim=1)
+        self.w_up = self._param(mine(w_up, 1), etp_dim=1)
+        self.w_down = self._param(mine(w_down, 2), etp_dim=2)
 
     @staticmethod
     def _param(shard: torch.Tensor, etp_dim: int) -> nn.Parameter:
@@ -188,6 +207,7 @@ class MoELayer(nn.Module):
         etp_group=None,
         aux_loss_coeff: float = 0.0,
         sequence_parallel: bool = False,
+        token_group=None,
     ) -> "MoELayer":
         """Build every part from the full, unsharded tensors (see ``workers.config.init_full``).
 
@@ -199,13 +219,15 @@ class MoELayer(nn.Module):
             ep_group, etp_group: expert-parallel and expert-tensor-parallel groups.
             aux_loss_coeff: ``moe_aux_loss_coeff``.
             sequence_parallel: tokens are TP-sharded (marks the router weight).
+            token_group: the ranks sharing a microbatch's tokens (see :class:`TopKRouter`).
         """
-        router = TopKRouter(router_weight, topk, aux_loss_coeff, sequence_parallel=sequence_parallel)
+        router = TopKRouter(router_weight, topk, aux_loss_coeff, sequence_parallel=sequence_parallel,
+                            token_group=token_group)
         experts = SwiGLUExperts(w_gate, w_up, w_down, ep_group, etp_group)
         return cls(router, experts, AllToAllDispatcher(router.num_experts, ep_group, etp_group))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(y, aux_loss)``; ``y`` has ``x``'s shape, ``aux_loss`` is over local tokens."""
+        """Returns ``(y, aux_loss)``; ``y`` has ``x``'s shape, ``aux_loss`` is this rank's share."""
         if x.shape[-1] != self.experts.hidden_size:
             raise ValueError(f"MoE input hidden size {x.shape[-1]} != layer hidden size {self.experts.hidden_size}")
         flat = x.reshape(-1, x.shape[-1])

@@ -183,24 +183,34 @@ class AllToAllDispatcher:
         sort_idx = torch.argsort(flat_idx, stable=True)
         permuted = x.index_select(0, torch.div(sort_idx, k, rounding_mode="floor"))
 
-        counts = torch.bincount(flat_idx, minlength=self.num_experts)
+        # scatter_add, not bincount: no device-to-host sync to size the output.
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat_idx.device)
+        counts.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
         # recv_counts[src_ep_rank, local_expert]: rows arriving from each EP rank per expert.
         recv_counts = comm.all_to_all(counts, self.ep_group).view(self.ep_size, self.num_local_experts)
-        input_splits = counts.view(self.ep_size, self.num_local_experts).sum(1).tolist()
-        output_splits = recv_counts.sum(1).tolist()
-        received = all_to_all_var(permuted, self.ep_group, output_splits, input_splits)
-
         # all_counts[etp_rank * ep + src_ep_rank, local_expert]
         all_counts = comm.all_gather(recv_counts, self.etp_group)
-        etp_sizes = all_counts.view(self.etp_size, -1).sum(1).tolist()
+        # The split sizes the collectives need as Python ints: one device-to-host copy for all
+        # of them (the only host sync of the layer), not one per list.
+        host = torch.cat([counts, all_counts.reshape(-1)]).tolist()
+        local, rows = host[: self.num_experts], host[self.num_experts :]
+        per_ep = self.num_local_experts
+        input_splits = [sum(local[r * per_ep : (r + 1) * per_ep]) for r in range(self.ep_size)]
+        row_sums = [sum(rows[i * per_ep : (i + 1) * per_ep]) for i in range(self.etp_size * self.ep_size)]
+        etp_rank = comm.rank(self.etp_group)
+        output_splits = row_sums[etp_rank * self.ep_size : (etp_rank + 1) * self.ep_size]
+        etp_sizes = [sum(row_sums[j * self.ep_size : (j + 1) * self.ep_size]) for j in range(self.etp_size)]
+        tokens_per_expert = [sum(rows[e::per_ep]) for e in range(per_ep)]
+
+        received = all_to_all_var(permuted, self.ep_group, output_splits, input_splits)
         gathered = all_gather_var(received, self.etp_group, etp_sizes)
 
-        local_expert = torch.arange(self.num_local_experts, device=all_counts.device).repeat(all_counts.shape[0])
-        row_expert = torch.repeat_interleave(local_expert, all_counts.reshape(-1))
+        local_expert = torch.arange(per_ep, device=all_counts.device).repeat(all_counts.shape[0])
+        row_expert = torch.repeat_interleave(local_expert, all_counts.reshape(-1), output_size=sum(rows))
         expert_sort_idx = torch.argsort(row_expert, stable=True)
         expert_input = gathered.index_select(0, expert_sort_idx)
         plan = DispatchPlan(sort_idx, input_splits, output_splits, etp_sizes, expert_sort_idx, num_tokens)
-        return expert_input, all_counts.sum(0).tolist(), plan
+        return expert_input, tokens_per_expert, plan
 
     def combine(self, expert_output: torch.Tensor, gates: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """Bring expert outputs home and mix each token's k outputs by its gates.

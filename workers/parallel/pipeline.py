@@ -3,8 +3,9 @@
 A pipeline schedule is a list of :class:`Action` per stage, ``F`` (forward) or ``B``
 (backward) of one (microbatch, model chunk). The tables are plain Python over integers, so
 they can be checked exhaustively (every pair run once, no deadlock, bounded memory) for
-pipelines far larger than any test can spawn; :mod:`workers.parallel.pipeline_exec` runs a
-table with real tensors.
+pipelines far larger than any test can spawn; :mod:`workers.parallel.pipeline_p2p` derives
+the exact point-to-point posting order from a table and proves it safe under NCCL's
+semantics, and :mod:`workers.parallel.pipeline_exec` runs that order with real tensors.
 
 Virtual stages (Megatron's interleaving): with ``vpp`` model chunks per stage, the model is cut
 into ``pp * vpp`` consecutive pieces and piece ``v = chunk * pp + stage`` lives on ``stage``.
@@ -103,12 +104,12 @@ def schedule_1f1b(num_microbatches: int, pp: int, stage: int) -> list[Action]:
 
 
 def interleaved_warmup(num_microbatches: int, pp: int, vpp: int, stage: int) -> int:
-    """Forward steps the interleaved schedule runs before its first backward on ``stage``."""
-    total = num_microbatches * vpp
-    if num_microbatches == pp:
-        # Megatron: with exactly pp microbatches every forward is warm-up (one round per chunk).
-        return total
-    return min((pp - stage - 1) * 2 + (vpp - 1) * pp, total)
+    """Forward steps the interleaved schedule runs before its first backward on ``stage``.
+
+    Current Megatron's rule for every microbatch count; its old special case (``m == pp``:
+    every forward is warm-up) was dropped there and here.
+    """
+    return min((pp - stage - 1) * 2 + (vpp - 1) * pp, num_microbatches * vpp)
 
 
 def _virtual(k: int, pp: int, vpp: int, forward: bool) -> tuple[int, int]:
@@ -214,8 +215,10 @@ def simulate(tables: Sequence[Sequence[Action]], vpp: int = 1) -> int:
 
     At each time step every stage runs its next action if its inputs were produced in an
     earlier step: F of virtual stage ``v`` needs F of ``v - 1`` (same microbatch), B of ``v``
-    needs B of ``v + 1`` and its own F. Sends never block, receives do, exactly as in the
-    executor; so a table that finishes here cannot deadlock there.
+    needs B of ``v + 1`` and its own F. Sends never block, receives do: the dependency
+    structure of the table alone (a buffering transport such as gloo).
+    :func:`workers.parallel.pipeline_p2p.simulate_nccl` checks the executor's actual posting
+    order under NCCL's stricter rules.
 
     Raises:
         ValueError: the tables deadlock (names each stuck stage's next action).
@@ -253,8 +256,8 @@ def simulate(tables: Sequence[Sequence[Action]], vpp: int = 1) -> int:
 def check_message_order(tables: Sequence[Sequence[Action]], vpp: int = 1) -> None:
     """Each rank pair's messages are received in the order they are sent.
 
-    Tags make the gloo executor independent of this, but a backend that ignores tags (NCCL)
-    pairs messages by posting order; Megatron's tables satisfy it.
+    No backend here uses tags, so a pair's messages are matched by posting order; Megatron's
+    tables satisfy this.
 
     Raises:
         ValueError: naming the first pair (sender, receiver) whose orders differ.

@@ -9,18 +9,11 @@ gradients travel between neighbouring stages with point-to-point messages throug
 * a backward receives the output gradient from the next virtual stage (on the last virtual
   stage it backpropagates the loss instead) and sends the input gradient back.
 
-Every message carries a tag made of (direction, sending virtual stage, microbatch), so a
-receiver matches messages by meaning, never by arrival order: with interleaving, two
-neighbours exchange several chunks' activations and gradients over one pair of ranks. Sends
-are posted asynchronously and waited at the end, so a stage that has sent never waits for its
-neighbour to receive; receives block. That is exactly the model
-:func:`workers.parallel.pipeline.simulate` proves deadlock-free.
-
-Tags are honoured by gloo (the CPU backend). NCCL ignores them and matches a pair's messages in
-posting order; Megatron's tables keep that order (see
-:func:`workers.parallel.pipeline.check_message_order`), but NCCL also serialises a pair's
-operations on one stream, so a GPU run should batch each step's send and receive together as
-Megatron does. Only gloo is tested here.
+The order in which messages are posted is :func:`workers.parallel.pipeline_p2p.p2p_plan`'s,
+so :func:`workers.parallel.pipeline_p2p.simulate_nccl` checks exactly what runs here: each
+step's sends and receives are posted together in one ``batch_isend_irecv`` and waited for as a
+whole before the step computes. No tag is used: NCCL ignores tags and matches a pair's
+messages in posting order, and the simulator proves that order agrees on both sides.
 """
 
 from __future__ import annotations
@@ -31,13 +24,7 @@ import torch
 
 from workers.parallel import comm
 from workers.parallel.pipeline import Action
-
-_FWD, _BWD = 0, 1
-
-
-def _tag(direction: int, virtual_stage: int, microbatch: int, num_virtual: int) -> int:
-    """A message's tag: unique per (direction, sender's virtual stage, microbatch)."""
-    return (microbatch * num_virtual + virtual_stage) * 2 + direction
+from workers.parallel.pipeline_p2p import p2p_plan
 
 
 def run_pipeline(
@@ -55,7 +42,7 @@ def run_pipeline(
     dtype: torch.dtype = torch.float32,
     group=None,
     device: torch.device | str | None = None,
-    before_last_backward: Callable[[], None] | None = None,
+    before_last_backward: Callable[[int], None] | None = None,
 ) -> list[torch.Tensor]:
     """Run one stage's schedule: forwards, backwards and the p2p traffic between them.
 
@@ -79,8 +66,11 @@ def run_pipeline(
         dtype: activation dtype.
         group: the pipeline process group (byte accounting; peers are global ranks).
         device: where receive buffers live; default CPU.
-        before_last_backward: called just before this stage's final backward, so that the
-            data-parallel reduction can overlap with it (every gradient is final after it).
+        before_last_backward: ``before_last_backward(chunk)`` is called just before the last
+            backward of each model chunk, so that the data-parallel reduction of that chunk's
+            gradients (final after it) can overlap with the backwards still to come, with
+            interleaving as without (Megatron enables a chunk's grad sync on its last
+            microbatch).
 
     Returns:
         On the last stage, the detached loss of each microbatch in microbatch order; elsewhere
@@ -95,61 +85,59 @@ def run_pipeline(
             f"{len(pp_ranks)}) and len(chunks) == vpp (got {len(chunks)})"
         )
     shape = tuple(tensor_shape)
-    num_virtual = pp * vpp
-    last = num_virtual - 1
-    prev_rank = pp_ranks[(stage - 1) % pp]
-    next_rank = pp_ranks[(stage + 1) % pp]
-
-    def recv(peer: int, tag: int) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        for work in comm.p2p([], [(buf, peer, tag)], group):
-            work.wait()
-        return buf
-
-    sends: list = []  # (work, tensor): the tensor must stay alive until its send completes
-
-    def send(tensor: torch.Tensor, peer: int, tag: int) -> None:
-        tensor = tensor.detach().contiguous()
-        sends.extend((w, tensor) for w in comm.p2p([(tensor, peer, tag)], [], group))
-        # Drop finished sends so long schedules keep only the 1F1B working set alive.
-        sends[:] = [(w, t) for w, t in sends if not w.is_completed()]
-
+    last = pp * vpp - 1
     saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     losses: dict[int, torch.Tensor] = {}
-    last_backward = max((i for i, a in enumerate(actions) if a.kind == "B"), default=-1)
-    for i, a in enumerate(actions):
+    received: dict[tuple[str, int, int], torch.Tensor] = {}
+    outgoing: dict[tuple[str, int, int], torch.Tensor] = {}
+    last_backward = {a.chunk: a.microbatch for a in actions if a.kind == "B"}  # the last one wins
+
+    def exchange(ops) -> None:
+        if not ops:
+            return
+        sends, recvs = [], []
+        for op in ops:
+            peer = pp_ranks[op.peer]
+            if op.kind == "send":
+                sends.append((outgoing.pop(op.message), peer))
+            else:
+                received[op.message] = buf = torch.empty(shape, dtype=dtype, device=device)
+                recvs.append((buf, peer))
+        # One batch, waited as a whole: exactly the model simulate_nccl proves deadlock-free.
+        for work in comm.p2p(sends, recvs, group):
+            work.wait()
+
+    def forward(a: Action) -> None:
         mb, v = a.microbatch, a.chunk * pp + stage
-        if a.kind == "F":
-            if v == 0:
-                x = get_input(mb)
-            else:
-                x = recv(prev_rank, _tag(_FWD, v - 1, mb, num_virtual)).requires_grad_()
-            y = chunks[a.chunk](x)
-            if v == last:
-                y = loss_fn(mb, y)
-                losses[mb] = y.detach()
-            else:
-                if tuple(y.shape) != shape:
-                    raise ValueError(
-                        f"chunk {a.chunk} on stage {stage} returned shape {tuple(y.shape)}, but "
-                        f"tensor_shape is {shape}: pass the activation shape the model produces"
-                    )
-                send(y, next_rank, _tag(_FWD, v, mb, num_virtual))
-            saved[(mb, a.chunk)] = (None if v == 0 else x, y)
+        x = get_input(mb) if v == 0 else received.pop(("F", mb, v - 1)).requires_grad_()
+        y = chunks[a.chunk](x)
+        if v == last:
+            y = loss_fn(mb, y)
+            losses[mb] = y.detach()
         else:
-            # pop: the activations are freed as soon as this backward is done
-            x, y = saved.pop((mb, a.chunk))
-            if i == last_backward and before_last_backward is not None:
-                before_last_backward()
-            if v == last:
-                torch.autograd.backward(y)
-            else:
-                grad = recv(next_rank, _tag(_BWD, v + 1, mb, num_virtual))
-                torch.autograd.backward(y, grad_tensors=grad)
-            if x is not None:
-                gx = x.grad if x.grad is not None else torch.zeros_like(x)
-                send(gx, prev_rank, _tag(_BWD, v, mb, num_virtual))
-    for work, _ in sends:
-        work.wait()
-    assert not saved, f"schedule left forwards without backwards: {sorted(saved)}"
+            if tuple(y.shape) != shape:
+                raise ValueError(
+                    f"chunk {a.chunk} on stage {stage} returned shape {tuple(y.shape)}, but "
+                    f"tensor_shape is {shape}: pass the activation shape the model produces"
+                )
+            outgoing[("F", mb, v)] = y.detach().contiguous()
+        saved[(mb, a.chunk)] = (None if v == 0 else x, y)
+
+    def backward(a: Action) -> None:
+        mb, v = a.microbatch, a.chunk * pp + stage
+        x, y = saved.pop((mb, a.chunk))  # pop: the activations are freed after this backward
+        if before_last_backward is not None and last_backward[a.chunk] == mb:
+            before_last_backward(a.chunk)
+        if v == last:
+            torch.autograd.backward(y)
+        else:
+            torch.autograd.backward(y, grad_tensors=received.pop(("B", mb, v + 1)))
+        if x is not None:
+            outgoing[("B", mb, v)] = x.grad if x.grad is not None else torch.zeros_like(x)
+
+    for step in p2p_plan(actions, stage, pp, vpp):
+        exchange(step.ops)
+        for a in step.actions:
+            (forward if a.kind == "F" else backward)(a)
+    assert not saved and not outgoing and not received, f"schedule left work behind: {sorted(saved)}"
     return [losses[mb] for mb in range(num_microbatches)] if stage == pp - 1 else []

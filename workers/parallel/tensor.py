@@ -9,8 +9,9 @@ replicated over the full sequence (SP off) or as its ``seq/tp`` slice (SP on, se
 ``sequence.py``). An MLP is ``column -> activation -> row``: one collective forward, one
 backward.
 
-Every layer is built from the *full* weight the caller initialised (``config.init_full``);
-rank ``r`` copies its contiguous slice, so every layout starts from the same model. The
+Every layer is built from the *full* weight the caller initialised: a tensor, or a lazy one
+(:mod:`workers.parallel.initializer`) of which only rank ``r``'s contiguous slice is ever
+made, so every layout starts from the same model at O(shard) cost. The
 slice is tagged ``tensor_model_parallel = True`` and ``partition_dim`` (0 or 1) for
 checkpointing and gradient-norm code. ``group=None`` means no TP: the layers then match
 ``F.linear`` / ``F.embedding`` / ``F.cross_entropy`` and need no process group.
@@ -24,10 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.parallel import comm
-from workers.parallel.sequence import (
-    gather_from_sequence_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-)
+from workers.parallel.initializer import materialize
+from workers.parallel.sequence import reduce_scatter_to_sequence_parallel_region
 
 # ---------------------------------------------------------------------------------------
 # Mappings (Megatron's mappings.py, the TP half; the SP half lives in sequence.py).
@@ -70,6 +69,27 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
         return _split_last(grad, ctx.group), None
 
 
+class _LinearWithSequenceGather(torch.autograd.Function):
+    """``all_gather_seq(x) @ W.T`` that saves the sequence *shard* ``x`` for backward and
+    gathers it again there (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``
+    with sequence parallelism): the gathered ``[s, b, in]`` input is never kept, so a
+    column-parallel layer stores 1/tp of its input, at the price of one more all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.group = group
+        ctx.save_for_backward(x, weight)
+        return F.linear(comm.all_gather(x, group, dim=0), weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        full = comm.all_gather(x, ctx.group, dim=0)
+        grad_input = comm.reduce_scatter(grad.matmul(weight), ctx.group, dim=0)
+        grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]))
+        return grad_input, grad_weight, None
+
+
 def _split_last(x: torch.Tensor, group) -> torch.Tensor:
     n, r = comm.world_size(group), comm.rank(group)
     per = x.shape[-1] // n
@@ -102,9 +122,10 @@ def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 
 
-def _shard(full: torch.Tensor, dim: int, group, what: str, field: str) -> nn.Parameter:
-    """This rank's contiguous slice of ``full`` along ``dim``, as a tagged parameter."""
-    if full.dim() != 2:
+def _shard(full, dim: int, group, what: str, field: str) -> nn.Parameter:
+    """This rank's contiguous slice of ``full`` (a tensor or a lazy block) along ``dim``, as a
+    tagged parameter."""
+    if len(full.shape) != 2:
         raise ValueError(f"{what}: expected a 2-D full weight, got shape {tuple(full.shape)}")
     n, r = comm.world_size(group), comm.rank(group)
     size = full.shape[dim]
@@ -114,7 +135,7 @@ def _shard(full: torch.Tensor, dim: int, group, what: str, field: str) -> nn.Par
             f"choose {field} as a multiple of {n} (or a smaller tensor_model_parallel_size)"
         )
     per = size // n
-    param = nn.Parameter(full.detach().narrow(dim, r * per, per).clone())
+    param = nn.Parameter(materialize(full.narrow(dim, r * per, per)).detach().clone())
     param.tensor_model_parallel = True
     param.partition_dim = dim
     return param
@@ -128,8 +149,9 @@ class ColumnParallelLinear(nn.Module):
             ``[r*out/tp, (r+1)*out/tp)``.
         group: the tensor-parallel group (``None``: no TP).
         sequence_parallel: the input is this rank's ``[s/tp, b, in]`` sequence shard and is
-            all-gathered along the sequence (backward reduce-scatters); otherwise the input
-            is the replicated ``[s, b, in]`` (backward all-reduces).
+            all-gathered along the sequence (backward gathers it again and reduce-scatters the
+            input gradient; only the shard is saved); otherwise the input is the replicated
+            ``[s, b, in]`` (backward all-reduces).
         gather_output: all-gather the output to ``[s, b, out]``; otherwise it stays
             ``[s, b, out/tp]``, ready for a RowParallelLinear or the vocab-parallel loss.
     """
@@ -143,11 +165,10 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _shard(full_weight, 0, group, "ColumnParallelLinear", "output size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)
+        if self.sequence_parallel and comm.world_size(self.group) > 1:
+            y = _LinearWithSequenceGather.apply(x, self.weight, self.group)
         else:
-            x = copy_to_tensor_parallel_region(x, self.group)
-        y = F.linear(x, self.weight)
+            y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.group)
         return y

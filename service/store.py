@@ -1,0 +1,404 @@
+"""The persistent job store: jobs, every event of their history, attempts and per-iteration metrics.
+
+SQLAlchemy Core over SQLite by default (one file in the data dir, WAL journal, a busy timeout)
+or any database a ``database_url`` names (PostgreSQL is tested). Several threads and several
+processes (the server and each job's controller) write at once: every write is one
+transaction that first locks the job's row on PostgreSQL (``SELECT ... FOR UPDATE``) and, on
+SQLite, starts with ``BEGIN IMMEDIATE`` so that writers queue on the file lock for up to
+``busy_timeout_s`` instead of failing when a read lock cannot be upgraded. Readers in WAL
+mode never wait for a writer. WAL needs the processes on one machine with the file on a local
+disk (not NFS): writers on other machines need PostgreSQL.
+
+Events are the record (ARCHITECTURE.md, rule 12). An event is the dict of
+``JobEvent.to_dict()`` (time, kind, state, message, data), numbered 1, 2, ... per job, and
+appending one brings the job's row in step in the same transaction, so a controller whose
+``on_event`` appends each event before acting on it leaves the whole truth here:
+
+* ``"state"``: the job's state (nothing leaves a terminal state), its attempts (STARTING opens
+  attempt n+1, RESTARTING or a terminal state closes it) and, on FAILED or CANCELLED, its error
+  (the event's ``data["error"]``, else the last ``"failure"`` event's data);
+* ``"iteration"``: the job's current iteration and that iteration's metrics row (the latest
+  attempt's value wins after a restart).
+
+The schema version lives in the ``schema_version`` table; an older database is upgraded by
+``MIGRATIONS`` (one step per version), a newer one refused.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, make_url
+
+SCHEMA_VERSION = 1
+STATES = ("QUEUED", "STARTING", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "CANCELLED")
+TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+"""``MIGRATIONS[v](conn)`` brings a version-``v`` database to ``v + 1`` (inside one transaction)."""
+
+_md = sa.MetaData()
+_json = sa.JSON(none_as_null=True)
+jobs = sa.Table(
+    "jobs", _md,
+    sa.Column("number", sa.Integer, primary_key=True, autoincrement=True),  # submission order
+    sa.Column("id", sa.String(128), nullable=False, unique=True),
+    sa.Column("name", sa.String(256), nullable=False),
+    sa.Column("spec", _json, nullable=False),
+    sa.Column("priority", sa.Integer, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False, index=True),
+    sa.Column("submitted_at", sa.Double, nullable=False),
+    sa.Column("updated_at", sa.Double, nullable=False),
+    sa.Column("ray_job_id", sa.String(128)),
+    sa.Column("error", _json),
+    sa.Column("sizes", _json),
+    sa.Column("iteration", sa.Integer, nullable=False),
+)
+
+
+def _job_fk() -> sa.Column:
+    return sa.Column("job_id", sa.String(128), sa.ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+
+
+events = sa.Table(
+    "events", _md, _job_fk(),
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("time", sa.Double, nullable=False),
+    sa.Column("kind", sa.String(32), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("message", sa.Text, nullable=False),
+    sa.Column("data", _json),
+)
+attempts = sa.Table(
+    "attempts", _md, _job_fk(),
+    sa.Column("number", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("started_at", sa.Double, nullable=False),
+    sa.Column("ended_at", sa.Double),
+    sa.Column("reason", sa.Text),
+    sa.Column("from_checkpoint", sa.Text),
+)
+metrics = sa.Table(
+    "metrics", _md, _job_fk(),
+    sa.Column("iteration", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("data", _json, nullable=False),
+)
+schema_version = sa.Table("schema_version", _md, sa.Column("version", sa.Integer, nullable=False))
+
+
+class UnknownJob(LookupError):
+    """No job with that id (HTTP 404)."""
+
+
+class InvalidTransition(ValueError):
+    """A state change the job's state forbids (a terminal state is final)."""
+
+
+class SchemaError(ValueError):
+    """The database's schema is not one this raytron can use; the message says what to do."""
+
+
+def sqlite_url(data_dir: str | Path) -> str:
+    """The default database: ``raytron.db`` in ``data_dir``."""
+    return f"sqlite:///{Path(data_dir).expanduser().resolve() / 'raytron.db'}"
+
+
+class JobStore:
+    """The job store over one database; thread-safe, and safe to share with other processes.
+
+    Args:
+        database_url: a SQLAlchemy URL, e.g. ``sqlite:////var/lib/raytron/raytron.db`` (see
+            :func:`sqlite_url`) or ``postgresql+psycopg://user:pw@host/raytron``.
+        busy_timeout_s: SQLite only: how long a writer waits for another's lock before failing.
+
+    Raises:
+        SchemaError: the database was written by a newer raytron, or is not a raytron database.
+        ValueError: an in-memory SQLite URL (each connection would see its own database).
+    """
+
+    def __init__(self, database_url: str, *, busy_timeout_s: float = 30.0):
+        url = make_url(database_url)
+        self.url = url.render_as_string(hide_password=True)
+        self.dialect = url.get_backend_name()
+        if self.dialect == "sqlite":
+            if url.database in (None, "", ":memory:"):
+                raise ValueError(f"database_url {self.url!r} is an in-memory SQLite database, which every "
+                                 "connection sees empty; use a file, e.g. sqlite:////tmp/raytron/raytron.db")
+            Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+            self.engine = sa.create_engine(url, connect_args={"timeout": busy_timeout_s, "check_same_thread": False})
+            _sqlite_pragmas(self.engine, busy_timeout_s)
+        else:
+            self.engine = sa.create_engine(url, pool_pre_ping=True)
+        self._writer = self.engine.execution_options(raytron_write=True)
+        self._init_schema()
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---- jobs -------------------------------------------------------------------------------
+    def create_job(self, spec: dict, *, name: str | None = None, priority: int | None = None,
+                   job_id: str | None = None, sizes: dict | None = None) -> dict:
+        """Store a new QUEUED job and its first event (seq 1, "submitted"); returns the job."""
+        name = name or spec.get("name") or "job"
+        priority = int(spec.get("priority", 0) if priority is None else priority)
+        job_id = job_id or f"{name}-{uuid.uuid4().hex[:8]}"
+        now = time.time()
+        try:
+            with self._write() as conn:
+                conn.execute(jobs.insert().values(id=job_id, name=name, spec=spec, priority=priority, state="QUEUED",
+                                                  submitted_at=now, updated_at=now, sizes=sizes, iteration=0))
+                conn.execute(events.insert().values(job_id=job_id, seq=1, time=now, kind="state", state="QUEUED",
+                                                    message="submitted", data={"priority": priority}))
+                return self._job(conn, job_id)
+        except sa.exc.IntegrityError:
+            if self.get_job(job_id) is None:
+                raise
+            raise ValueError(f"job id {job_id!r} exists already; choose another or leave it out") from None
+
+    def get_job(self, job_id: str) -> dict | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().first()
+        return dict(row) if row is not None else None
+
+    def list_jobs(self, *, limit: int = 100, states: tuple[str, ...] | None = None) -> list[dict]:
+        """Newest first, at most ``limit``, optionally only jobs in ``states``."""
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        query = sa.select(jobs).order_by(jobs.c.number.desc()).limit(limit)
+        if states:
+            query = query.where(jobs.c.state.in_(_check_states(states)))
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(query).mappings()]
+
+    def jobs_in_states(self, *states: str) -> list[dict]:
+        """Every job in one of ``states``, in submission order (e.g. the queue, or the jobs to resume)."""
+        query = sa.select(jobs).where(jobs.c.state.in_(_check_states(states))).order_by(jobs.c.number)
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(query).mappings()]
+
+    def update_job(self, job_id: str, *, state: str | None = None, message: str = "", ray_job_id: str | None = None,
+                   error: dict | None = None, sizes: dict | None = None) -> dict:
+        """Change a job's fields; a ``state`` change is also appended as a "state" event (so the
+        history stays whole) and is refused out of a terminal state. Returns the job."""
+        with self._write() as conn:
+            current = self._lock(conn, job_id)
+            if state is not None and (state != current or current in TERMINAL_STATES):
+                data = {"from": current, **({"error": error} if error is not None else {})}
+                self._append(conn, job_id, current, {"time": time.time(), "kind": "state", "state": state,
+                                                     "message": message, "data": data}, None)
+            values = {k: v for k, v in (("ray_job_id", ray_job_id), ("error", error), ("sizes", sizes)) if v is not None}
+            conn.execute(jobs.update().where(jobs.c.id == job_id).values(updated_at=time.time(), **values))
+            return self._job(conn, job_id)
+
+    # ---- events -----------------------------------------------------------------------------
+    def append_event(self, job_id: str, event: dict, seq: int | None = None) -> int:
+        """Store ``event`` (a ``JobEvent.to_dict()``) and apply it to the job; returns its seq.
+
+        Args:
+            seq: ``None``: the next number. Given: idempotent, a replay of the event already
+                stored at ``seq`` stores nothing (a writer that numbers its own events starts
+                from :meth:`last_seq` + 1).
+
+        Raises:
+            UnknownJob: no such job.
+            InvalidTransition: a "state" event out of a terminal state (nothing is stored).
+            ValueError: another event already holds ``seq``, or the event is malformed.
+        """
+        with self._write() as conn:
+            return self._append(conn, job_id, self._lock(conn, job_id), event, seq)
+
+    def events(self, job_id: str, after_seq: int | None = None, *, kind: str | None = None,
+               limit: int | None = None) -> list[dict]:
+        """The job's events in order, each with its ``seq``; only those after ``after_seq`` and of
+        ``kind`` when given (``events(id, kind="placement")[-1]`` is where the ranks last were)."""
+        query = sa.select(events).where(events.c.job_id == job_id).order_by(events.c.seq).limit(limit)
+        if after_seq is not None:
+            query = query.where(events.c.seq > after_seq)
+        if kind is not None:
+            query = query.where(events.c.kind == kind)
+        with self.engine.connect() as conn:
+            rows = [_drop_job_id(r) for r in conn.execute(query).mappings()]
+            if not rows:
+                self._require(conn, job_id)
+        return rows
+
+    def last_seq(self, job_id: str) -> int:
+        with self.engine.connect() as conn:
+            self._require(conn, job_id)
+            return _last_seq(conn, job_id)
+
+    # ---- attempts and metrics ---------------------------------------------------------------
+    def record_attempt(self, job_id: str, number: int, *, started_at: float | None = None,
+                       ended_at: float | None = None, reason: str | None = None,
+                       from_checkpoint: str | None = None) -> dict:
+        """Create or update attempt ``number`` (1-based); fields left ``None`` keep their value."""
+        if number < 1:
+            raise ValueError(f"attempt numbers start at 1, got {number}")
+        given = {k: v for k, v in (("started_at", started_at), ("ended_at", ended_at), ("reason", reason),
+                                   ("from_checkpoint", from_checkpoint)) if v is not None}
+        key = (attempts.c.job_id == job_id) & (attempts.c.number == number)
+        with self._write() as conn:
+            self._lock(conn, job_id)
+            if conn.execute(sa.select(attempts.c.number).where(key)).first() is None:
+                conn.execute(attempts.insert().values(job_id=job_id, number=number,
+                                                      **{"started_at": time.time(), **given}))
+            elif given:
+                conn.execute(attempts.update().where(key).values(**given))
+            return _drop_job_id(conn.execute(sa.select(attempts).where(key)).mappings().one())
+
+    def attempts(self, job_id: str) -> list[dict]:
+        query = sa.select(attempts).where(attempts.c.job_id == job_id).order_by(attempts.c.number)
+        with self.engine.connect() as conn:
+            return [_drop_job_id(r) for r in conn.execute(query).mappings()]
+
+    def record_metrics(self, job_id: str, iteration: int, data: dict) -> None:
+        """Store (or replace) one iteration's metrics."""
+        with self._write() as conn:
+            self._lock(conn, job_id)
+            _put_metrics(conn, job_id, iteration, data)
+
+    def metrics(self, job_id: str, after_iteration: int | None = None) -> list[dict]:
+        """One dict per iteration, in order: the metrics plus ``"iteration"``."""
+        query = sa.select(metrics).where(metrics.c.job_id == job_id).order_by(metrics.c.iteration)
+        if after_iteration is not None:
+            query = query.where(metrics.c.iteration > after_iteration)
+        with self.engine.connect() as conn:
+            return [{**r.data, "iteration": r.iteration} for r in conn.execute(query)]
+
+    # ---- internals --------------------------------------------------------------------------
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        with self._writer.begin() as conn:
+            yield conn
+
+    def _lock(self, conn: Connection, job_id: str) -> str:
+        """Lock the job's row for this transaction (PostgreSQL; SQLite holds the file lock); its state."""
+        row = conn.execute(sa.select(jobs.c.state).where(jobs.c.id == job_id).with_for_update()).first()
+        if row is None:
+            raise UnknownJob(f"no job {job_id!r}")
+        return row.state
+
+    def _require(self, conn: Connection, job_id: str) -> None:
+        if conn.execute(sa.select(jobs.c.id).where(jobs.c.id == job_id)).first() is None:
+            raise UnknownJob(f"no job {job_id!r}")
+
+    def _job(self, conn: Connection, job_id: str) -> dict:
+        return dict(conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one())
+
+    def _append(self, conn: Connection, job_id: str, current: str, event: dict, seq: int | None) -> int:
+        kind, state, data = event.get("kind"), event.get("state"), event.get("data") or {}
+        if not isinstance(kind, str) or state not in STATES or not isinstance(event.get("time"), (int, float)):
+            raise ValueError(f"an event needs a time, a kind and a state among {', '.join(STATES)}; got {event!r}")
+        if seq is None:
+            seq = _last_seq(conn, job_id) + 1
+        else:
+            if seq < 1:
+                raise ValueError(f"event seq starts at 1, got {seq}")
+            key = (events.c.job_id == job_id) & (events.c.seq == seq)
+            old = conn.execute(sa.select(events.c.time, events.c.kind, events.c.state).where(key)).first()
+            if old is not None:
+                if tuple(old) == (event["time"], kind, state):
+                    return seq  # a replay: stored once
+                raise ValueError(f"event {seq} of job {job_id} is already a {old.kind!r} event of time {old.time}; "
+                                 f"number new events from last_seq + 1")
+        values: dict = {"updated_at": time.time()}
+        if kind == "state":
+            if current in TERMINAL_STATES:
+                raise InvalidTransition(f"job {job_id} is {current}, which is final; it cannot become {state}")
+            values["state"] = state
+            _apply_attempts(conn, job_id, state, event, data)
+            if state in ("FAILED", "CANCELLED"):
+                values["error"] = data.get("error") or _last_failure(conn, job_id, state) or {
+                    "code": state.lower(), "message": event.get("message", "")}
+        elif kind == "iteration" and isinstance(data.get("iteration"), int):
+            values["iteration"] = data["iteration"]
+            _put_metrics(conn, job_id, data["iteration"], data)
+        conn.execute(events.insert().values(job_id=job_id, seq=seq, time=event["time"], kind=kind, state=state,
+                                            message=event.get("message", ""), data=data))
+        conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
+        return seq
+
+    def _init_schema(self) -> None:
+        with self._write() as conn:
+            if self.dialect == "postgresql":  # two processes starting at once must not both create tables
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(7242019)"))
+            have = sa.inspect(conn).get_table_names()
+            if "schema_version" not in have:
+                if "jobs" in have:
+                    raise SchemaError(f"{self.url} has a jobs table but no schema_version: it is not a raytron "
+                                      "database; point --data-dir or --database-url at another one")
+                _md.create_all(conn)
+                conn.execute(schema_version.insert().values(version=SCHEMA_VERSION))
+                return
+            version = conn.execute(sa.select(schema_version.c.version)).scalar_one()
+            if version > SCHEMA_VERSION:
+                raise SchemaError(f"{self.url} has schema version {version}, newer than {SCHEMA_VERSION}, the newest "
+                                  f"this raytron knows: a newer raytron wrote it. Upgrade raytron (pip install -U "
+                                  f"raytron), or point --data-dir or --database-url at another database")
+            for step in range(version, SCHEMA_VERSION):
+                if step not in MIGRATIONS:
+                    raise SchemaError(f"{self.url} has schema version {version} and no migration leads from "
+                                      f"{step} to {step + 1}; start from a fresh data dir")
+                MIGRATIONS[step](conn)
+            conn.execute(schema_version.update().values(version=SCHEMA_VERSION))
+
+
+def _sqlite_pragmas(engine: sa.Engine, busy_timeout_s: float) -> None:
+    @sa.event.listens_for(engine, "connect")
+    def _connect(dbapi_conn, _record) -> None:
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (below): pysqlite's own is deferred
+        cur = dbapi_conn.cursor()
+        cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+        cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute("PRAGMA synchronous = FULL")  # a commit survives a power cut, not only a kill -9
+        cur.execute("PRAGMA foreign_keys = ON")
+        cur.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        # A deferred transaction that reads, then writes, gets SQLITE_BUSY at once (no wait) when
+        # another process wrote in between; IMMEDIATE takes the write lock up front and waits.
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("raytron_write") else "BEGIN")
+
+
+def _check_states(states) -> list[str]:
+    bad = [s for s in states if s not in STATES]
+    if bad or not states:
+        raise ValueError(f"unknown job state(s) {bad or '(none given)'}; the states are {', '.join(STATES)}")
+    return list(states)
+
+
+def _drop_job_id(row) -> dict:
+    return {k: v for k, v in row.items() if k != "job_id"}
+
+
+def _last_seq(conn: Connection, job_id: str) -> int:
+    return conn.execute(sa.select(sa.func.max(events.c.seq)).where(events.c.job_id == job_id)).scalar() or 0
+
+
+def _last_failure(conn: Connection, job_id: str, state: str) -> dict | None:
+    if state != "FAILED":
+        return None
+    query = (sa.select(events.c.data).where((events.c.job_id == job_id) & (events.c.kind == "failure"))
+             .order_by(events.c.seq.desc()).limit(1))
+    return conn.execute(query).scalar()
+
+
+def _apply_attempts(conn: Connection, job_id: str, state: str, event: dict, data: dict) -> None:
+    open_ = (attempts.c.job_id == job_id) & attempts.c.ended_at.is_(None)
+    if state == "RESTARTING" or state in TERMINAL_STATES or state == "STARTING":
+        reason = f"{state}: {event.get('message')}" if event.get("message") else state
+        conn.execute(attempts.update().where(open_).values(ended_at=event["time"], reason=reason))
+    if state == "STARTING":
+        last = conn.execute(sa.select(sa.func.max(attempts.c.number)).where(attempts.c.job_id == job_id)).scalar()
+        conn.execute(attempts.insert().values(job_id=job_id, number=(last or 0) + 1, started_at=event["time"],
+                                              from_checkpoint=data.get("from_checkpoint")))
+
+
+def _put_metrics(conn: Connection, job_id: str, iteration: int, data: dict) -> None:
+    key = (metrics.c.job_id == job_id) & (metrics.c.iteration == iteration)
+    conn.execute(metrics.delete().where(key))
+    conn.execute(metrics.insert().values(job_id=job_id, iteration=iteration, data=data))
