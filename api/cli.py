@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "collective just before iteration ITER (1-based)")
     r.add_argument("--json", action="store_true", help="print the result as one JSON object (last line)")
     r.set_defaults(func=cmd_run)
+
+    from api import export_cmd, preprocess_cmd  # light modules: their heavy imports are inside run()
+
+    export_cmd.add_parser(sub)
+    preprocess_cmd.add_parser(sub)
     return parser
 
 
