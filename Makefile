@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test test-fast bench clean
 
 # Re-installs only when pyproject.toml changed (or the venv is missing).
 $(STAMP): pyproject.toml
@@ -21,6 +21,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Pure and single-process tests only (rank math, spec, controller, CLI parsing): seconds.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not procs and not ray and not gpu"
 
 bench: setup
 	$(PY) bench/grid_bench.py

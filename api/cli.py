@@ -10,16 +10,16 @@ import argparse
 import json
 import sys
 
+from api.errors import UsageError
+
 EXAMPLES = """\
 examples:
   raytron grid --world-size 16 --tp 2 --pp 2 --cp 2 --json
   raytron run examples/tiny-5d.yaml --launcher processes
   raytron run examples/tiny-5d.yaml --simulate 2x4
+  raytron run examples/tiny-5d.yaml --launcher processes --fault 1@3:exit
 """
 
-
-class UsageError(Exception):
-    """Bad input from the user: exit status 2 with one line on stderr."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,6 +45,15 @@ def _simulate(text: str) -> tuple[int, int]:
     if nodes < 1 or gpus < 1:
         raise argparse.ArgumentTypeError(f"expected positive NODESxGPUS such as 2x4, got {text!r}")
     return nodes, gpus
+
+
+def _fault(text: str):
+    from workers.faults import Fault
+
+    try:
+        return Fault.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--fault {text!r}: ")) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,8 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how ranks are started (default ray)")
     r.add_argument("--simulate", type=_simulate, default=None, metavar="NODESxGPUS",
                    help="start a local simulated Ray cluster of NODES nodes with GPUS fake GPU slots each")
+    r.add_argument("--fault", type=_fault, action="append", metavar="RANK@ITER[:raise|exit|hang]",
+                   help="failure drill (repeatable): RANK raises, its process exits, or it hangs in its next "
+                        "collective just before iteration ITER (1-based)")
     r.add_argument("--json", action="store_true", help="print the result as one JSON object (last line)")
     r.set_defaults(func=cmd_run)
+
+    from api import export_cmd, preprocess_cmd  # light modules: their heavy imports are inside run()
+
+    export_cmd.add_parser(sub)
+    preprocess_cmd.add_parser(sub)
     return parser
 
 
@@ -122,35 +139,13 @@ def grid_report(grid, gpus_per_node: int) -> dict:
     }
 
 
-def _fmt_groups(groups: list[list[int]], limit: int = 8) -> str:
-    shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:limit])
-    return shown + (f" ... ({len(groups)} groups)" if len(groups) > limit else "")
-
-
-def print_grid(report: dict, order: str, out=sys.stdout, max_rows: int = 64) -> None:
-    s = report["sizes"]
-    print(f"world_size {report['world_size']}  order {order}  " +
-          "  ".join(f"{k} {v}" for k, v in s.items()), file=out)
-    cols = ["rank", "node", "local", "tp", "cp", "dp", "pp", "ep", "etp", "expert_dp"]
-    print("".join(f"{c:>10}" for c in cols), file=out)
-    for row in report["ranks"][:max_rows]:
-        print("".join(f"{row[c]:>10}" for c in cols), file=out)
-    if len(report["ranks"]) > max_rows:
-        print(f"... {len(report['ranks']) - max_rows} more ranks (use --json for all)", file=out)
-    print("decoder groups:", file=out)
-    for kind, groups in report["decoder"].items():
-        print(f"  {kind:<10}{_fmt_groups(groups)}", file=out)
-    print("expert groups:", file=out)
-    for kind, groups in report["expert"].items():
-        print(f"  {kind:<10}{_fmt_groups(groups)}", file=out)
-    print(f"  {'embedding':<10}{_fmt_groups(report['embedding'])}", file=out)
-    print(f"  {'pos-embed':<10}{_fmt_groups(report['position_embedding'])}", file=out)
-
-
 def cmd_grid(args) -> int:
+    from api.render import print_grid
+    from service.limits import check_world_size
     from workers.grid import ParallelGrid
 
     try:
+        check_world_size(args.world_size, "--world-size")
         grid = ParallelGrid(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                             etp=args.etp, vpp=args.vpp, order=args.order)
         report = grid_report(grid, args.gpus_per_node)
@@ -165,9 +160,9 @@ def cmd_grid(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from service.runner import run_from_cli
+    from api.run_cmd import cmd_run as run
 
-    return run_from_cli(args)
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"raytron {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before a command installed its own handling
+        print(f"raytron {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

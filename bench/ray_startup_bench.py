@@ -38,11 +38,12 @@ resources: {num_nodes: 4, gpus_per_node: 2}
 
 
 def child_raytron(spec_path: str, t_launch: float) -> dict:
-    """The `raytron run` path (prepare + run_on_ray), noting when the first iteration ends."""
-    from service.ray_launcher import run_on_ray
-    from service.runner import prepare
+    """The `raytron run` path (prepare + start_job on Ray), noting when the first iteration ends."""
+    from service.jobs import prepare, start_job
+    from service.ray_cluster import ray_session
+    from service.ray_launcher import RayLauncher
 
-    job, grid, plan = prepare(spec_path)
+    job, grid = prepare(spec_path)
     marks = {"driver_ready_s": time.time()}
 
     def on_event(event) -> None:
@@ -50,7 +51,8 @@ def child_raytron(spec_path: str, t_launch: float) -> dict:
         if key and key not in marks:
             marks[key] = event.time
 
-    result = run_on_ray(job, grid, plan, on_event=on_event)
+    with ray_session() as session:
+        result = start_job(job, launcher=RayLauncher(session), on_event=on_event).wait()
     return {"state": result["state"], **{k: v - t_launch for k, v in marks.items()},
             "total_s": time.time() - t_launch}
 

@@ -11,6 +11,11 @@
 4. otherwise starts an embedded single-node cluster with this machine's GPUs, or, on a machine
    without GPUs, simulates the job's own shape so that ``raytron run spec.yaml`` just works.
 
+Nothing here prints: what a user should know (a flag ignored, a cluster simulated) is in
+:attr:`RaySession.notes`. An address that does not answer fails within
+``connect_timeout_s`` with :class:`~service.errors.ClusterUnreachable` instead of Ray's
+minutes of retries.
+
 Two facts about Ray 2.60 on one machine shape this module (design/RAY_NOTES.md): Ray picks an
 address it cannot reach unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is in the environment of
 the process that starts it, and a plain local start turns token auth on and writes a token into
@@ -24,12 +29,14 @@ import contextlib
 import glob
 import os
 import shutil
-import signal
+import socket
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
+
+from service.errors import ClusterUnreachable
+from service.proc_tree import children as _children, descendants as _descendants, reap as _reap
 
 NAMESPACE = "raytron"
 _OBJECT_STORE_BYTES = 100 * 2**20  # per simulated node; rank actors pass almost nothing through it
@@ -48,6 +55,7 @@ class RaySession:
         num_nodes: alive nodes when the session began.
         single_node: True when the cluster started here is one node (placement may then PACK a
             multi-node job onto it).
+        notes: lines for the user (a flag that was ignored, a cluster simulated).
     """
 
     address: str
@@ -56,6 +64,7 @@ class RaySession:
     static: bool
     num_nodes: int
     single_node: bool = False
+    notes: list[str] = field(default_factory=list)
 
 
 def local_gpu_count() -> int:
@@ -79,9 +88,17 @@ def _local_ray_environment(temp_dir: str) -> Iterator[None]:
     saved_flag = getattr(constants, "ENABLE_RAY_CLUSTER", None)
     if constants is not None:
         constants.ENABLE_RAY_CLUSTER = False
+    # A head node started in-process installs a SIGTERM handler that kills the cluster and calls
+    # sys.exit(1) wherever the main thread happens to be; the caller owns signals (a SIGTERM
+    # cancels the job and then stops this cluster in order).
+    import ray._private.utils as ray_utils
+
+    saved_handler_setter = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
     try:
         yield
     finally:
+        ray_utils.set_sigterm_handler = saved_handler_setter
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -89,52 +106,6 @@ def _local_ray_environment(temp_dir: str) -> Iterator[None]:
                 os.environ[k] = v
         if constants is not None:
             constants.ENABLE_RAY_CLUSTER = saved_flag
-
-
-def _children(pid: int) -> set[int]:
-    """Direct children of ``pid`` (Linux /proc; empty elsewhere)."""
-    out = set()
-    for path in glob.glob(f"/proc/{pid}/task/*/children"):
-        try:
-            out.update(int(c) for c in open(path).read().split())
-        except OSError:
-            pass
-    return out
-
-
-def _descendants(roots: set[int]) -> set[int]:
-    seen, todo = set(), list(roots)
-    while todo:
-        pid = todo.pop()
-        if pid not in seen:
-            seen.add(pid)
-            todo.extend(_children(pid))
-    return seen
-
-
-def _reap(pids: set[int], timeout_s: float = 10.0) -> None:
-    """Wait for processes this session started to exit, then kill the stragglers by pid.
-
-    Ray's shutdown stops the GCS, raylets and dashboard, but the dashboard's module
-    subprocesses notice only later and meanwhile keep writing into the session folder.
-    """
-    deadline = time.monotonic() + timeout_s
-    alive = {p for p in pids if os.path.exists(f"/proc/{p}")}
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.1)
-        alive = {p for p in alive if os.path.exists(f"/proc/{p}") and not _is_zombie(p)}
-    for pid in alive:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _init_kwargs() -> dict:
@@ -211,17 +182,56 @@ def local_cluster(*, num_gpus: int | None = None) -> Iterator[RaySession]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def check_reachable(address: str, timeout_s: float) -> None:
+    """Fail fast when a ``host:port`` GCS address does not accept a connection within ``timeout_s``."""
+    if "://" in address or address == "auto":
+        return  # ray:// clients and "auto" are resolved by Ray itself
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return
+    except ValueError:
+        raise ClusterUnreachable(f"RAY_ADDRESS={address!r} is not host:port; unset it or fix it") from None
+    except OSError as e:
+        raise ClusterUnreachable(f"the Ray cluster at RAY_ADDRESS={address} did not answer within {timeout_s:g}s "
+                                 f"({e.strerror or e}); start it, fix RAY_ADDRESS, or unset it to run on an "
+                                 f"embedded cluster") from None
+
+
 @contextlib.contextmanager
-def connected_cluster(address: str) -> Iterator[RaySession]:
+def connected_cluster(address: str, *, connect_timeout_s: float = 10.0) -> Iterator[RaySession]:
     """Connect to a running cluster (``RAY_ADDRESS``); it may autoscale, so it is not static."""
     import ray
 
-    ctx = ray.init(address=address, **_init_kwargs())
+    check_reachable(address, connect_timeout_s)
+    with _captured_stderr() as captured:  # Ray's C++ client logs a line per retry while it tries
+        try:
+            ctx = ray.init(address=address, **_init_kwargs())
+        except ConnectionError as e:
+            raise ClusterUnreachable(f"RAY_ADDRESS={address} accepts connections but no Ray cluster answered "
+                                     f"({e}); fix RAY_ADDRESS or unset it to run on an embedded cluster") from None
     try:
-        yield RaySession(address=address, dashboard_url=_http(ctx.dashboard_url or ""), owned=False,
-                         static=False, num_nodes=_alive_nodes())
+        session = RaySession(address=address, dashboard_url=_http(ctx.dashboard_url or ""), owned=False,
+                             static=False, num_nodes=_alive_nodes())
+        session.notes += [line for line in captured() if line.strip()][:5]
+        yield session
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def _captured_stderr() -> Iterator:
+    """Send file descriptor 2 (C++ logging included) to a temporary file; yields a reader of its lines."""
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(2)
+        sys.stderr.flush()
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lambda: (tmp.seek(0), tmp.read().decode(errors="replace").splitlines())[1]
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 @contextlib.contextmanager
@@ -237,17 +247,18 @@ def ray_session(simulate: tuple[int, int] | None = None, *,
     import ray
 
     if ray.is_initialized():
-        if simulate is not None:
-            print("raytron: this process is already connected to Ray; --simulate ignored", file=sys.stderr)
         ctx = ray.get_runtime_context()
-        yield RaySession(address=ctx.gcs_address, dashboard_url=_http(_dashboard_url()), owned=False,
-                         static=False, num_nodes=_alive_nodes())
+        session = RaySession(address=ctx.gcs_address, dashboard_url=_http(_dashboard_url()), owned=False,
+                             static=False, num_nodes=_alive_nodes())
+        if simulate is not None:
+            session.notes.append("this process is already connected to Ray; --simulate ignored")
+        yield session
         return
     address = os.environ.get("RAY_ADDRESS")
     if simulate is not None:
-        if address:
-            print(f"raytron: --simulate given, ignoring RAY_ADDRESS={address}", file=sys.stderr)
         with simulated_cluster(*simulate) as session:
+            if address:
+                session.notes.append(f"--simulate given, ignoring RAY_ADDRESS={address}")
             yield session
     elif address:
         with connected_cluster(address) as session:
@@ -257,9 +268,9 @@ def ray_session(simulate: tuple[int, int] | None = None, *,
             yield session
     else:
         nodes, gpus = default_shape
-        print(f"raytron: no RAY_ADDRESS and no GPU here: simulating {nodes} node(s) x {gpus} GPU slot(s) "
-              f"on this machine (CPU, gloo)", file=sys.stderr)
         with simulated_cluster(nodes, gpus) as session:
+            session.notes.append(f"no RAY_ADDRESS and no GPU here: simulating {nodes} node(s) x {gpus} GPU "
+                                 f"slot(s) on this machine (CPU, gloo)")
             yield session
 
 

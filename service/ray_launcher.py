@@ -1,8 +1,8 @@
-"""`raytron run --launcher ray`: a job's ranks as Ray actors, driven by the job controller.
+"""``--launcher ray``: a job's ranks as Ray actors, driven by the job controller.
 
-:func:`run_on_ray` finds or starts the cluster (:mod:`service.ray_cluster`), prints the
-dashboard URL and the placement the actors report, shows progress, and returns the contract-3
-result. :class:`RayRankGroup` is the Ray side of one attempt:
+:class:`RayLauncher` holds the process's one Ray connection (a :class:`~service.ray_cluster.RaySession`)
+and builds a :class:`RayRankGroup` per attempt, from a fresh placement plan (so a later attempt
+may have another size). One attempt:
 
 1. a placement group with one bundle per node of the plan (``{"GPU": gpus_per_node, "CPU": ...}``,
    STRICT_SPREAD), waited for with a timeout; a job that cannot fit fails with needed vs
@@ -12,22 +12,20 @@ result. :class:`RayRankGroup` is the Ray side of one attempt:
    created at once so that their torch imports overlap;
 3. rendezvous: rank 0 reports its node IP and a free port; every rank joins the process group
    and builds its trainer;
-4. ``run(n)`` on every rank; the first failure (with a short grace to find the root cause among
-   the ranks it brings down: a dead actor beats its peers' "connection closed") is a
-   :class:`~service.controller.RankError`;
+4. ``run(n)`` on every rank, collected by :func:`service.gather.collect` (the same failure
+   triage as the process launcher: root cause first, a silent rank named as hung);
 5. shutdown: kill the actors, wait until Ray knows they are dead, remove the placement group.
 """
 
 from __future__ import annotations
 
-import sys
-import time
-from typing import Callable
-
-from service.controller import (ControllerConfig, JobController, JobError, JobEvent, InsufficientResources, RankDied,
-                                RankError, RankRaised)
-from service.placement import RankPlacement
+from service.controller import ControllerConfig
+from service.errors import InsufficientResources, RankDied, RankRaised
+from service.gather import collect
+from service.placement import RankPlacement, plan_placement
+from service.ray_cluster import RaySession
 from workers.config import JobConfig
+from workers.faults import Fault
 from workers.grid import ParallelGrid
 
 
@@ -42,8 +40,9 @@ class RayRankGroup:
         self.actors: list = []
         self.pg = None
         self.placement: list[dict] = []
+        self._inflight: list = []  # refs of the last call, drained at shutdown
 
-    def start(self, faults: dict[int, tuple[int, str]]) -> list[dict]:
+    def start(self, faults: list[Fault]) -> list[dict]:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -62,22 +61,24 @@ class RayRankGroup:
         self.actors = [
             remote_cls.options(
                 name=actor_name(self.job_id, p.rank), num_gpus=1, num_cpus=cfg.cpus_per_rank, max_restarts=0,
+                max_concurrency=2,  # a second thread answers stall() while run() is blocked
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=p.node),
             ).remote(job, p.rank, self.job_id)
             for p in self.plan
         ]
-        addr, port = self._gather([self.actors[0].rendezvous_address.remote()], [0], cfg.start_timeout_s)[0]
-        for rank, (iteration, kind) in faults.items():
-            self.actors[rank].inject_fault.remote(iteration, kind)  # queued before setup on the same actor
-        self.placement = self._gather(
-            [a.setup.remote(addr, port, self.grid.world_size, p.local, cfg.collective_timeout_s)
-             for a, p in zip(self.actors, self.plan)], None, cfg.start_timeout_s)
+        addr, port = self._collect([self.actors[0].rendezvous_address.remote()], cfg.start_timeout_s,
+                                   what="rendezvous")[0]
+        timeout = float(job.collective_timeout_s)
+        self.placement = self._collect(
+            [a.setup.remote(addr, port, self.grid.world_size, p.local, timeout, tuple(faults))
+             for a, p in zip(self.actors, self.plan)], cfg.start_timeout_s, what="start")
+        self.placement = [{**rec, "node": p.node} for rec, p in zip(self.placement, self.plan)]
         return self.placement
 
     def run(self, iterations: int) -> list[list[dict]]:
-        # No deadline here: the collective timeout inside the ranks is the hang detector.
-        return self._gather([a.run.remote(iterations) for a in self.actors], None, None)
+        return self._collect([a.run.remote(iterations) for a in self.actors], None, stall_s=self.job.collective_timeout_s,
+                             what="run")
 
     def kill(self) -> None:
         import ray
@@ -99,58 +100,84 @@ class RayRankGroup:
             # A call on a killed actor fails once the GCS knows it is dead; after this wait no
             # rank of the job shows as alive in `ray list actors`.
             ray.wait([a.ping.remote() for a in actors], num_returns=len(actors), timeout=30)
+        # Read the answers a failed call left behind, so Ray does not log them as unhandled errors.
+        inflight, self._inflight = self._inflight, []
+        if inflight:
+            ray.wait(inflight, num_returns=len(inflight), timeout=10)
+            for ref in inflight:
+                try:
+                    ray.get(ref, timeout=0)
+                except Exception:  # noqa: BLE001 - the failure was reported already
+                    pass
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
 
-    def _gather(self, refs: list, ranks: list[int] | None, timeout_s: float | None) -> list:
+    def _collect(self, refs: list, timeout_s: float | None, *, stall_s: float | None = None, what: str) -> list:
         import ray
 
-        ranks = list(range(len(refs))) if ranks is None else ranks
-        rank_of = dict(zip(refs, ranks))
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pending, failures = list(refs), []
-        while pending and not failures:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=wait)
-            if not ready:
-                missing = sorted(rank_of[r] for r in pending)
-                raise JobError(f"ranks {missing} did not answer within {timeout_s:.0f}s")
-            failures += self._failures(ready, rank_of)
-        if failures:
-            # A rank's death reaches its gloo peers ("connection closed by peer") about as fast as
-            # it reaches the driver: give the root cause a moment to arrive before naming a rank.
-            grace_end = time.monotonic() + self.config.failure_grace_s
-            while pending and not any(_is_root_cause(e) for e in failures) and time.monotonic() < grace_end:
-                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, grace_end - time.monotonic()))
-                failures += self._failures(ready, rank_of)
-            raise min(failures, key=lambda e: (not isinstance(e, RankDied), not _is_root_cause(e),
-                                               failures.index(e)))
-        return ray.get(refs)
+        rank_of = dict(zip(refs, range(len(refs))))
+        ref_of = {r: ref for ref, r in rank_of.items()}
+        self._inflight = list(refs)
 
-    def _failures(self, ready: list, rank_of: dict) -> list[RankError]:
+        def poll(pending: set[int], timeout: float | None) -> list[tuple[int, object]]:
+            ready, _ = ray.wait([ref_of[r] for r in pending], num_returns=1, timeout=timeout)
+            return [(rank_of[ref], self._outcome(ref, rank_of[ref])) for ref in ready]
+
+        out = collect(list(range(len(refs))), poll, where=self._where, grace_s=self.config.failure_grace_s,
+                      stall_s=stall_s, timeout_s=timeout_s, stall_hint=self._stall_hint, what=what)
+        return [out[r] for r in range(len(refs))]
+
+    def _outcome(self, ref, rank: int):
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        out: list[RankError] = []
-        for ref in ready:
-            rank = rank_of[ref]
-            try:
-                ray.get(ref)
-            except RayActorError as exc:
-                out.append(RankDied(rank, self._where(rank), _summary(exc) or "actor died"))
-            except RayTaskError as exc:
-                cause = getattr(exc, "cause", None) or exc
-                out.append(RankRaised(rank, self._where(rank), f"{type(cause).__name__}: {_summary(cause)}",
-                                      str(exc)))
-        return out
+        try:
+            return ray.get(ref)
+        except RayActorError as exc:
+            return RankDied(rank, self._where(rank), _summary(exc) or "actor died")
+        except RayTaskError as exc:
+            cause = getattr(exc, "cause", None) or exc
+            return RankRaised(rank, self._where(rank), f"{type(cause).__name__}: {_summary(cause)}", str(exc))
+
+    def _stall_hint(self, rank: int) -> str:
+        """Ask a silent rank's second thread what it is blocked in (a hang drill knows; SIGSTOP does not answer)."""
+        import ray
+
+        try:
+            return ray.get(self.actors[rank].stall.remote(), timeout=2)
+        except Exception:  # noqa: BLE001 - not knowable
+            return ""
 
     def _where(self, rank: int) -> dict:
+        c = self.grid.coords(rank)
         where = {"node": self.plan[rank].node}
         for p in self.placement:
             if p["rank"] == rank:
                 where.update(node_id=p["node_id"], pid=p["pid"])
-        return where
+        return {**where, **{k: c[k] for k in ("tp", "pp", "dp", "cp", "ep")}}
+
+
+class RayLauncher:
+    """Builds a :class:`RayRankGroup` per attempt over one Ray session (``start_job(launcher=...)``).
+
+    Args:
+        session: the connected cluster (:func:`service.ray_cluster.ray_session`).
+        config: timeouts and resources; by default a short placement timeout on a cluster started
+            here (nothing can join it later) and a long one on ``RAY_ADDRESS``.
+    """
+
+    name = "ray"
+
+    def __init__(self, session: RaySession, config: ControllerConfig | None = None):
+        self.session = session
+        self.config = config or ControllerConfig(
+            placement_timeout_s=15.0 if session.static else 300.0, static_cluster=session.static,
+            strategy="PACK" if session.single_node else "STRICT_SPREAD")
+
+    def make_group(self, job: JobConfig, grid: ParallelGrid, attempt: int, *, job_id: str) -> RayRankGroup:
+        plan = plan_placement(grid, job.gpus_per_node, job.num_nodes)
+        return RayRankGroup(job, grid, plan, job_id=job_id, config=self.config)
 
 
 def _node_totals() -> list[dict]:
@@ -187,74 +214,9 @@ def capacity_message(job: JobConfig, cfg: ControllerConfig, bundle: dict, waited
             f"gpus_per_node, or add nodes (--simulate NODESxGPUS locally)")
 
 
-_PEER_SYMPTOMS = ("closed by peer", "reset by peer", "broken pipe", "timed out", "socket closed",
-                  "connection refused")
-
-
-def _is_root_cause(error: RankError) -> bool:
-    """A death, or an exception that is not merely a peer's collective breaking under it."""
-    return isinstance(error, RankDied) or not any(s in error.cause.lower() for s in _PEER_SYMPTOMS)
-
-
 def _summary(exc: BaseException) -> str:
     """First line of a Ray error, plus its last line when that is the underlying exception."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     if not lines:
         return ""
     return lines[0] if len(lines) == 1 or lines[-1] in lines[0] else f"{lines[0]} ... {lines[-1]}"
-
-
-def run_on_ray(job: JobConfig, grid: ParallelGrid, plan: list[RankPlacement], *,
-               simulate: tuple[int, int] | None = None, progress: bool = False, job_id: str | None = None,
-               config: ControllerConfig | None = None, on_event: Callable[[JobEvent], None] | None = None,
-               controller_hook: Callable[[JobController], None] | None = None) -> dict:
-    """Run a job on Ray and wait for it; returns the contract-3 result object.
-
-    Args:
-        job, grid, plan: the validated job, its grid and placement plan (``service.runner.prepare``).
-        simulate: ``(nodes, gpus)``: start a simulated local cluster (see :mod:`service.ray_cluster`).
-        progress: show a progress bar (stderr).
-        job_id: default a fresh one.
-        config: timeouts and resources; by default a short placement timeout on a cluster started
-            here (nothing can join it later) and a long one on ``RAY_ADDRESS``.
-        on_event: also receives every controller event (e.g. for a job store).
-        controller_hook: called with the controller before it runs (cancel, fault injection).
-
-    Returns:
-        The result; on failure ``state`` is FAILED and ``error`` says which rank and why.
-    """
-    from service.ray_cluster import ray_session
-    from service.runner import Progress, new_job_id, print_placement
-
-    job_id = job_id or new_job_id(job)
-    with ray_session(simulate, default_shape=(job.num_nodes, job.gpus_per_node)) as session:
-        if config is None:
-            config = ControllerConfig(placement_timeout_s=15.0 if session.static else 300.0,
-                                      static_cluster=session.static,
-                                      strategy="PACK" if session.single_node else "STRICT_SPREAD")
-        if session.dashboard_url:
-            print(f"raytron: Ray dashboard {session.dashboard_url}  (job {job_id})", file=sys.stderr)
-        bar = None
-
-        def handle(event: JobEvent) -> None:
-            nonlocal bar
-            if event.kind == "placement":
-                print_placement(event.data["placement"])
-                bar = Progress(job.training.train_iters, progress, job.name)
-            elif event.kind == "iteration" and bar is not None:
-                bar(0, {"event": "iteration", **event.data})
-            elif event.kind == "failure":
-                print(f"raytron: {event.message}", file=sys.stderr)
-            if on_event is not None:
-                on_event(event)
-
-        controller = JobController(
-            job, grid, job_id=job_id, on_event=handle, iterations_per_call=config.iterations_per_call,
-            make_group=lambda attempt: RayRankGroup(job, grid, plan, job_id=job_id, config=config))
-        if controller_hook is not None:
-            controller_hook(controller)
-        try:
-            return controller.run()
-        finally:
-            if bar is not None:
-                bar.close()

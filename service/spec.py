@@ -1,25 +1,36 @@
 """The job spec (ARCHITECTURE.md contract 1): pydantic at the edge, frozen configs inside.
 
-Field names are Megatron-Core's. Unknown fields are refused (a typo must not be ignored).
-Every cross-field rule is checked here, before anything starts, and each message names the
-fields, the numbers and the fix. :func:`to_job_config` is the one place a spec becomes the
-internal :class:`workers.config.JobConfig`.
+Field names are Megatron-Core's. Unknown fields are refused (a typo must not be ignored), types
+are strict (``tp: "2"`` or ``tp: true`` is an error, not a 2 or a 1), numbers must be finite,
+and fields of features not built yet are refused with a message that says so: no field is
+accepted and ignored. Every cross-field rule is checked here, before anything starts, and each
+message names the fields, the numbers and the fix. :func:`to_job_config` is the one place a
+spec becomes the internal :class:`workers.config.JobConfig`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from service.limits import check_memory, check_world_size
 from workers.config import JobConfig, ModelConfig, ParallelConfig, TrainingConfig
 from workers.dataset import data_form_problem, parse_split
 from workers.grid import ParallelGrid
 from workers.lr_schedule import LRSchedule
 
-_STRICT = ConfigDict(extra="forbid")
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+NOT_BUILT = {
+    "checkpoint": ("save_interval", "dir", "keep_last", "async_save", "load"),
+    "resources": ("min_nodes",),
+    "fault_tolerance": ("node_grace_s",),
+}
+"""Contract-1 fields whose feature is not built yet (checkpoints, elastic resizing): refused."""
 
 
 class ModelSpec(BaseModel):
@@ -104,20 +115,22 @@ def training_problems(t: TrainingSpec) -> list[str]:
 
 
 class CheckpointSpec(BaseModel):
+    """Checkpoints are not built yet: every field of the section is refused (see NOT_BUILT)."""
+
     model_config = _STRICT
-    save_interval: int | None = Field(None, ge=1, description="iterations; null = no checkpoints")
 
 
 class ResourcesSpec(BaseModel):
     model_config = _STRICT
     num_nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(1, ge=1, description="world_size = num_nodes * gpus_per_node")
-    min_nodes: int | None = Field(None, ge=1, description="elastic floor; default = num_nodes")
 
 
 class FaultToleranceSpec(BaseModel):
     model_config = _STRICT
-    max_restarts: int = Field(3, ge=0)
+    max_restarts: int = Field(3, ge=0, description="new attempts after rank failures before the job fails")
+    collective_timeout_s: float = Field(300.0, ge=5, description="a peer silent this long inside a collective "
+                                        "is a failure")
 
 
 class JobSpec(BaseModel):
@@ -136,6 +149,17 @@ class JobSpec(BaseModel):
     def world_size(self) -> int:
         return self.resources.num_nodes * self.resources.gpus_per_node
 
+    @model_validator(mode="before")
+    @classmethod
+    def _not_built(cls, data):
+        if isinstance(data, dict):
+            found = [f"{section}.{key}" for section, keys in NOT_BUILT.items()
+                     if isinstance(data.get(section), dict) for key in keys if key in data[section]]
+            if found:
+                raise ValueError(f"{', '.join(found)}: not built yet (checkpoints and elastic resizing come with "
+                                 f"their own issue); remove {'it' if len(found) == 1 else 'them'} from the spec")
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> "JobSpec":
         problems = spec_problems(self)
@@ -153,6 +177,11 @@ def spec_problems(spec: JobSpec) -> list[str]:
     etp = p.expert_tensor_parallel_size or tp
     vpp = p.virtual_pipeline_model_parallel_size
     world = spec.world_size
+    try:
+        check_world_size(world, f"world_size = resources.num_nodes {res.num_nodes} x resources.gpus_per_node "
+                                f"{res.gpus_per_node} =")
+    except ValueError as e:
+        return [str(e)]  # nothing below may enumerate a world that large
     try:
         grid = ParallelGrid(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp, order=p.order)
     except ValueError as e:
@@ -209,10 +238,12 @@ def spec_problems(spec: JobSpec) -> list[str]:
         elif vpp and (t.global_batch_size // per_step) % pp:
             out.append(f"the interleaved schedule needs the number of microbatches "
                        f"({t.global_batch_size // per_step}) to be a multiple of pipeline_model_parallel_size {pp}")
-    min_nodes = res.min_nodes or res.num_nodes
-    if min_nodes > res.num_nodes:
-        out.append(f"resources.min_nodes {min_nodes} > resources.num_nodes {res.num_nodes}")
     out.extend(training_problems(t))
+    if not out:
+        try:
+            check_memory(to_job_config(spec))
+        except ValueError as e:
+            out.append(str(e))
     return out
 
 
@@ -226,17 +257,41 @@ def load_spec(path: str | Path) -> JobSpec:
     except OSError as e:
         raise ValueError(f"cannot read spec {str(path)!r}: {e.strerror}") from None
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_yaml_loader())
     except (ValueError, yaml.YAMLError) as e:
-        raise ValueError(f"spec {str(path)!r} is not valid YAML/JSON: {e}") from None
-    return parse_spec(data or {})
+        first = " ".join(str(e).split())
+        raise ValueError(f"spec {str(path)!r} is not valid YAML/JSON: {first}") from None
+    try:
+        return parse_spec(data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
-def parse_spec(data: dict) -> JobSpec:
+def parse_spec(data) -> JobSpec:
+    """Validate a spec already read (a dict). Raises ValueError with every reason."""
+    if not data:
+        raise ValueError("the job spec is empty; give at least model, training and resources "
+                         "(see examples/tiny-5d.yaml)")
+    if not isinstance(data, dict):
+        raise ValueError(f"a job spec is a mapping of sections (model, parallel, training, ...), "
+                         f"got a {type(data).__name__}")
     try:
         return JobSpec.model_validate(data)
     except ValidationError as e:
         raise ValueError(format_validation_error(e)) from None
+
+
+def _yaml_loader():
+    """PyYAML's safe loader, reading ``1e-3`` as a number as YAML 1.2 (and JSON) do, not as a string."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$"), list("-+0123456789"))
+    return Loader
 
 
 def format_validation_error(e: ValidationError) -> str:
@@ -244,6 +299,8 @@ def format_validation_error(e: ValidationError) -> str:
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
+        if err["type"].endswith(("_type", "finite_number", "_parsing")) and "input" in err:
+            msg += f", got {err['input']!r}"  # tp: "2" or tp: true shows as what it is
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "invalid job spec: " + "; ".join(parts)
 
@@ -279,6 +336,6 @@ def to_job_config(spec: JobSpec) -> JobConfig:
     return JobConfig(
         name=spec.name, model=model, parallel=parallel, training=training, world_size=spec.world_size,
         num_nodes=spec.resources.num_nodes, gpus_per_node=spec.resources.gpus_per_node,
-        min_nodes=spec.resources.min_nodes or spec.resources.num_nodes,
-        save_interval=spec.checkpoint.save_interval, max_restarts=spec.fault_tolerance.max_restarts,
+        max_restarts=spec.fault_tolerance.max_restarts,
+        collective_timeout_s=spec.fault_tolerance.collective_timeout_s,
     )

@@ -35,7 +35,8 @@ def test_valid_spec_round_trips_to_config():
     job = to_job_config(parse_spec(base()))
     assert job.world_size == 8 and job.parallel.tensor_model_parallel_size == 2
     assert job.parallel.expert_tensor_parallel_size == 2  # default = tp
-    assert job.min_nodes == 2 and job.model.num_query_groups == 2
+    assert job.model.num_query_groups == 2
+    assert job.max_restarts == 3 and job.collective_timeout_s == 300.0  # fault_tolerance defaults
 
 
 def test_example_spec_is_valid():
@@ -76,7 +77,20 @@ def test_unknown_field_is_refused_with_its_path():
     (dict(parallel={"order": "tp-cp-ep-dp-xx"}), ["unknown token", "xx"]),
     (dict(parallel={"order": "tp-tp-dp-pp"}), ["repeated"]),
     (dict(parallel={"order": "cp-ep-dp-pp"}), ["does not name 'tp'"]),
-    (dict(resources={"min_nodes": 3}), ["min_nodes 3 > resources.num_nodes 2"]),
+    (dict(resources={"min_nodes": 1}), ["resources.min_nodes", "not built yet"]),
+    (dict(checkpoint={"save_interval": 5}), ["checkpoint.save_interval", "not built yet"]),
+    (dict(fault_tolerance={"collective_timeout_s": 4}), ["fault_tolerance.collective_timeout_s",
+                                                         "greater than or equal to 5"]),
+    (dict(fault_tolerance={"max_restarts": -1}), ["fault_tolerance.max_restarts"]),
+    (dict(training={"lr": float("inf")}), ["training.lr", "finite"]),
+    (dict(training={"lr": float("nan")}), ["training.lr", "finite"]),
+    (dict(parallel={"tensor_model_parallel_size": "2"}), ["parallel.tensor_model_parallel_size",
+                                                          "valid integer", "got '2'"]),
+    (dict(parallel={"tensor_model_parallel_size": True}), ["parallel.tensor_model_parallel_size",
+                                                           "valid integer", "got True"]),
+    (dict(training={"train_iters": 2.0}), ["training.train_iters", "valid integer"]),
+    (dict(resources={"num_nodes": 1_000_000_000}), ["world_size", "1000000000", "at most 65536"]),
+    (dict(model={"hidden_size": 1048576}), ["GiB per rank", "any accelerator holds", "hidden_size"]),
     (dict(training={"data": "corpus.txt"}), ["training.data", ".npy or .bin"]),
     (dict(parallel={"cp_comm_type": "ring"}), ["parallel.cp_comm_type"]),
     (dict(training={"micro_batch_size": 0}), ["training.micro_batch_size", "greater than or equal to 1"]),
@@ -104,3 +118,37 @@ def test_load_spec_errors(tmp_path):
     y = tmp_path / "good.yaml"
     y.write_text(yaml.safe_dump(base()))
     assert load_spec(y).name == "t"
+
+
+def test_collective_timeout_reaches_the_config():
+    job = to_job_config(parse_spec(base(fault_tolerance={"collective_timeout_s": 20, "max_restarts": 0})))
+    assert job.collective_timeout_s == 20.0 and job.max_restarts == 0
+
+
+def test_empty_or_non_mapping_spec_is_refused(tmp_path):
+    for text in ("", "# nothing\n", "{}\n"):
+        path = tmp_path / "empty.yaml"
+        path.write_text(text)
+        with pytest.raises(ValueError, match="empty.yaml: the job spec is empty"):
+            load_spec(path)
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="mapping of sections"):
+        load_spec(path)
+
+
+def test_yaml_exponent_without_dot_is_a_number(tmp_path):
+    # PyYAML reads 1e-3 as a string; with strict types that must still be a number, as in JSON.
+    path = tmp_path / "lr.yaml"
+    path.write_text(yaml.safe_dump(base()) + "")
+    spec = yaml.safe_load(path.read_text())
+    spec["training"]["lr"] = "REPLACE"
+    path.write_text(yaml.safe_dump(spec).replace("REPLACE", "1e-3"))
+    assert load_spec(path).training.lr == 1e-3
+    path.write_text(yaml.safe_dump(spec).replace("REPLACE", ".inf"))
+    with pytest.raises(ValueError, match="lr.yaml: invalid job spec: training.lr: Input should be a finite"):
+        load_spec(path)
+
+
+def test_example_spec_sets_no_unbuilt_field():
+    text = open("examples/tiny-5d.yaml").read()
+    assert "save_interval" not in text and "min_nodes" not in text

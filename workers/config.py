@@ -6,7 +6,7 @@ or environment variables.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,10 +97,10 @@ class JobConfig:
     world_size: int
     num_nodes: int = 1
     gpus_per_node: int = 1
-    min_nodes: int = 1
-    save_interval: int | None = None
     max_restarts: int = 3
-    extra: dict = field(default_factory=dict)
+    """New attempts after rank failures before the job fails (fault_tolerance.max_restarts)."""
+    collective_timeout_s: float = 300.0
+    """A peer silent this long inside a collective is a failure (fault_tolerance.collective_timeout_s)."""
 
 
 def stable_seed(seed: int, name: str) -> int:

@@ -88,12 +88,31 @@ def _open_indexed(data: str) -> IndexedDataset | None:
     return IndexedDataset(prefix) if is_indexed_dataset(prefix) else None
 
 
-def check_corpus(data: str, vocab_size: int, seq_length: int) -> None:
-    """Refuse a corpus that is too short or has ids outside the vocabulary."""
+def check_corpus(data, vocab_size: int, seq_length: int) -> None:
+    """Refuse a corpus that is not a file of integer token ids, is too short, or has ids
+    outside ``[0, vocab_size)``; each message names training.data and the fix. A blend is
+    checked corpus by corpus."""
+    if isinstance(data, (list, tuple)):
+        for prefix in parse_blend(data)[0]:
+            check_corpus(prefix, vocab_size, seq_length)
+        return
+    path = Path(data)
+    if not data.startswith("builtin:") and path.is_dir():
+        raise ValueError(f"training.data {data!r} is a directory; give a token file (.npy or .bin) inside it")
+    if path.suffix == ".npy" and path.is_file():
+        try:
+            dtype = np.load(path, mmap_mode="r").dtype
+        except (ValueError, OSError) as e:
+            raise ValueError(f"training.data {data!r} is not a readable .npy array ({e})") from None
+        if dtype.kind not in "iu":
+            raise ValueError(f"training.data {data!r} holds {dtype} values, not token ids; save integer ids, "
+                             f"e.g. np.save(path, ids.astype(np.int32))")
     tokens = load_tokens(data)
     if len(tokens) < seq_length + 2:
         raise ValueError(f"training.data {data!r} has {len(tokens)} tokens, fewer than seq_length+2 = {seq_length + 2}")
-    top = int(tokens.max())
+    low, top = int(tokens.min()), int(tokens.max())
+    if low < 0:
+        raise ValueError(f"training.data {data!r} has negative token id {low}; token ids are 0..vocab_size-1")
     if top >= vocab_size:
         raise ValueError(f"training.data {data!r} has token id {top} >= model.vocab_size {vocab_size}; raise vocab_size")
 

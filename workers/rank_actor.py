@@ -11,7 +11,10 @@ node's placement-group bundle with one GPU. Its life:
 3. ``setup(...)``: joins the process group (gloo on CPU, nccl on GPU, with a collective timeout
    so that a silent peer becomes an error), builds the :class:`~workers.train.Trainer`, and
    reports where it runs (Ray node id, pid, device, grid coordinates).
-4. ``run(n)``: ``n`` iterations; returns their metrics and exports each as Ray metrics.
+4. ``run(n)``: ``n`` iterations (through :class:`~workers.rank_main.RankRunner`, which also fires
+   failure drills); returns their metrics and exports each as Ray metrics.
+5. ``stall()``: answered from a second thread while ``run`` is blocked: the group kind a hang
+   drill blocked in, or "" (the controller asks a rank that stopped answering).
 
 Nothing here imports torch or ray at module level: the driver imports this module only to name
 the class.
@@ -21,9 +24,9 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 
 from workers.config import JobConfig
+from workers.faults import Fault
 
 METRIC_TAGS = ("job_id", "rank", "tp", "pp", "dp", "cp", "ep")
 
@@ -31,25 +34,6 @@ METRIC_TAGS = ("job_id", "rank", "tp", "pp", "dp", "cp", "ep")
 def actor_name(job_id: str, rank: int) -> str:
     """The Ray actor name of a rank (unique per job)."""
     return f"raytron:{job_id}:rank{rank}"
-
-
-class InjectedFault(RuntimeError):
-    """Raised by a rank on purpose (:meth:`RankActor.inject_fault`), for failure drills and tests."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    """A failure to provoke: ``kind`` "raise" (an exception in the rank) or "exit" (the process
-    dies, as a crash or an OOM kill would), just before iteration ``iteration`` (1-based)."""
-
-    iteration: int
-    kind: str = "raise"
-
-    def __post_init__(self):
-        if self.kind not in ("raise", "exit"):
-            raise ValueError(f"fault kind must be 'raise' or 'exit', got {self.kind!r}")
-        if self.iteration < 1:
-            raise ValueError(f"fault iteration is 1-based, got {self.iteration}")
 
 
 class RankActor:
@@ -71,8 +55,8 @@ class RankActor:
         import workers.train  # noqa: F401 - warm the rest of the stack during the start-up overlap
 
         self.job, self.rank, self.job_id = job, rank, job_id
-        self.trainer = None
-        self.fault: Fault | None = None
+        self.runner = None
+        self.stalled_in = ""
         self._gauges: dict = {}
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -85,19 +69,20 @@ class RankActor:
         return ip, free_port(ip)
 
     def setup(self, master_addr: str, master_port: int, world_size: int, local_rank: int,
-              collective_timeout_s: float) -> dict:
+              collective_timeout_s: float, faults: tuple[Fault, ...] = ()) -> dict:
         """Join the process group and build the trainer; returns this rank's placement record."""
         import ray
         import torch.distributed as dist
 
+        from workers.rank_main import RankRunner
         from workers.spawn import init_distributed, rank_device
-        from workers.train import Trainer
 
         # Ray exposes exactly one GPU to this actor (CUDA_VISIBLE_DEVICES), so any slot maps to it.
         device = rank_device(local_rank)
         backend = init_distributed(self.rank, world_size, master_addr, master_port, timeout_s=collective_timeout_s)
-        self.trainer = Trainer(self.job, self.rank, world_size, device=device)
-        c = self.trainer.coords
+        self.runner = RankRunner(self.job, self.rank, world_size, device=device, faults=faults,
+                                 on_stall=self._stalled)
+        c = self.runner.trainer.coords
         ctx = ray.get_runtime_context()
         self._make_gauges(c)
         return {
@@ -108,22 +93,18 @@ class RankActor:
             **{k: c[k] for k in ("tp", "pp", "dp", "cp", "ep", "etp", "expert_dp")},
         }
 
-    def inject_fault(self, iteration: int, kind: str = "raise") -> None:
-        """Fail on purpose just before iteration ``iteration`` (see :class:`Fault`)."""
-        self.fault = Fault(iteration, kind)
-
     def run(self, iterations: int) -> list[dict]:
         """Train ``iterations`` iterations; returns each one's metrics (the loss is global)."""
-        if self.trainer is None:
+        if self.runner is None:
             raise RuntimeError(f"rank {self.rank}: run() before setup()")
-        out = []
-        for _ in range(iterations):
-            if self.fault is not None and self.trainer.iteration + 1 == self.fault.iteration:
-                self._trigger(self.fault)
-            metrics = self.trainer.train_step()
-            self._export(metrics)
-            out.append(metrics)
-        return out
+        return self.runner.run(iterations, on_metrics=self._export)
+
+    def stall(self) -> str:
+        """The collective a hang drill blocked in ("tp all_reduce"), or ""."""
+        return self.stalled_in
+
+    def _stalled(self, where: str) -> None:
+        self.stalled_in = where
 
     def ping(self) -> int:
         return os.getpid()
@@ -134,11 +115,6 @@ class RankActor:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-
-    def _trigger(self, fault: Fault) -> None:
-        if fault.kind == "exit":
-            os._exit(1)  # no cleanup, no exception: what a segfault or the OOM killer looks like
-        raise InjectedFault(f"rank {self.rank}: injected fault before iteration {fault.iteration}")
 
     def _make_gauges(self, coords: dict) -> None:
         from ray.util.metrics import Gauge

@@ -1,0 +1,146 @@
+"""``raytron run``: validate, start the job through :func:`service.jobs.start_job`, render its
+events, print the result, and turn SIGINT/SIGTERM into a cancel.
+
+Exit status: 0 SUCCEEDED, 1 FAILED, 2 invalid input (nothing started), 130 / 143 cancelled by
+SIGINT / SIGTERM (the job ends CANCELLED with every rank stopped, also during start-up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import time
+
+from api.errors import UsageError
+from api.render import RunView, final_line, print_plan, result_json
+from service.errors import JobError
+from service.jobs import new_job_id, prepare, start_job
+from service.placement import plan_placement
+from service.result import result_object
+from workers.faults import Fault
+
+_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class _Signals:
+    """SIGINT and SIGTERM cancel the job. The handler never raises (an exception in the middle
+    of a cluster's start-up would leave half-started processes behind): it asks the controller
+    to cancel, or, before there is one, records the signal for the next checkpoint of
+    :func:`cmd_run`, which then stops before starting anything more."""
+
+    def __init__(self):
+        self.received: signal.Signals | None = None
+        self.controller = None
+        self._saved = {}
+
+    def install(self) -> None:
+        for sig in _EXIT:
+            self._saved.setdefault(sig, signal.getsignal(sig))
+            signal.signal(sig, self._handle)  # again after ray.init, which installs its own
+
+    def restore(self) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            return  # one cancel is enough; it is under way
+        self.received = signal.Signals(signum)
+        if self.controller is not None:
+            self.controller.cancel(f"cancelled by {self.received.name}")
+
+
+@contextlib.contextmanager
+def _launcher(args, job, notes):
+    if args.launcher == "processes":
+        from service.process_launcher import ProcessLauncher
+
+        yield ProcessLauncher()
+        return
+    from service.ray_cluster import ray_session
+    from service.ray_launcher import RayLauncher
+
+    with ray_session(args.simulate, default_shape=(job.num_nodes, job.gpus_per_node)) as session:
+        for note in session.notes:
+            notes(note)
+        if session.dashboard_url:
+            notes(f"Ray dashboard {session.dashboard_url}")
+        yield RayLauncher(session)
+
+
+def cmd_run(args) -> int:
+    t0 = time.time()
+    signals = _Signals()
+    signals.install()
+    try:
+        job, grid = prepare(args.spec)
+        faults = list(args.fault or [])
+        for f in faults:
+            if f.rank >= grid.world_size:
+                raise ValueError(f"--fault {f.rank}@{f.iteration}: rank {f.rank} is outside the job's "
+                                 f"{grid.world_size} ranks (0..{grid.world_size - 1})")
+    except ValueError as e:
+        signals.restore()
+        raise UsageError(str(e)) from None
+    if args.launcher == "processes":
+        from workers.rank_main import torchrun_env
+
+        env = torchrun_env()
+        if env is not None:
+            signals.restore()  # torchrun signals its processes itself
+            return _torchrun(args, job, grid, env, faults)
+    job_id = new_job_id(job)
+    view = RunView(job.training.train_iters, job.name, quiet=args.json)
+    if not args.json:
+        print_plan(grid, plan_placement(grid, job.gpus_per_node, job.num_nodes))
+    result = None
+    try:
+        if signals.received is None:  # a signal during validation: start nothing
+            with _launcher(args, job, lambda line: print(f"raytron: {line}", file=sys.stderr)) as launcher:
+                signals.install()  # again: starting Ray may have installed its own handlers
+                if signals.received is None:
+                    controller = start_job(job, launcher=launcher, on_event=view, job_id=job_id, faults=faults)
+                    signals.controller = controller
+                    if signals.received is not None:  # arrived between the two lines above
+                        controller.cancel(f"cancelled by {signals.received.name}")
+                    while (result := controller.wait(0.2)) is None:
+                        pass
+    except JobError as e:  # the cluster could not be reached or started: one line, no job ran
+        print(f"raytron run: error: {e}", file=sys.stderr)
+        if args.json:
+            print(result_json(result_object(job_id, "FAILED", grid, [], [], error=str(e))), flush=True)
+        return 1
+    finally:
+        view.close()
+        signals.restore()
+    if signals.received is not None and (result is None or result["state"] == "CANCELLED"):
+        if result is None:  # the signal came before the job started
+            result = result_object(job_id, "CANCELLED", grid, [], [], error=f"cancelled by {signals.received.name}")
+        _print_result(args, result, t0, note=f"cancelled by {signals.received.name}")
+        return _EXIT[signals.received]
+    _print_result(args, result, t0)
+    return 0 if result["state"] == "SUCCEEDED" else 1
+
+
+def _print_result(args, result: dict, t0: float, note: str = "") -> None:
+    if args.json:
+        print(result_json(result), flush=True)
+    else:
+        print(final_line(result, time.time() - t0, note), flush=True)
+        if result.get("error") and not note:
+            print(f"error: {result['error']}", file=sys.stderr)
+
+
+def _torchrun(args, job, grid, env, faults: list[Fault]) -> int:
+    from service.torchrun import run_torchrun_rank
+
+    t0 = time.time()
+    try:
+        result = run_torchrun_rank(job, grid, env, job_id=new_job_id(job), faults=tuple(faults))
+    except JobError as e:
+        print(f"raytron run: {e}", file=sys.stderr)
+        return 1
+    if result is not None:
+        _print_result(args, result, t0)
+    return 0

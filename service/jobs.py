@@ -1,0 +1,77 @@
+"""The one orchestration path: validate a job, then drive it with a :class:`JobController`.
+
+Whatever starts the ranks (local processes, Ray actors), :func:`start_job` builds the same
+controller over the launcher's rank groups: same states, events, typed errors, cancel and
+failure policy. Nothing here prints; callers subscribe to the events (``on_event``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Callable, Protocol
+
+from service.controller import ControllerConfig, JobController, RankGroup
+from service.events import JobEvent
+from service.placement import plan_placement
+from service.policy import FailurePolicy
+from service.spec import load_spec, to_job_config
+from workers.config import JobConfig
+from workers.faults import Fault
+from workers.grid import ParallelGrid
+
+
+class Launcher(Protocol):
+    """Builds the rank group of each attempt (``service.process_launcher``, ``service.ray_launcher``)."""
+
+    name: str
+    config: ControllerConfig
+
+    def make_group(self, job: JobConfig, grid: ParallelGrid, attempt: int, *, job_id: str) -> RankGroup:
+        """The group of attempt ``attempt`` (0-based); a later attempt may get another size."""
+
+
+def prepare(spec_path: str) -> tuple[JobConfig, ParallelGrid]:
+    """Everything that can be refused before a process starts. Raises ValueError naming the file."""
+    from workers.dataset import check_corpus
+
+    job = to_job_config(load_spec(spec_path))
+    try:
+        grid = ParallelGrid.from_config(job.parallel, job.world_size)
+        plan_placement(grid, job.gpus_per_node, job.num_nodes)
+        check_corpus(job.training.data, job.model.vocab_size, job.model.seq_length)
+    except ValueError as e:
+        raise ValueError(f"{spec_path}: {e}") from None
+    return job, grid
+
+
+def new_job_id(job: JobConfig) -> str:
+    return f"{job.name}-{uuid.uuid4().hex[:8]}"
+
+
+def start_job(job: JobConfig, *, launcher: Launcher, on_event: Callable[[JobEvent], None] | None = None,
+              job_id: str | None = None, faults: list[Fault] | tuple = (),
+              failure_policy: FailurePolicy | None = None, history: list[JobEvent] | None = None,
+              background: bool = True) -> JobController:
+    """Build the job's controller over ``launcher`` and start it.
+
+    Args:
+        job: a validated job (:func:`prepare`).
+        launcher: builds each attempt's rank group.
+        on_event: receives every :class:`JobEvent` before it takes effect.
+        job_id: default a fresh one.
+        faults: failure drills (``--fault``).
+        failure_policy: default ``fault_tolerance.max_restarts``.
+        history: the job's recorded events, to rebuild its controller.
+        background: run in a thread (then ``controller.wait()``); False: only build it
+            (then ``controller.run()``).
+
+    Returns:
+        The controller; ``cancel()`` stops the job from any thread.
+    """
+    grid = ParallelGrid.from_config(job.parallel, job.world_size)
+    job_id = job_id or new_job_id(job)
+    controller = JobController(
+        job, grid, job_id=job_id, on_event=on_event, failure_policy=failure_policy, faults=faults,
+        history=history, iterations_per_call=launcher.config.iterations_per_call,
+        make_group=lambda attempt: launcher.make_group(job, grid, attempt, job_id=job_id))
+    return controller.start() if background else controller

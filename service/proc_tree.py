@@ -1,0 +1,58 @@
+"""Processes this process started, found and reaped through Linux ``/proc`` (empty elsewhere).
+
+Ray's shutdown stops the GCS, raylets and dashboard, but some of their helpers notice only
+later; :func:`reap` makes sure that nothing a session started outlives it.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+
+
+def children(pid: int) -> set[int]:
+    """Direct children of ``pid`` (Linux /proc; empty elsewhere)."""
+    out = set()
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            out.update(int(c) for c in open(path).read().split())
+        except OSError:
+            pass
+    return out
+
+
+def descendants(roots: set[int]) -> set[int]:
+    seen, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.add(pid)
+            todo.extend(children(pid))
+    return seen
+
+
+def reap(pids: set[int], timeout_s: float = 10.0) -> None:
+    """Wait for processes this session started to exit, then kill the stragglers by pid.
+
+    Ray's shutdown stops the GCS, raylets and dashboard, but the dashboard's module
+    subprocesses notice only later and meanwhile keep writing into the session folder.
+    """
+    deadline = time.monotonic() + timeout_s
+    alive = {p for p in pids if os.path.exists(f"/proc/{p}")}
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = {p for p in alive if os.path.exists(f"/proc/{p}") and not is_zombie(p)}
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True

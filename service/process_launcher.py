@@ -1,0 +1,183 @@
+"""``--launcher processes``: a job's ranks as local processes, driven by the job controller.
+
+:class:`ProcessRankGroup` is one attempt: one process per rank (``workers/rank_process.py``),
+each with a duplex command pipe, forked from a ``forkserver`` that has already imported torch
+(a rank costs a fork, not a 3-second import). Rendezvous is a free loopback port; a port taken
+between choosing and binding it is retried with a new one. Failures are typed exactly as on
+Ray: a process that exits is :class:`~service.errors.RankDied` (with its exit code), an
+exception is :class:`~service.errors.RankRaised`, and a rank that stops answering while its
+peers give up is :class:`~service.errors.RankHung` (:mod:`service.gather`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from multiprocessing.connection import wait as wait_any
+
+from service.controller import ControllerConfig
+from service.errors import JobError, RankDied, RankRaised
+from service.gather import collect
+from service.placement import RankPlacement, plan_placement
+from workers.config import JobConfig
+from workers.faults import Fault
+from workers.grid import ParallelGrid
+
+_PRELOAD = ["torch", "torch.distributed", "workers.train"]
+_PORT_RETRIES = 3
+
+
+class _PortInUse(Exception):
+    pass
+
+
+class ProcessRankGroup:
+    """The rank processes of one attempt (see the module docstring)."""
+
+    def __init__(self, job: JobConfig, grid: ParallelGrid, plan: list[RankPlacement], *,
+                 config: ControllerConfig, start_method: str = "forkserver"):
+        self.job, self.grid, self.plan, self.config = job, grid, plan, config
+        self.ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            self.ctx.set_forkserver_preload(_PRELOAD)
+        self.procs: list = []
+        self.conns: list = []
+        self.placement: list[dict] = []
+        self.stalls: dict[int, str] = {}
+
+    def start(self, faults: list[Fault]) -> list[dict]:
+        for attempt in range(_PORT_RETRIES):
+            try:
+                return self._start_once(tuple(faults))
+            except _PortInUse:  # another process took the port before rank 0 bound it
+                self.shutdown()
+                if attempt == _PORT_RETRIES - 1:
+                    raise JobError(f"no free rendezvous port after {_PORT_RETRIES} tries") from None
+        raise AssertionError("unreachable")
+
+    def _start_once(self, faults: tuple) -> list[dict]:
+        from workers.rank_process import rank_process_main
+        from workers.spawn import free_port
+
+        port = free_port()
+        for p in self.plan:
+            parent, child = self.ctx.Pipe()
+            proc = self.ctx.Process(
+                target=rank_process_main, name=f"raytron-rank{p.rank}", daemon=True,
+                args=(child, p.rank, self.grid.world_size, self.job, "127.0.0.1", port, p.local,
+                      float(self.job.collective_timeout_s), faults))
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        records = collect(list(range(len(self.procs))), self._poll("ready"), where=self._where,
+                          grace_s=self.config.failure_grace_s, timeout_s=self.config.start_timeout_s, what="start")
+        self.placement = [{**records[r], "node": self.plan[r].node} for r in range(len(self.procs))]
+        return self.placement
+
+    def run(self, iterations: int) -> list[list[dict]]:
+        for conn in self.conns:
+            try:
+                conn.send(("run", iterations))
+            except OSError:  # a dead rank: collect() reports it
+                pass
+        out = collect(list(range(len(self.conns))), self._poll("metrics"), where=self._where,
+                      grace_s=self.config.failure_grace_s, stall_s=self.job.collective_timeout_s,
+                      stall_hint=lambda r: self.stalls.get(r, ""), what="run")
+        return [out[r] for r in range(len(self.conns))]
+
+    def kill(self) -> None:
+        for proc in list(self.procs):
+            if proc.pid is not None:
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)  # works on a stopped (SIGSTOP) process too
+                except OSError:
+                    pass
+
+    def shutdown(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(("shutdown",))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 2.0  # one grace for all: a rank stuck in a collective never reads the pipe
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.kill()
+        for proc in self.procs:
+            proc.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+
+    def _poll(self, expected: str):
+        """A ``poll(pending, timeout)`` for :func:`service.gather.collect` over pipes and process sentinels."""
+        def poll(pending: set[int], timeout: float | None) -> list[tuple[int, object]]:
+            handles = {}
+            for r in pending:
+                handles[self.conns[r]] = r
+                handles[self.procs[r].sentinel] = r
+            ready = {handles[h] for h in wait_any(list(handles), timeout)}
+            answers = ((r, self._read(r, expected)) for r in sorted(ready))
+            return [(r, value) for r, value in answers if value is not None]
+
+        return poll
+
+    def _read(self, rank: int, expected: str):
+        """The rank's answer (a value or a RankError), or None if it has not answered yet."""
+        conn, eof = self.conns[rank], False
+        while True:
+            try:
+                if not conn.poll():
+                    break
+                msg = conn.recv()
+            except (EOFError, OSError):
+                eof = True
+                break
+            if msg[0] == "stall":
+                self.stalls[rank] = msg[1]
+            elif msg[0] == expected:
+                return msg[1]
+            elif msg[0] == "port_in_use":
+                raise _PortInUse(msg[1])
+            elif msg[0] == "error":
+                return RankRaised(rank, self._where(rank), msg[1], msg[2])
+        proc = self.procs[rank]
+        if proc.exitcode is None and eof:
+            proc.join(timeout=1.0)  # the pipe closed: the process is on its way out
+        if proc.exitcode is None:
+            return None
+        return RankDied(rank, self._where(rank), _exit_cause(proc.exitcode))
+
+    def _where(self, rank: int) -> dict:
+        """Node, pid and coordinates of a rank, for its failure."""
+        p = self.plan[rank]
+        c = self.grid.coords(rank)
+        pid = self.procs[rank].pid if rank < len(self.procs) else None
+        node_id = next((x["node_id"] for x in self.placement if x["rank"] == rank), None)
+        where = {"node": p.node, **({"node_id": node_id} if node_id else {}), "pid": pid}
+        return {**where, **{k: c[k] for k in ("tp", "pp", "dp", "cp", "ep")}}
+
+
+def _exit_cause(code: int) -> str:
+    if code < 0:
+        try:
+            return f"process killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"process killed by signal {-code}"
+    return f"process exited with code {code}"
+
+
+class ProcessLauncher:
+    """Builds a :class:`ProcessRankGroup` per attempt (``start_job(launcher=...)``)."""
+
+    name = "processes"
+
+    def __init__(self, config: ControllerConfig | None = None):
+        self.config = config or ControllerConfig()
+
+    def make_group(self, job: JobConfig, grid: ParallelGrid, attempt: int, *, job_id: str) -> ProcessRankGroup:
+        plan = plan_placement(grid, job.gpus_per_node, job.num_nodes)
+        return ProcessRankGroup(job, grid, plan, config=self.config)

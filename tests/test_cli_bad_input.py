@@ -1,0 +1,86 @@
+"""Bad input is refused before anything starts: exit status 2 and one line naming the field,
+the file and the fix (the real console script, as a new user would run it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+RAYTRON = str(Path(sys.executable).with_name("raytron"))
+GOOD = {"name": "bad", "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 256,
+                                 "seq_length": 16},
+        "training": {"train_iters": 2, "global_batch_size": 2, "micro_batch_size": 1},
+        "resources": {"num_nodes": 1, "gpus_per_node": 1}}
+
+
+def refused(*args) -> str:
+    p = subprocess.run([RAYTRON, *args], capture_output=True, text=True, timeout=60)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and p.stdout == "", (p.returncode, p.stderr, p.stdout)
+    return lines[0]
+
+
+def spec_file(tmp_path, text=None, **sections) -> str:
+    spec = {k: dict(v) for k, v in GOOD.items() if isinstance(v, dict)} | {"name": "bad"}
+    for section, values in sections.items():
+        spec.setdefault(section, {}).update(values)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec) if text is None else text)
+    return str(path)
+
+
+def run_refused(path) -> str:
+    line = refused("run", path, "--launcher", "processes")
+    assert path in line  # the file is named
+    return line
+
+
+def test_token_file_of_floats(tmp_path):
+    np.save(tmp_path / "floats.npy", np.random.rand(1000))
+    line = run_refused(spec_file(tmp_path, training={"data": str(tmp_path / "floats.npy")}))
+    assert "training.data" in line and "float64 values, not token ids" in line and "astype" in line
+
+
+def test_negative_token_ids(tmp_path):
+    np.save(tmp_path / "neg.npy", np.arange(-5, 995))
+    line = run_refused(spec_file(tmp_path, training={"data": str(tmp_path / "neg.npy")}))
+    assert "training.data" in line and "negative token id -5" in line
+
+
+def test_data_path_that_is_a_directory(tmp_path):
+    (tmp_path / "corpus.bin").mkdir()
+    line = run_refused(spec_file(tmp_path, training={"data": str(tmp_path / "corpus.bin")}))
+    assert "training.data" in line and "is a directory" in line
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("", ["the job spec is empty"]),
+    ("training: {lr: .inf}\n", ["training.lr", "finite"]),
+    ("parallel: {tensor_model_parallel_size: '2'}\n", ["parallel.tensor_model_parallel_size", "got '2'"]),
+    ("parallel: {tensor_model_parallel_size: true}\n", ["parallel.tensor_model_parallel_size", "got True"]),
+    ("resources: {num_nodes: 1000000000}\n", ["world_size", "at most 65536"]),
+    ("model: {hidden_size: 1048576}\n", ["GiB per rank", "hidden_size"]),
+    ("checkpoint: {save_interval: 5}\n", ["checkpoint.save_interval", "not built yet"]),
+    ("resources: {min_nodes: 1}\n", ["resources.min_nodes", "not built yet"]),
+])
+def test_spec_values(tmp_path, text, needles):
+    line = run_refused(spec_file(tmp_path, text=text))
+    for needle in needles:
+        assert needle in line, line
+
+
+def test_grid_world_size_is_capped_before_enumerating():
+    line = refused("grid", "--world-size", "1000000000", "--json")
+    assert "--world-size 1000000000" in line and "at most 65536" in line
+
+
+def test_fault_syntax_and_rank(tmp_path):
+    path = spec_file(tmp_path)
+    assert "RANK@ITER" in refused("run", path, "--fault", "3", "--launcher", "processes")
+    assert "kind must be one of raise, exit, hang" in refused("run", path, "--fault", "0@1:boom")
+    assert "rank 5 is outside the job's 1 ranks" in refused("run", path, "--fault", "5@1", "--launcher", "processes")

@@ -1,0 +1,193 @@
+"""The job controller's state machine stepped against a fake rank group: no processes, no Ray,
+milliseconds. (The same controller drives the process and Ray launchers: test_launchers.py,
+test_ray.py.)"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from service.controller import JobController
+from service.errors import NonFiniteMetric, RankDied, RankHung, RankRaised, is_root_cause
+from service.events import JobEvent, JobState
+from service.policy import Decision, FailFast, RestartUpTo
+from service.spec import parse_spec, to_job_config
+from workers.faults import Fault
+from workers.grid import ParallelGrid
+
+MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=256, seq_length=32)
+
+
+def make_job(iters=3, max_restarts=3):
+    job = to_job_config(parse_spec({
+        "name": "fake", "model": MODEL, "parallel": {"tensor_model_parallel_size": 2},
+        "training": {"train_iters": iters, "global_batch_size": 4, "micro_batch_size": 2},
+        "resources": {"num_nodes": 2, "gpus_per_node": 2}, "fault_tolerance": {"max_restarts": max_restarts}}))
+    return job, ParallelGrid.from_config(job.parallel, job.world_size)
+
+
+class FakeGroup:
+    """Ranks that return a loss per iteration, or fail at a given call."""
+
+    def __init__(self, world: int, fail_on_call: int | None = None, loss=None):
+        self.world, self.fail_on_call, self.calls, self.shut = world, fail_on_call, 0, False
+        self.faults = None
+        self.loss = loss or (lambda call: 1.0 / call)
+
+    def start(self, faults):
+        self.faults = list(faults)
+        return [{"rank": r, "node_id": f"n{r // 2}", "pid": 100 + r, "tp": r % 2, "pp": 0, "dp": r // 2, "cp": 0,
+                 "ep": 0} for r in range(self.world)]
+
+    def run(self, iterations):
+        self.calls += 1
+        if self.calls == self.fail_on_call:
+            raise RankDied(1, {"node": 0, "node_id": "n0", "pid": 101}, "actor died")
+        return [[{"loss": self.loss(self.calls), "iteration": self.calls}] * iterations for _ in range(self.world)]
+
+    def shutdown(self):
+        self.shut = True
+
+    def kill(self):
+        pass
+
+
+def states(events):
+    return [e.state for e in events if e.kind == "state"]
+
+
+def test_states_and_events():
+    job, grid = make_job()
+    groups, events = [], []
+    ctrl = JobController(job, grid, job_id="j1", on_event=events.append,
+                         make_group=lambda attempt: groups.append(FakeGroup(4)) or groups[-1])
+    result = ctrl.run()
+    assert result["state"] == "SUCCEEDED" and result["losses"] == [1.0, 0.5, 1.0 / 3]
+    assert states(events) == [JobState.QUEUED, JobState.STARTING, JobState.RUNNING, JobState.SUCCEEDED]
+    assert [e.kind for e in events].count("iteration") == 3 and groups[0].shut
+    assert all(a.time <= b.time for a, b in zip(events, events[1:]))
+    assert JobState.SUCCEEDED.is_terminal and not JobState.RESTARTING.is_terminal
+    assert JobState.RESTARTING.needs_new_attempt and json.dumps([e.to_dict() for e in events])
+
+
+def test_max_restarts_drives_the_default_policy():
+    assert FailFast().decide(RankDied(0, {}, "x"), 0) is Decision.FAIL
+    assert RestartUpTo(1).decide(RankDied(0, {}, "x"), 0) is Decision.RESTART
+    assert RestartUpTo(1).decide(RankDied(0, {}, "x"), 1) is Decision.FAIL
+    for max_restarts, expected in ((1, "SUCCEEDED"), (0, "FAILED")):
+        job, grid = make_job(max_restarts=max_restarts)
+        groups = []
+
+        def make(attempt):
+            groups.append(FakeGroup(4, fail_on_call=2 if attempt == 0 else None))
+            return groups[-1]
+
+        ctrl = JobController(job, grid, job_id="j2", make_group=make)  # no policy given: the spec's
+        result = ctrl.run()
+        assert result["state"] == expected and result["restarts"] == max_restarts
+        assert all(g.shut for g in groups) and len(groups) == 1 + max_restarts
+        if expected == "SUCCEEDED":
+            assert len(result["losses"]) == 3 and JobState.RESTARTING in states(ctrl.events)
+        else:
+            assert "rank 1" in result["error"] and "n0" in result["error"]
+
+
+def test_cancel():
+    job, grid = make_job(iters=5)
+    group = FakeGroup(4)
+    ctrl = JobController(job, grid, job_id="j4", make_group=lambda a: group,
+                         on_event=lambda e: e.kind == "iteration" and ctrl.cancel("user asked"))
+    result = ctrl.run()
+    assert result["state"] == "CANCELLED" and result["iterations"] == 1 and group.shut
+    assert ctrl.events[-1].message == "user asked"
+
+
+def test_non_finite_loss_fails_at_that_iteration_and_is_not_restarted():
+    job, grid = make_job(iters=4, max_restarts=3)
+    groups = []
+    ctrl = JobController(job, grid, job_id="nan", make_group=lambda a: groups.append(
+        FakeGroup(4, loss=lambda call: math.nan if call == 3 else 2.0)) or groups[-1])
+    result = ctrl.run()
+    assert result["state"] == "FAILED" and result["restarts"] == 0 and len(groups) == 1
+    assert isinstance(ctrl.error, NonFiniteMetric) and ctrl.error.iteration == 3
+    assert "iteration 3: lm loss is nan" in result["error"] and result["losses"] == [2.0, 2.0]
+    json.dumps(result, allow_nan=False)
+
+
+def test_non_finite_grad_norm_fails_the_job_too():
+    job, grid = make_job(iters=4)
+    group = FakeGroup(4)
+    run = group.run
+    group.run = lambda n: [[{**m, "grad_norm": math.inf if m["iteration"] == 2 else 0.5} for m in ms]
+                           for ms in run(n)]
+    ctrl = JobController(job, grid, job_id="gn", make_group=lambda a: group)
+    result = ctrl.run()
+    assert result["state"] == "FAILED" and "iteration 2: grad norm is inf" in result["error"]
+    assert result["grad_norm"] == [0.5] and result["restarts"] == 0
+
+
+def test_a_fault_fires_once_and_later_ones_carry_over():
+    job, grid = make_job(iters=5)
+    groups = []
+
+    def make(attempt):
+        groups.append(FakeGroup(4, fail_on_call=2 if attempt == 0 else None))
+        return groups[-1]
+
+    faults = [Fault(1, 2, "exit"), Fault(0, 4, "raise")]
+    JobController(job, grid, job_id="f", make_group=make, faults=faults).run()
+    assert groups[0].faults == faults and groups[1].faults == [Fault(0, 4, "raise")]
+    with pytest.raises(ValueError, match="rank 4 is outside the job's 4 ranks"):
+        JobController(job, grid, job_id="f", make_group=make, faults=[Fault(4, 1)])
+
+
+def test_controller_rebuilt_from_its_events_does_not_queue_twice():
+    job, grid = make_job(iters=3)
+    recorded = []
+    JobController(job, grid, job_id="r", make_group=lambda a: FakeGroup(4), on_event=recorded.append)
+    stored = [e.to_dict() for e in recorded]  # what a job store keeps: QUEUED only, never ran
+    replayed = [JobEvent.from_dict(d) for d in json.loads(json.dumps(stored))]
+    emitted = []
+    ctrl = JobController(job, grid, job_id="r", make_group=lambda a: FakeGroup(4), on_event=emitted.append,
+                         history=replayed)
+    assert emitted == [] and ctrl.state is JobState.QUEUED
+    result = ctrl.run()
+    assert result["state"] == "SUCCEEDED" and states(ctrl.events).count(JobState.QUEUED) == 1
+    assert JobState.QUEUED not in states(emitted)
+
+
+def test_controller_rebuilt_mid_run_starts_a_new_attempt():
+    job, grid = make_job(iters=4)
+    recorded = []
+    ctrl = JobController(job, grid, job_id="m", make_group=lambda a: FakeGroup(4), on_event=recorded.append)
+    ctrl.run()
+    cut = [i for i, e in enumerate(recorded) if e.kind == "iteration"][1] + 1  # the service died after 2 iterations
+    emitted = []
+    rebuilt = JobController(job, grid, job_id="m", make_group=lambda a: FakeGroup(4), on_event=emitted.append,
+                            history=recorded[:cut])
+    assert rebuilt.losses == [1.0, 0.5] and rebuilt.state is JobState.RESTARTING
+    result = rebuilt.run()
+    assert result["state"] == "SUCCEEDED" and result["iterations"] == 4 and result["restarts"] == 1
+    assert states(emitted)[0] is JobState.RESTARTING and JobState.QUEUED not in states(emitted)
+    done = JobController(job, grid, job_id="m", make_group=lambda a: FakeGroup(4), history=rebuilt.events)
+    assert done.run()["state"] == "SUCCEEDED"  # a terminal job replays to its result, starts nothing
+
+
+def test_root_cause_is_the_rank_that_broke_not_its_peers():
+    assert is_root_cause(RankDied(3, {}, "The actor died unexpectedly"))
+    assert is_root_cause(RankHung(3, {}, "stopped"))
+    assert is_root_cause(RankRaised(1, {}, "InjectedFault: rank 1: injected fault before iteration 2"))
+    assert not is_root_cause(RankRaised(2, {}, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1"))
+    assert not is_root_cause(RankRaised(2, {}, "RuntimeError: Timed out waiting 20000ms for recv operation"))
+
+
+def test_result_object_has_no_bare_nan():
+    from service.result import result_object
+
+    job, grid = make_job()
+    metrics = [{"loss": 2.0, "grad_norm": math.inf}, {"loss": math.nan, "grad_norm": 1.0}]
+    out = result_object("j", "FAILED", grid, metrics, [], error="x")
+    assert out["losses"] == [2.0, None] and out["grad_norm"] == [None, 1.0] and "moe_aux_loss" not in out
+    json.dumps(out, allow_nan=False)
