@@ -8,19 +8,24 @@ and a restarted server simply reads it. Its stdout and stderr are the job's log
 
 SIGTERM (the launcher's cancel) stops the job: it ends CANCELLED, with its ranks stopped.
 
-:func:`run_training` is the one place that starts the ranks; it is meant to become
-``start_job(job, launcher=..., on_event=recorder, ...)`` of the single orchestration path.
+:func:`run_training` starts the ranks through the single orchestration path
+(:func:`service.jobs.start_job`): the same controller, failure policy, restarts and events as
+``raytron run``, with the ranks as local processes or (``--ranks ray``, the Ray Jobs launcher)
+as actors on the cluster.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
+import threading
 from typing import Callable
 
-from service.controller import JobCancelled, JobError, JobEvent, JobState
+from service.controller import JobEvent, JobState
+from service.jobs import start_job
 from service.spec import parse_spec, to_job_config
 from service.store import TERMINAL_STATES, JobStore
 from workers.config import JobConfig
@@ -52,72 +57,41 @@ class StoreRecorder:
             log.info("event %d %s %s %s", seq, d["kind"], d["state"], d["message"])
 
 
-def _rank_entry(rank: int, world_size: int, job: JobConfig, report: Callable[[dict], None]) -> dict:
-    """What each local rank process runs: like ``workers.rank_main.train_rank``, but every rank
-    reports where it runs, so the placement is what the ranks say, not what the plan meant."""
-    from workers.rank_main import rank_info
-    from workers.spawn import rank_device
-    from workers.train import Trainer
+@contextlib.contextmanager
+def _launcher(ranks: str, job: JobConfig):
+    """The launcher of the job's ranks: local processes, or actors on the Ray cluster this runner
+    is a Ray Job of (``RAY_ADDRESS`` is set for a Ray Job's entry point)."""
+    if ranks == "processes":
+        from service.process_launcher import ProcessLauncher
 
-    trainer = Trainer(job, rank, world_size, device=rank_device(rank))
-    info = rank_info(trainer)
-    report({"event": "ready", "rank": info})
-    for _ in range(job.training.train_iters):
-        metrics = trainer.train_step()
-        if rank == 0:  # the loss is global: every rank has the same
-            report({"event": "iteration", **metrics})
-    return info
+        yield ProcessLauncher()
+        return
+    from service.ray_cluster import ray_session
+    from service.ray_launcher import RayLauncher
 
-
-def run_training(job_id: str, job: JobConfig, grid: ParallelGrid, on_event: Callable[[JobEvent], None]) -> str:
-    """Run the job's ranks to the end, handing every event to ``on_event``; returns the final state.
-
-    TO BE REPLACED by the single orchestration path: ``start_job(job, launcher=..., on_event=on_event)``
-    and its ``JobController.run()`` (cancel through ``controller.cancel``). Until then this is the
-    ``--launcher processes`` path of ``raytron run`` (``workers.spawn.run_ranks``), emitting the
-    controller's event vocabulary: STARTING, placement, RUNNING, iteration..., SUCCEEDED | FAILED
-    (after a "failure" event) | CANCELLED.
-    """
-    from workers.spawn import run_ranks
-
-    state = JobState.STARTING
-    on_event(JobEvent.now("state", state, f"starting {grid.world_size} local rank process(es)",
-                          {"from": JobState.QUEUED.value}))
-    ready: dict[int, dict] = {}
-
-    def on_rank_event(rank: int, payload: dict) -> None:
-        nonlocal state
-        if payload.get("event") == "ready":
-            ready[rank] = payload["rank"]
-            if len(ready) == grid.world_size:
-                placement = [ready[r] for r in sorted(ready)]
-                on_event(JobEvent.now("placement", state, f"{len(placement)} ranks placed", {"placement": placement}))
-                on_event(JobEvent.now("state", JobState.RUNNING, "training", {"from": state.value}))
-                state = JobState.RUNNING
-        elif payload.get("event") == "iteration":
-            on_event(JobEvent.now("iteration", state, "", {k: v for k, v in payload.items() if k != "event"}))
-
-    try:
-        run_ranks(_rank_entry, grid.world_size, args=(job,), on_event=on_rank_event, timeout_s=7 * 24 * 3600,
-                  collective_timeout_s=300)
-    except (JobCancelled, KeyboardInterrupt) as exc:
-        on_event(JobEvent.now("state", JobState.CANCELLED, str(exc) or "cancelled", {"from": state.value}))
-        return JobState.CANCELLED.value
-    except Exception as exc:  # noqa: BLE001 - every failure must end in a recorded state
-        error = exc if isinstance(exc, JobError) else JobError(f"{type(exc).__name__}: {exc}")
-        data = {**error.to_dict(), **({"rank": exc.rank} if hasattr(exc, "rank") else {})}
-        on_event(JobEvent.now("failure", state, str(error).splitlines()[0], data))
-        on_event(JobEvent.now("state", JobState.FAILED, str(error).splitlines()[0], {"from": state.value}))
-        return JobState.FAILED.value
-    on_event(JobEvent.now("state", JobState.SUCCEEDED, f"{job.training.train_iters} iterations",
-                          {"from": state.value}))
-    return JobState.SUCCEEDED.value
+    with ray_session(None, default_shape=(job.num_nodes, job.gpus_per_node)) as session:
+        for note in session.notes:
+            log.info("%s", note)
+        yield RayLauncher(session)
 
 
-def _on_sigterm(signum, frame) -> None:
-    # Raised in the main thread wherever it is (the rank loop polls every 0.2 s): the ranks are
-    # torn down by run_ranks' cleanup and CANCELLED is recorded.
-    raise JobCancelled("cancelled by request")
+def run_training(job_id: str, job: JobConfig, on_event: Callable[[JobEvent], None], *, ranks: str = "processes",
+                 cancel_requested: threading.Event | None = None) -> str:
+    """Run the job through the single orchestration path (:func:`service.jobs.start_job`), handing
+    every event to ``on_event``; returns the final state. Setting ``cancel_requested`` (from any
+    thread or a signal handler) cancels the job: it ends CANCELLED with every rank stopped."""
+    cancel_requested = cancel_requested or threading.Event()
+    with _launcher(ranks, job) as launcher:
+        if cancel_requested.is_set():  # a cancel that arrived while the cluster connection came up
+            on_event(JobEvent.now("state", JobState.CANCELLED, "cancelled by request",
+                                  {"from": JobState.QUEUED.value}))
+            return JobState.CANCELLED.value
+        controller = start_job(job, launcher=launcher, on_event=on_event, job_id=job_id)
+        while controller.wait(timeout=0.2) is None:
+            if cancel_requested.is_set():
+                controller.cancel("cancelled by request")
+                cancel_requested.clear()
+        return controller.state.value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,9 +99,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("job_id")
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--database-url", required=True)
+    parser.add_argument("--ranks", choices=("processes", "ray"), default="processes",
+                        help="start the ranks as local processes or as actors on the Ray cluster")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s %(message)s")
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    cancel_requested = threading.Event()
+    # The launcher's cancel is SIGTERM: the handler only sets a flag that the waiting loop turns
+    # into controller.cancel() (raising here could leave half-started ranks behind).
+    signal.signal(signal.SIGTERM, lambda signum, frame: cancel_requested.set())
     store = JobStore(args.database_url)
     try:
         row = store.get_job(args.job_id)
@@ -147,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                                   {"error": {"code": "invalid_spec", "message": str(e)}}))
             return 1
         log.info("job %s: %d rank(s), sizes %s", args.job_id, grid.world_size, grid.sizes())
-        final = run_training(args.job_id, job, grid, recorder)
+        final = run_training(args.job_id, job, recorder, ranks=args.ranks, cancel_requested=cancel_requested)
         log.info("job %s %s", args.job_id, final)
         return 0 if final == JobState.SUCCEEDED.value else 1
     finally:

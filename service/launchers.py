@@ -40,9 +40,11 @@ class JobLauncher(Protocol):
         """After a server restart: find the job's runner again; False when it is gone."""
 
 
-def runner_command(job_id: str, data_dir: str | Path, database_url: str) -> list[str]:
+def runner_command(job_id: str, data_dir: str | Path, database_url: str, *, ranks: str = "processes") -> list[str]:
+    """The runner's command line; ``ranks``: how the runner starts the job's ranks (``processes``
+    on this machine, ``ray`` as actors on the Ray cluster the runner is a job of)."""
     return [sys.executable, "-m", "service.job_main", job_id, "--data-dir", str(data_dir),
-            "--database-url", database_url]
+            "--database-url", database_url, "--ranks", ranks]
 
 
 def _start_time(pid: int) -> int | None:

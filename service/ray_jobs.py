@@ -56,7 +56,8 @@ class RayJobsLauncher:
 
     def launch(self, job: dict) -> str:
         job_dir(self.data_dir, job["id"]).mkdir(parents=True, exist_ok=True)
-        command = " ".join(shlex.quote(x) for x in runner_command(job["id"], self.data_dir, self.database_url))
+        command = " ".join(shlex.quote(x) for x in runner_command(job["id"], self.data_dir, self.database_url,
+                                                                 ranks="ray"))
         log = shlex.quote(str(log_path(self.data_dir, job["id"])))
         # pipefail: the Ray job's status is the runner's, not tee's
         entrypoint = f"bash -o pipefail -c {shlex.quote(f'{command} 2>&1 | tee -a {log}')}"

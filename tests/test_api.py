@@ -262,7 +262,8 @@ def test_submit_runs_to_succeeded_with_the_cli_losses(server, api, tmp_path):
     ranks = placement["ranks"]
     assert [p["rank"] for p in ranks] == [0, 1] and {p["tp"] for p in ranks} == {0, 1}
     assert len({p["pid"] for p in ranks}) == 2 and all(p["node_id"] for p in ranks) and placement["attempt"] == 1
-    assert [(p["node"], p["local"]) for p in ranks] == [("node-0", 0), ("node-0", 1)]
+    # as the ranks report it: node index in the attempt's plan, local slot on that node
+    assert [(p["node"], p["local"]) for p in ranks] == [(0, 0), (0, 1)]
 
     events = api.get(f"/jobs/{job_id}/events").json()["events"]
     assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
