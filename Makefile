@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: setup
-	$(VENV)/bin/raytron run examples/tiny-5d.yaml --simulate 2x4
+	scripts/run_demo.sh examples/tiny-5d.yaml
 
 test: setup
 	$(PY) -m pytest -q

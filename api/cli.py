@@ -110,8 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="print the result as one JSON object (last line)")
     r.set_defaults(func=cmd_run)
 
-    from api import export_cmd, preprocess_cmd  # light modules: their heavy imports are inside run()
+    # light modules: their heavy imports (torch, ray, uvicorn) are inside the commands
+    from api import client_cmds, export_cmd, preprocess_cmd, serve_cmd
 
+    serve_cmd.add_parser(sub)
+    client_cmds.add_parsers(sub)
     export_cmd.add_parser(sub)
     preprocess_cmd.add_parser(sub)
     return parser

@@ -123,7 +123,7 @@ def cmd_submit(args) -> int:
             _print_json(job) if args.json else print(f"{job['id']} {job['state']}")
             return 0
         if not args.json:
-            print(f"{job['id']} submitted", file=sys.stderr)
+            print(f"{job['id']} submitted: {client.server}/api/v1/jobs/{job['id']}", file=sys.stderr)
         return follow(client, job["id"], args.json)
 
 

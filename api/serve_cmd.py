@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launcher", choices=("processes", "ray"), default=None,
                    help="how job runners start: local processes, or Ray Jobs on the Ray cluster (RAY_ADDRESS, "
                         "a simulated one with --simulate, else an embedded one); default ray when RAY_ADDRESS "
-                        "is set, else processes")
+                        "or --simulate is given, else processes")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
 
 
@@ -77,7 +77,9 @@ def default_cluster(simulate: tuple[int, int] | None):
 
 
 def launcher_kind(args) -> str:
-    return args.launcher or ("ray" if os.environ.get("RAY_ADDRESS") else "processes")
+    """Ray Jobs on a Ray cluster when there is one to use (RAY_ADDRESS, or the simulated cluster of
+    ``--simulate``: the embedded default), else local runner processes."""
+    return args.launcher or ("ray" if os.environ.get("RAY_ADDRESS") or args.simulate else "processes")
 
 
 def build_app(args, ray_session=None):

@@ -139,12 +139,15 @@ def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = No
     try:
         with _local_ray_environment(temp_dir):
             node_args = dict(num_cpus=cpus, num_gpus=gpus, object_store_memory=_OBJECT_STORE_BYTES)
+            # Each node's dashboard agent on a port of its own: Ray's fixed default (52365) is taken
+            # by whichever agent of any cluster on this machine binds first, and a head node whose
+            # agent lost that race cannot accept Ray Jobs ("No available agent to submit job").
             cluster = Cluster(initialize_head=True, head_node_args=dict(
                 node_args, include_dashboard=True, dashboard_host="127.0.0.1",
                 # None, not Ray's default 8265: lets the dashboard move on when another cluster has it.
-                dashboard_port=None))
-            for _ in range(nodes - 1):
-                cluster.add_node(wait=False, **node_args)  # nodes boot in parallel; waited for below
+                dashboard_port=None, dashboard_agent_listen_port=_free_port()))
+            for _ in range(nodes - 1):  # nodes boot in parallel; waited for below
+                cluster.add_node(wait=False, dashboard_agent_listen_port=_free_port(), **node_args)
             cluster.wait_for_nodes(timeout=120)
             ray.init(address=cluster.address, **_init_kwargs())
             ray_processes = _children(os.getpid()) - before  # GCS, raylets, dashboard, agents
@@ -158,6 +161,12 @@ def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = No
             cluster.shutdown()
         _reap(family)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -210,10 +219,11 @@ def connected_cluster(address: str, *, connect_timeout_s: float = 10.0) -> Itera
         except ConnectionError as e:
             raise ClusterUnreachable(f"RAY_ADDRESS={address} accepts connections but no Ray cluster answered "
                                      f"({e}); fix RAY_ADDRESS or unset it to run on an embedded cluster") from None
+        notes = [line for line in captured() if line.strip()][:5]  # while the capture file is open
     try:
         session = RaySession(address=address, dashboard_url=_http(ctx.dashboard_url or ""), owned=False,
                              static=False, num_nodes=_alive_nodes())
-        session.notes += [line for line in captured() if line.strip()][:5]
+        session.notes += notes
         yield session
     finally:
         ray.shutdown()

@@ -138,6 +138,8 @@ class JobSpec(BaseModel):
 
     model_config = _STRICT
     name: str = Field("job", min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    priority: int = Field(0, ge=-10**6, le=10**6, description="queue order in `raytron serve`: higher first, "
+                          "then submission time (`raytron run` starts at once)")
     model: ModelSpec = ModelSpec()
     parallel: ParallelSpec = ParallelSpec()
     training: TrainingSpec = TrainingSpec()

@@ -39,8 +39,11 @@ def tiny(name="tiny", world=2, iters=3, priority=None, **parallel) -> dict:
 class Server:
     """``raytron serve`` as a child process; ``start`` waits until it answers /healthz."""
 
-    def __init__(self, data_dir: Path, *, simulate: str = "1x2", token: str | None = TOKEN):
-        self.data_dir, self.simulate, self.token = Path(data_dir), simulate, token
+    def __init__(self, data_dir: Path, *, simulate: str = "1x2", token: str | None = TOKEN,
+                 launcher: str = "processes"):
+        # processes: admission against a static NODESxGPUS cluster, runners as local processes
+        # (the Ray Jobs launcher has its own test, test_api_ray.py)
+        self.data_dir, self.simulate, self.token, self.launcher = Path(data_dir), simulate, token, launcher
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -53,7 +56,8 @@ class Server:
             env["RAYTRON_API_TOKEN"] = self.token
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "api.serve_cmd", "--port", str(self.port),
-                                          "--simulate", self.simulate, "--data-dir", str(self.data_dir),
+                                          "--simulate", self.simulate, "--launcher", self.launcher,
+                                          "--data-dir", str(self.data_dir),
                                           "--log-level", "info"], cwd=ROOT, env=env, stdout=log, stderr=log)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
