@@ -68,7 +68,7 @@ def _reduced_grads(trainer) -> dict[str, np.ndarray]:
                 comm.all_gather_into(flat[bucket.start : bucket.end], buf.shard_grad[base : base + hi - lo], buf.group)
         for p in buf.params:
             flat_of[id(p)] = flat[buf.offsets[id(p)] : buf.offsets[id(p)] + p.numel()].view(p.shape)
-    return {name: flat_of[id(p)].detach().numpy().copy() for name, p, _ in _named(trainer)}
+    return {name: flat_of[id(p)].detach().float().numpy().copy() for name, p, _ in _named(trainer)}
 
 
 def _named(trainer):
@@ -87,14 +87,14 @@ def run_trainer(rank, world_size, job, iters=ITERS) -> dict:
     def capture_then_step():
         if not captured:
             captured.update(_reduced_grads(trainer))
-        step()
+        return step()
 
     trainer.optimizer.step = capture_then_step
     metrics = [trainer.train_step() for _ in range(iters)]
     shards = {name: s for name, _, s in _named(trainer)}
-    params = {name: p.detach().numpy().copy() for name, p, _ in _named(trainer)}
+    params = {name: p.detach().float().numpy().copy() for name, p, _ in _named(trainer)}
     return {"losses": [m["loss"] for m in metrics], "aux": [m["moe_aux_loss"] for m in metrics],
-            "grads": captured, "params": params, "shards": shards}
+            "grads": captured, "params": params, "shards": shards, "metrics": metrics}
 
 
 @functools.lru_cache(maxsize=16)

@@ -8,13 +8,23 @@ exactly ``torch.optim.AdamW``'s) and one interface, built by :func:`build_optimi
 
 Weight decay, as in Megatron, never touches 1-D parameters (norm weights, biases): decaying a
 norm's scale towards 0 only fights the normalisation.
+
+A step (Megatron's ``MixedPrecisionOptimizer.step``): finish the gradient reduction; with a
+loss scaler, unscale the main grads and skip the step if any rank found an inf/nan; take the
+global grad norm (:mod:`workers.parallel.clip`) and clip by it (``clip_grad > 0``); update.
+With ``param_dtype`` bf16/fp16 the params are cast to it here, the optimizer keeps their fp32
+main copy (the distributed optimizer: its shard of it) and grads accumulate in fp32 buffers.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from workers.parallel import comm
+from workers.parallel.clip import clip_by_norm, global_grad_norm, unscale_and_check
 from workers.parallel.data import DEFAULT_BUCKET_SIZE, DataParallelGrads, GradBuffer, ParamGroups
 
 
@@ -54,18 +64,82 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
 
 
+@dataclass(frozen=True)
+class StepInfo:
+    """What one :meth:`step` did.
+
+    Attributes:
+        grad_norm: the global L2 norm of the (unscaled, unclipped) gradient; ``None`` when a
+            loss-scaler overflow skipped the step before the norm (Megatron reports none then).
+        skipped: no update happened (fp16 overflow, or a non-finite norm).
+    """
+
+    grad_norm: float | None
+    skipped: bool
+
+
 class _AdamWOverGrads:
-    """What both optimizers share: AdamW's hyperparameters, the bucketed grads, the step count."""
+    """What both optimizers share: AdamW's hyperparameters, the bucketed grads, the step count,
+    and the step sequence (unscale, norm, clip, update)."""
 
     def __init__(self, param_groups: ParamGroups, lr: float, betas, eps: float, weight_decay: float, *,
-                 bucket_size: int | None, shard: bool):
+                 bucket_size: int | None, shard: bool, param_dtype: torch.dtype | None = None,
+                 clip_grad: float = 0.0, grad_scaler=None, tp_rank: int = 0, norm_group=None):
         _check_hparams(lr, betas, eps, weight_decay)
+        if clip_grad < 0:
+            raise ValueError(f"clip_grad ({clip_grad}) must be >= 0 (0 = no clipping)")
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
-        self.grads = DataParallelGrads(param_groups, bucket_size=bucket_size, shard=shard)
+        self.param_dtype = param_dtype or torch.float32
+        self.low_precision = self.param_dtype != torch.float32
+        # Built while the params are still fp32 (main copies are taken from them first).
+        self.grads = DataParallelGrads(param_groups, bucket_size=bucket_size, shard=shard,
+                                       grad_dtype=torch.float32 if self.low_precision else None)
+        self.clip_grad, self.grad_scaler, self.tp_rank, self.norm_group = clip_grad, grad_scaler, tp_rank, norm_group
         self.num_steps = 0
+
+    @torch.no_grad()
+    def _cast_params(self) -> None:
+        """Cast the model's params to ``param_dtype`` once the fp32 main copies exist."""
+        if not self.low_precision:
+            return
+        for buf in self.grads.buffers:
+            for p in buf.params:
+                p.data = p.data.to(self.param_dtype)
+                p.grad = None
+            buf.main_grads = True
 
     def zero_grad(self) -> None:
         self.grads.zero()
+
+    def main_grads(self) -> list[torch.Tensor]:
+        """The fp32 grads this rank updates from (flat buffers or their shards)."""
+        raise NotImplementedError
+
+    def owned_grads(self):
+        """``(param, grad piece)`` this rank counts in the global norm (see workers.parallel.clip)."""
+        raise NotImplementedError
+
+    def _apply_updates(self) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self) -> StepInfo:
+        """Finish the reduction, (unscale,) take the norm, clip, update; see the module docstring."""
+        self.grads.finish()
+        if self.grad_scaler is not None:
+            found_inf = unscale_and_check(self.main_grads(), self.grad_scaler.inv_scale, self.norm_group)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return StepInfo(grad_norm=None, skipped=True)
+        norm = global_grad_norm(self.owned_grads(), tp_rank=self.tp_rank, group=self.norm_group)
+        if not math.isfinite(norm):
+            # Keep the weights finite; the caller sees the norm and fails the job.
+            return StepInfo(grad_norm=norm, skipped=True)
+        if self.clip_grad > 0:
+            clip_by_norm(self.main_grads(), self.clip_grad, norm)
+        self.num_steps += 1
+        self._apply_updates()
+        return StepInfo(grad_norm=norm, skipped=False)
 
     def _update(self, param, grad, exp_avg, exp_avg_sq, *, decay: bool = True, decay_mask=None) -> None:
         adamw_update(param, grad, exp_avg, exp_avg_sq, step=self.num_steps, lr=self.lr, betas=self.betas,
@@ -85,8 +159,8 @@ class DistributedOptimizer(_AdamWOverGrads):
     """
 
     def __init__(self, param_groups: ParamGroups, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE):
-        super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=True)
+                 weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE, **kwargs):
+        super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=True, **kwargs)
         self.shards = []
         for buf in self.grads.buffers:
             n = buf.numel // buf.num_ranks
@@ -100,6 +174,7 @@ class DistributedOptimizer(_AdamWOverGrads):
             for p, a, b, s in buf.pieces():
                 mask[s : s + b - a] = decays(p)
             self.decay_masks.append(mask)
+        self._cast_params()
 
     @staticmethod
     @torch.no_grad()
@@ -107,14 +182,19 @@ class DistributedOptimizer(_AdamWOverGrads):
         for p, a, b, s in buf.pieces():
             master[s : s + b - a].copy_(p.detach().reshape(-1)[a:b])
 
-    @torch.no_grad()
-    def step(self) -> None:
-        """Finish the gradient reduction, update this rank's shard, all-gather the params."""
-        self.grads.finish()
-        self.num_steps += 1
+    def main_grads(self) -> list[torch.Tensor]:
+        return [buf.shard_grad for buf in self.grads.buffers]
+
+    def owned_grads(self):
+        for buf in self.grads.buffers:
+            for p, a, b, s in buf.pieces():
+                yield p, buf.shard_grad[s : s + b - a]
+
+    def _apply_updates(self) -> None:
+        """Update this rank's shard of the fp32 main params, all-gather the model params."""
         for buf, state, mask in zip(self.grads.buffers, self.shards, self.decay_masks):
             master, exp_avg, exp_avg_sq = state["param"], state["exp_avg"], state["exp_avg_sq"]
-            if buf.params and buf.params[0].dtype == torch.float32:
+            if not self.low_precision:
                 # fp32 params hold exactly the master values; re-reading them keeps the master
                 # right if model weights were loaded after this optimizer was built.
                 self._load_master(buf, master)
@@ -122,12 +202,13 @@ class DistributedOptimizer(_AdamWOverGrads):
             self._gather_params(buf, master)
 
     def _gather_params(self, buf: GradBuffer, master: torch.Tensor) -> None:
-        scratch = torch.empty(max((b.end - b.start for b in buf.buckets), default=0), dtype=buf.grad.dtype,
+        # Gathered in the params' dtype: bf16 halves the traffic (Megatron gathers model params).
+        scratch = torch.empty(max((b.end - b.start for b in buf.buckets), default=0), dtype=self.param_dtype,
                               device=buf.grad.device)
         for bucket in buf.buckets:
             lo, hi, base = buf.shard_range(bucket)
             full = scratch[: bucket.end - bucket.start]
-            comm.all_gather_into(full, master[base : base + hi - lo].to(buf.grad.dtype), buf.group)
+            comm.all_gather_into(full, master[base : base + hi - lo].to(self.param_dtype), buf.group)
             for p in bucket.params:
                 a = buf.offsets[id(p)] - bucket.start
                 p.detach().copy_(full[a : a + p.numel()].view_as(p))
@@ -198,21 +279,33 @@ class ReplicatedOptimizer(_AdamWOverGrads):
     """
 
     def __init__(self, param_groups: ParamGroups, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE):
-        super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=False)
+                 weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE, **kwargs):
+        super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=False, **kwargs)
         self.moments = [[self._zeros(p) for p in buf.params] for buf in self.grads.buffers]
+        # The fp32 main params: the params themselves in fp32, else an fp32 copy of each.
+        self.masters = [[p.detach().clone() if self.low_precision else p for p in buf.params]
+                        for buf in self.grads.buffers]
+        self._cast_params()
 
     @staticmethod
     def _zeros(p: torch.Tensor) -> dict:
         return {"exp_avg": torch.zeros_like(p, dtype=torch.float32), "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
 
-    @torch.no_grad()
-    def step(self) -> None:
-        self.grads.finish()
-        self.num_steps += 1
-        for buf, moments in zip(self.grads.buffers, self.moments):
-            for p, m in zip(buf.params, moments):
-                self._update(p, p.grad, m["exp_avg"], m["exp_avg_sq"], decay=decays(p))
+    def main_grads(self) -> list[torch.Tensor]:
+        return [buf.grad for buf in self.grads.buffers]
+
+    def owned_grads(self):
+        # Every rank of the reduction group holds the same sum: its rank 0 counts it.
+        for buf in self.grads.buffers:
+            if buf.rank == 0:
+                yield from ((p, buf.view(p)) for p in buf.params)
+
+    def _apply_updates(self) -> None:
+        for buf, moments, masters in zip(self.grads.buffers, self.moments, self.masters):
+            for p, m, master in zip(buf.params, moments, masters):
+                self._update(master, buf.view(p), m["exp_avg"], m["exp_avg_sq"], decay=decays(p))
+                if master is not p:
+                    p.detach().copy_(master)
 
     def state_dict(self) -> dict:
         # A copy: the live moment tensors change at the next step.
@@ -236,13 +329,26 @@ class ReplicatedOptimizer(_AdamWOverGrads):
 
 
 def build_optimizer(param_groups: ParamGroups, *, distributed: bool, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                    weight_decay: float = 0.0, bucket_size: int | None = DEFAULT_BUCKET_SIZE):
+                    weight_decay: float = 0.0, bucket_size: int | None = DEFAULT_BUCKET_SIZE,
+                    param_dtype: torch.dtype | None = None, clip_grad: float = 0.0, grad_scaler=None,
+                    tp_rank: int = 0, norm_group=None):
     """AdamW over data-parallel param groups: ZeRO-1 sharded (``distributed``) or replicated.
 
     Both results offer ``grads`` (a :class:`DataParallelGrads`), ``zero_grad()``, ``step()``
-    (which finishes the gradient reduction first), a settable ``lr``, ``num_steps``,
-    ``state_dict()``/``load_state_dict()`` and layout-independent
-    ``full_state_dict()``/``load_full_state_dict()``.
+    (which finishes the gradient reduction first and returns a :class:`StepInfo`), a
+    settable ``lr``, ``num_steps`` (successful updates), ``state_dict()``/``load_state_dict()``
+    and layout-independent ``full_state_dict()``/``load_full_state_dict()``.
+
+    Args:
+        param_dtype: cast the (fp32) params to this dtype and keep fp32 main params and
+            main grads (bf16/fp16 mixed precision); ``None``: fp32.
+        clip_grad: clip the global grad norm to this value; 0: no clipping (the norm is
+            computed and reported anyway).
+        grad_scaler: fp16's :class:`workers.mixed_precision.DynamicGradScaler` (the caller
+            multiplies the loss by its ``scale``); ``None``: no loss scaling.
+        tp_rank: this rank's TP rank (TP duplicates are counted once in the norm).
+        norm_group: every rank of the job, over which the norm and overflow flag are reduced.
     """
     cls = DistributedOptimizer if distributed else ReplicatedOptimizer
-    return cls(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size)
+    return cls(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, param_dtype=param_dtype,
+               clip_grad=clip_grad, grad_scaler=grad_scaler, tp_rank=tp_rank, norm_group=norm_group)
