@@ -70,3 +70,22 @@ def test_lr_schedule_position_survives_the_checkpoint_hooks():
     b = _trainer(cfg)
     b.load_state_from_checkpoint(state)
     assert [b.train_step()["lr"] for _ in range(3)] == [a.train_step()["lr"] for _ in range(3)]
+
+
+def test_tensorboard_scalars_with_megatrons_names(tmp_path):
+    from workers.tensorboard import crc32c, read_scalars
+
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    t = _trainer({"train_iters": 2, "eval_interval": 2, "eval_iters": 1, "tensorboard_dir": str(tmp_path / "tb")})
+    metrics = [t.train_step() for _ in range(2)]
+    (path,) = (tmp_path / "tb").iterdir()
+    assert path.name.startswith("events.out.tfevents.")
+    scalars = {(step, tag): value for step, tag, value in read_scalars(str(path))}
+    for m in metrics:
+        k = m["iteration"]
+        assert scalars[(k, "lm loss")] == pytest.approx(m["loss"], rel=1e-6)
+        assert scalars[(k, "learning-rate")] == pytest.approx(m["lr"], rel=1e-6)
+        assert scalars[(k, "grad-norm")] == pytest.approx(m["grad_norm"], rel=1e-6)
+        assert scalars[(k, "loss-scale")] == 1.0
+    assert scalars[(2, "lm loss validation")] == pytest.approx(metrics[1]["val_loss"], rel=1e-6)
+    assert (1, "lm loss validation") not in scalars

@@ -27,6 +27,9 @@ iterations Megatron evaluates after.
   ``skipped``: 1 if no update happened this iteration, else 0;
 * ``val_loss``: the validation loss when evaluation ran after this iteration, else None;
 * ``tokens_per_s``, ``step_time_s`` (training only, evaluation excluded), ``peak_mem_mb``.
+
+With ``training.tensorboard_dir`` the last rank also writes them as TensorBoard scalars under
+Megatron's names (:mod:`workers.tensorboard`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from workers.parallel.optimizer import build_optimizer
 from workers.parallel.pipeline import partition_layers, schedule
 from workers.parallel.pipeline_exec import run_pipeline
 from workers.parallel.tensor import vocab_parallel_cross_entropy
+from workers.tensorboard import EventWriter
 
 
 class Trainer:
@@ -98,6 +102,8 @@ class Trainer:
             chunk.to(self.dtype)  # the params are cast already; this casts the rotary tables
         self.lr_schedule = LRSchedule.from_config(t)
         self.num_skipped = 0
+        # Megatron's rule: the last rank (it holds the loss) writes TensorBoard.
+        self.tensorboard = EventWriter(t.tensorboard_dir) if t.tensorboard_dir and rank == g.world_size - 1 else None
         self.sampler = GlobalSampler(t.data, job.model.seq_length, t.seed, t.global_batch_size, split=t.split)
         self.tokens_per_iteration = t.global_batch_size * job.model.seq_length
         s_local = job.model.seq_length // g.cp // (g.tp if p.sequence_parallel else 1)
@@ -166,7 +172,7 @@ class Trainer:
         self.num_skipped += int(info.skipped)
         dt = time.perf_counter() - t0
         val_loss = evaluation.evaluate_if_due(self)
-        return {
+        metrics = {
             "iteration": self.iteration,
             "loss": loss,
             "moe_aux_loss": aux,
@@ -179,6 +185,9 @@ class Trainer:
             "tokens_per_s": self.tokens_per_iteration / dt,
             "peak_mem_mb": peak_memory_mb(self.device),
         }
+        if self.tensorboard is not None:
+            self.tensorboard.write_metrics(metrics)
+        return metrics
 
     def run_microbatches(self, microbatch, *, loss_scale: float = 1.0, forward_only: bool = False):
         """Run this stage's schedule over ``microbatch(mb) -> (tokens, labels)``; returns the
