@@ -89,3 +89,21 @@ def test_tensorboard_scalars_with_megatrons_names(tmp_path):
         assert scalars[(k, "loss-scale")] == 1.0
     assert scalars[(2, "lm loss validation")] == pytest.approx(metrics[1]["val_loss"], rel=1e-6)
     assert (1, "lm loss validation") not in scalars
+
+
+def test_val_loss_is_the_mean_token_loss_of_the_validation_batches():
+    import torch
+    import torch.nn.functional as F
+
+    t = _trainer({"train_iters": 2, "eval_interval": 2, "eval_iters": 3})
+    t.train_step()
+    val = t.train_step()["val_loss"]
+    losses = []
+    with torch.no_grad():
+        for k in range(3):  # evaluation 0 reads validation global batches 0, 1, 2
+            tokens, labels = t.sampler.validation_batch(0, k, 3)
+            logits = t.chunks[0](tokens.t()).float()
+            losses.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.t().reshape(-1)).item())
+    assert val == pytest.approx(sum(losses) / 3, rel=1e-6)
+    train_tokens, _ = t.sampler.batch(1)
+    assert not torch.equal(train_tokens, t.sampler.validation_batch(0, 0, 3)[0])
