@@ -135,3 +135,18 @@ def test_resume_keeps_fp32_main_params_and_scaler(tmp_path, training):
     got = [fresh.train_step() for _ in range(3)]
     for key in ("loss", "grad_norm", "loss_scale", "skipped", "lr"):
         assert [m[key] for m in got] == [m[key] for m in want], key
+
+
+def test_fp16_gradients_are_fp32_gradients_times_the_loss_scale():
+    """Iteration 0's reduced grads (before unscaling) over the loss scale are fp32's, the MoE
+    aux loss's gradient (which dominates the router at coefficient 1) included."""
+    import numpy as np
+
+    moe = {**MOE, "moe_aux_loss_coeff": 1.0}
+    fp16 = {"fp16": True, "initial_loss_scale": 2.0**10}
+    got = run_trainer(0, 1, job_of(tiny_spec(moe=True, model=moe, training=fp16)), iters=1)
+    want = run_trainer(0, 1, job_of(tiny_spec(moe=True, model=moe)), iters=1)
+    assert got["metrics"][0]["skipped"] == 0
+    for name, w in want["grads"].items():
+        err = np.abs(got["grads"][name] / 2.0**10 - w).max() / np.abs(w).max()
+        assert err < 5e-2, f"{name}: {err:.2e}"

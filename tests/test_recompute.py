@@ -59,7 +59,8 @@ def test_recompute_saves_activations():
     none = measure("none", iters=1, model=small)["saved"]
     full = measure("full-uniform-1", iters=1, model=small)["saved"]
     block = measure("full-block-2", iters=1, model=small)["saved"]  # both layers of the chunk
-    assert full < 0.5 * none and block == full
+    pair = measure("full-uniform-2", iters=1, model=small)["saved"]  # one group: one input kept
+    assert full < 0.5 * none and block == full and pair < full
 
 
 @pytest.mark.parametrize("model, words", [
@@ -72,3 +73,28 @@ def test_recompute_fields_are_checked(model, words):
     with pytest.raises(ValueError) as e:
         job_of(tiny_spec(model=model))
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("name, layer_runs, core_runs", [
+    (None, 4, 4), ("selective", 4, 8), ("full-uniform-1", 8, 8), ("full-uniform-3", 8, 8), ("full-block-2", 6, 6)])
+def test_recomputed_regions_run_twice(monkeypatch, name, layer_runs, core_runs):
+    """Per microbatch, of 4 layers: which forwards rerun in backward (Megatron's semantics)."""
+    from workers import model as model_module
+    from workers.train import Trainer
+
+    calls = {"layer": 0, "core": 0}
+    layer_forward, core = model_module.DecoderLayer.forward, model_module.Attention._core
+
+    def count_layer(self, *args):
+        calls["layer"] += 1
+        return layer_forward(self, *args)
+
+    def count_core(self, *args):
+        calls["core"] += 1
+        return core(self, *args)
+
+    monkeypatch.setattr(model_module.DecoderLayer, "forward", count_layer)
+    monkeypatch.setattr(model_module.Attention, "_core", count_core)
+    trainer = Trainer(job_of(tiny_spec(model=SETTINGS[name] if name else None, training={"eval_interval": None})), 0, 1)
+    trainer.train_step()
+    assert calls == {"layer": layer_runs * trainer.num_microbatches, "core": core_runs * trainer.num_microbatches}
