@@ -150,3 +150,12 @@ def test_fp16_gradients_are_fp32_gradients_times_the_loss_scale():
     for name, w in want["grads"].items():
         err = np.abs(got["grads"][name] / 2.0**10 - w).max() / np.abs(w).max()
         assert err < 5e-2, f"{name}: {err:.2e}"
+
+
+def test_bf16_and_fp16_are_exclusive_and_the_fields_are_accepted():
+    with pytest.raises(ValueError, match="exclusive"):
+        job_of(tiny_spec(training={"bf16": True, "fp16": True}))
+    t = job_of(tiny_spec(training={"fp16": True, "initial_loss_scale": 1024.0, "clip_grad": 0.0,
+                                   "tensorboard_dir": "/tmp/x"})).training
+    assert (t.fp16, t.bf16, t.initial_loss_scale, t.clip_grad, t.tensorboard_dir) == (True, False, 1024.0, 0.0, "/tmp/x")
+    assert job_of(tiny_spec()).training.clip_grad == 0.05 and job_of({"name": "d"}).training.clip_grad == 1.0
