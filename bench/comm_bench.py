@@ -60,6 +60,8 @@ head dim, ``g = num_query_groups / tp`` local kv heads, ``V`` vocab padded to a 
   ``4 (etp-1)/etp x rows_group h 4`` plus the counts all-gather ``(etp-1) E 8``.
 * **loss**: the reported loss is one float64 all-reduced over dp-cp (last stage) and pp; a MoE
   model also all-reduces its reported aux loss (one float64) over the world.
+* **grad-norm**: the global gradient norm (clipping, reported every step) is one float64 sum
+  of squares all-reduced over the world (Megatron: one all-reduce over its grad-stats group).
 """
 
 from __future__ import annotations
@@ -97,13 +99,14 @@ _SOURCES = {
     "workers.parallel.data": "grads",
     "workers.parallel.optimizer": "grads",
     "workers.train": "loss",
+    "workers.parallel.clip": "grad-norm",
 }
 TRAFFIC = ("tp", "cp", "pp", "ep", "etp", "grads:dense", "grads:sp", "grads:expert", "loss:dp-cp", "loss:pp",
-           "loss:world")
+           "loss:world", "grad-norm")
 # The ProcessGroups attribute each traffic runs on.
 GROUP_OF = {"tp": "tp", "cp": "cp", "pp": "pp", "ep": "ep", "etp": "etp", "grads:dense": "dp_cp",
             "grads:sp": "tp_dp_cp", "grads:expert": "expert_dp", "loss:dp-cp": "dp_cp", "loss:pp": "pp",
-            "loss:world": None}
+            "loss:world": None, "grad-norm": None}
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,7 @@ def analytic_bytes(job: JobConfig, rank: int, routes: dict[int, list[int]] | Non
     out["loss:dp-cp"] = post * all_reduce_bytes(dp * cp, LOSS)
     out["loss:pp"] = all_reduce_bytes(pp, LOSS)
     out["loss:world"] = m.is_moe * all_reduce_bytes(job.world_size, LOSS)  # the reported MoE aux loss
+    out["grad-norm"] = all_reduce_bytes(job.world_size, LOSS)  # the float64 sum of squares
 
     # Experts: the routed token rows (from the actual routing) and the per-expert counts.
     if m.is_moe and (ep > 1 or etp > 1):

@@ -1,7 +1,8 @@
 """Single-GPU training throughput and MFU of raytron's training step, side by side per precision.
 
 Runs the real ``Trainer`` (the same code every rank runs) on one CUDA device for a Llama-style
-model of about 0.9 B parameters, and prints, per matmul precision, the step time, tokens/s,
+model of about 0.9 B parameters, and prints, per precision mode (``fp32``, ``tf32`` matmuls,
+``bf16``: ``training.bf16`` mixed precision with fp32 main params and grads), the step time, tokens/s,
 achieved model TFLOP/s and MFU against the device's peak for that precision. Also checks that a
 one-rank nccl process group (the multi-GPU code path: init, groups, collectives) trains the tiny
 parity job to the CPU reference curve.
@@ -53,8 +54,12 @@ def flops_per_token(m) -> tuple[int, int]:
 
 
 def run_mode(job, mode: str, warmup: int, iters: int) -> dict:
+    import dataclasses
+
     from workers.train import Trainer
 
+    if mode == "bf16":  # the model in bf16, fp32 main params / grads (training.bf16: true)
+        job = dataclasses.replace(job, training=dataclasses.replace(job.training, bf16=True))
     torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
     torch.backends.cudnn.allow_tf32 = mode == "tf32"
     torch.cuda.reset_peak_memory_stats()
@@ -79,7 +84,7 @@ def run_mode(job, mode: str, warmup: int, iters: int) -> dict:
 
 def nccl_world_of_one_check() -> str:
     """A one-rank job through run_ranks: init_process_group('nccl'), groups, collectives."""
-    from parity import ITERS, assert_same_curve, job_of, reference_losses, tiny_spec
+    from parity import ITERS, assert_same_curve, job_of, reference, tiny_spec
     from workers.spawn import run_ranks
 
     import gpu_ranks
@@ -88,7 +93,7 @@ def nccl_world_of_one_check() -> str:
     losses, devices = run_ranks(gpu_ranks.losses_on_gpu, 1, args=(job, ITERS), start_method="spawn",
                                 backend="nccl")[0]
     assert devices == ["cuda:0"], devices
-    ref = reference_losses(False)
+    ref = reference()["losses"]
     assert_same_curve(losses, ref, rtol=1e-3)
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
     return (f"nccl world-of-1 (parameters on {devices[0]}): {len(losses)} iterations match the CPU reference "
@@ -108,7 +113,7 @@ def main() -> int:
     ap.add_argument("--mbs", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--modes", default="fp32,tf32")
+    ap.add_argument("--modes", default="fp32,tf32,bf16")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_throughput: no CUDA device; nothing measured")

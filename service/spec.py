@@ -47,6 +47,11 @@ class ModelSpec(BaseModel):
     moe_aux_loss_coeff: float = Field(0.0, ge=0.0)
     rotary_base: float = Field(10000.0, gt=0, description="rotary embedding base (Llama 3: 500000)")
     norm_epsilon: float = Field(1e-5, gt=0, description="RMSNorm epsilon")
+    recompute_granularity: Literal["full", "selective"] | None = Field(
+        None, description="activation recomputation: full layers or the attention core")
+    recompute_method: Literal["uniform", "block"] | None = Field(None, description="with full: uniform | block")
+    recompute_num_layers: int | None = Field(None, ge=1, description="with full: layers per group (uniform) or "
+                                             "recomputed layers per pipeline chunk (block)")
 
 
 class ParallelSpec(BaseModel):
@@ -85,11 +90,18 @@ class TrainingSpec(BaseModel):
     split: str = Field("969,30,1", description="train, validation, test shares (Megatron's --split)")
     eval_interval: int | None = Field(None, ge=1, description="evaluate every this many iterations; null = never")
     eval_iters: int = Field(10, ge=0, description="validation global batches per evaluation")
+    clip_grad: float = Field(1.0, ge=0, description="clip the global grad L2 norm to this; 0 = off")
+    bf16: bool = Field(False, description="bf16 compute, fp32 main params and grads")
+    fp16: bool = Field(False, description="fp16 compute with a dynamic loss scaler")
+    initial_loss_scale: float = Field(2.0**32, gt=0, description="fp16: the loss scaler's first scale")
+    tensorboard_dir: str | None = Field(None, description="write TensorBoard scalars here")
 
 
 def training_problems(t: TrainingSpec) -> list[str]:
     """Problems of the data, split, LR-schedule and evaluation fields, each naming the fields and the fix."""
     out: list[str] = []
+    if t.bf16 and t.fp16:
+        out.append("training.bf16 and training.fp16 are both true; they are exclusive, set one")
     problem = data_form_problem(t.data)
     if problem:
         out.append(problem)
@@ -240,12 +252,32 @@ def spec_problems(spec: JobSpec) -> list[str]:
         elif vpp and (t.global_batch_size // per_step) % pp:
             out.append(f"the interleaved schedule needs the number of microbatches "
                        f"({t.global_batch_size // per_step}) to be a multiple of pipeline_model_parallel_size {pp}")
+    out.extend(recompute_problems(m, pp))
     out.extend(training_problems(t))
     if not out:
         try:
             check_memory(to_job_config(spec))
         except ValueError as e:
             out.append(str(e))
+    return out
+
+
+def recompute_problems(m: ModelSpec, pp: int) -> list[str]:
+    """Megatron's TransformerConfig rules for the recompute fields."""
+    g, method, n = m.recompute_granularity, m.recompute_method, m.recompute_num_layers
+    per_stage = m.num_layers // pp
+    if g is None:
+        return [f"model.{k} needs model.recompute_granularity (full or selective)"
+                for k, v in (("recompute_method", method), ("recompute_num_layers", n)) if v is not None]
+    if g == "selective":
+        return [f"model.{k} is for recompute_granularity: full; unset it with selective"
+                for k, v in (("recompute_method", method), ("recompute_num_layers", n)) if v is not None]
+    out = []
+    if method is None:
+        out.append("model.recompute_granularity: full needs model.recompute_method: uniform or block")
+    if n is None or not 1 <= n <= per_stage:
+        out.append(f"model.recompute_granularity: full needs model.recompute_num_layers between 1 and the layers "
+                   f"per pipeline stage ({per_stage}), got {n}")
     return out
 
 
@@ -316,6 +348,8 @@ def to_job_config(spec: JobSpec) -> JobConfig:
         ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size, vocab_size=m.vocab_size,
         seq_length=m.seq_length, num_moe_experts=m.num_moe_experts, moe_router_topk=m.moe_router_topk,
         moe_aux_loss_coeff=m.moe_aux_loss_coeff, rotary_base=m.rotary_base, norm_epsilon=m.norm_epsilon,
+        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
+        recompute_num_layers=m.recompute_num_layers,
     )
     parallel = ParallelConfig(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
@@ -333,7 +367,8 @@ def to_job_config(spec: JobSpec) -> JobConfig:
         weight_decay=t.weight_decay, min_lr=t.min_lr, lr_warmup_iters=t.lr_warmup_iters,
         lr_warmup_fraction=t.lr_warmup_fraction, lr_decay_iters=t.lr_decay_iters, lr_decay_style=t.lr_decay_style,
         lr_wsd_decay_style=t.lr_wsd_decay_style, lr_wsd_decay_iters=t.lr_wsd_decay_iters, split=t.split,
-        eval_interval=t.eval_interval, eval_iters=t.eval_iters,
+        eval_interval=t.eval_interval, eval_iters=t.eval_iters, clip_grad=t.clip_grad, bf16=t.bf16, fp16=t.fp16,
+        initial_loss_scale=t.initial_loss_scale, tensorboard_dir=t.tensorboard_dir,
     )
     return JobConfig(
         name=spec.name, model=model, parallel=parallel, training=training, world_size=spec.world_size,

@@ -41,19 +41,20 @@ def test_ratio_and_ring_formula():
 def test_analytic_minimum_hand_computed():
     # tp2: one activation is s*b*h*4 = 4*1*8*4 = 128 B, a 2-rank all-reduce sends 128 B.
     # Layer: 4 all-reduces = 512; embedding 128; output-layer input grad 128; cross-entropy
-    # 2 floats per token all-reduced: 2*4*4 = 32. One microbatch: 800 B, nothing else.
+    # 2 floats per token all-reduced: 2*4*4 = 32. One microbatch: 800 B; plus the grad norm
+    # (one float64 over the world, 8 B), nothing else.
     job = layout_job(Layout("tp2", {"tensor_model_parallel_size": 2}), 2, model=TINY, training=ONE_SAMPLE)
     got = analytic_bytes(job, 0)
-    assert got["tp"] == 800
-    assert sum(got.values()) == 800
+    assert got["tp"] == 800 and got["grad-norm"] == 8
+    assert sum(got.values()) == 808
 
     # dp2 (two samples): dense params qkv 2*(1+2)*4*8 = 192, proj 8*8 = 64, mlp 3*16*8 = 384,
     # embedding + output 2*16*8 = 256, norms 8+8+8 = 24 -> 920 floats = 3680 B, one all-reduce
     # over 2 ranks sends 3680 B; the loss (float64) 8 B.
     job = layout_job(Layout("dp2", {}), 2, model=TINY, training={"global_batch_size": 2, "micro_batch_size": 1})
     got = analytic_bytes(job, 1)
-    assert got["grads:dense"] == 3680 and got["loss:dp-cp"] == 8
-    assert sum(got.values()) == 3688
+    assert got["grads:dense"] == 3680 and got["loss:dp-cp"] == 8 and got["grad-norm"] == 8
+    assert sum(got.values()) == 3696
 
     # cp2 ring, seq 8: K/V block = s_local 4 * b 1 * kv heads 2 * 2d 8 * 4 B = 256 B;
     # 3 (cp-1) blocks per layer per microbatch (forward K/V, backward K/V, dK/dV).

@@ -16,8 +16,10 @@ CRC-32, the model config, the layout, the trainer state). Atomicity and discover
 :mod:`workers.checkpoint_storage`. Reading: :mod:`workers.checkpoint_reader`.
 
 The fp32 parameters are the optimizer's master copy (the distributed optimizer re-reads its
-master from them), so they are stored once, as the model; a bf16 model will add its fp32
-master under ``optim/master/``.
+master from them), so they are stored once, as the model; a bf16/fp16 model (its params are
+the rounded copy) adds its fp32 main params under ``optim/master/``, laid out as the moments
+(param boxes, or the distributed optimizer's flat ranges). The loss scaler and the LR
+schedule's position are in the trainer state.
 
 Async saves (``async_save=True``): :meth:`Checkpointer.save` copies this rank's pieces (on
 the CPU) and returns; a background thread writes them, and on rank 0 then waits for every
@@ -67,21 +69,27 @@ def local_pieces(trainer) -> list[tuple[Piece, torch.Tensor]]:
            for v in views]
     opt = trainer.optimizer
     by_id = {id(v.param): v for v in views}
+    master = getattr(opt, "low_precision", False)
     if hasattr(opt, "moments"):  # ReplicatedOptimizer: full moments per param
-        for buf, moments in zip(opt.grads.buffers, opt.moments):
-            for p, m in zip(buf.params, moments):
+        for buf, moments, masters in zip(opt.grads.buffers, opt.moments, opt.masters):
+            for p, m, main in zip(buf.params, moments, masters):
                 v = by_id[id(p)]
-                out += [(Piece(f"optim/{k}/{v.name}", v.shape, v.box.offsets, v.box.lengths), v.logical(m[k]))
-                        for k in ("exp_avg", "exp_avg_sq")]
+                state = {**m, **({"master": main} if master else {})}
+                out += [(Piece(f"optim/{k}/{v.name}", v.shape, v.box.offsets, v.box.lengths), v.logical(t))
+                        for k, t in state.items()]
     else:  # DistributedOptimizer: flat ranges of params
+        keys = ("exp_avg", "exp_avg_sq") + (("param",) if master else ())
         for buf, shard in zip(opt.grads.buffers, opt.shards):
             for p, a, b, s in buf.pieces():
                 v = by_id[id(p)]
                 b = min(b, v.box.numel)  # the rest is vocab padding
                 if a < b:
-                    out += [(Piece(f"optim/{k}/{v.name}", v.shape, v.box.offsets, v.box.lengths, (a, b)),
-                             shard[k][s : s + b - a]) for k in ("exp_avg", "exp_avg_sq")]
+                    out += [(Piece(f"optim/{_KEY.get(k, k)}/{v.name}", v.shape, v.box.offsets, v.box.lengths, (a, b)),
+                             shard[k][s : s + b - a]) for k in keys]
     return out
+
+
+_KEY = {"param": "master"}  # the distributed optimizer's name for its fp32 main params
 
 
 def assign_owners(per_rank: list[list[tuple[Piece, int]]]) -> list[set[Piece]]:

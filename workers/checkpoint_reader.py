@@ -178,14 +178,23 @@ def load_checkpoint(trainer, source) -> dict:
     return {"iteration": trainer.iteration, "path": where}
 
 
+def _master_key(source, name: str) -> str:
+    """Where a bf16/fp16 trainer's fp32 main params come from: the saved main params of a
+    mixed-precision checkpoint, else the (fp32) weights of an fp32 checkpoint or HF model."""
+    return f"optim/master/{name}" if source.has(f"optim/master/{name}") else f"model/{name}"
+
+
 def _load_optimizer(trainer, views, source) -> None:
     opt = trainer.optimizer
     has_moments = source.has(f"optim/exp_avg/{views[0].name}")
+    low = getattr(opt, "low_precision", False)
     by_id = {id(v.param): v for v in views}
     if hasattr(opt, "moments"):  # replicated: moments are param-shaped
-        for buf, moments in zip(opt.grads.buffers, opt.moments):
-            for p, m in zip(buf.params, moments):
+        for buf, moments, masters in zip(opt.grads.buffers, opt.moments, opt.masters):
+            for p, m, main in zip(buf.params, moments, masters):
                 v = by_id[id(p)]
+                if low:
+                    v.assign(main, source.read(_master_key(source, v.name), v.box))
                 for k in ("exp_avg", "exp_avg_sq"):
                     if has_moments:
                         v.assign(m[k], source.read(f"optim/{k}/{v.name}", v.box))
@@ -193,10 +202,13 @@ def _load_optimizer(trainer, views, source) -> None:
                         m[k].zero_()
         return
     for buf, shard in zip(opt.grads.buffers, opt.shards):
-        opt._load_master(buf, shard["param"])  # the fp32 params are the master copy
-        for k in ("exp_avg", "exp_avg_sq"):
+        if not low:
+            opt._load_master(buf, shard["param"])  # the fp32 params are the master copy
+        for k in ("exp_avg", "exp_avg_sq", "param"):
+            if k == "param" and not low:
+                continue
             shard[k].zero_()
-            if not has_moments:
+            if k != "param" and not has_moments:
                 continue
             for p, a, b, s in buf.pieces():
                 v = by_id[id(p)]
@@ -206,7 +218,8 @@ def _load_optimizer(trainer, views, source) -> None:
                     row = math.prod(v.box.lengths[1:])
                     r0, r1 = a // row, -(-b // row)
                     rows = Box((v.box.offsets[0] + r0, *v.box.offsets[1:]), (r1 - r0, *v.box.lengths[1:]))
-                    flat = source.read(f"optim/{k}/{v.name}", rows).reshape(-1)
+                    key = _master_key(source, v.name) if k == "param" else f"optim/{k}/{v.name}"
+                    flat = source.read(key, rows).reshape(-1)
                     shard[k][s : s + b - a].copy_(flat[a - r0 * row : b - r0 * row])
 
 

@@ -30,6 +30,13 @@ class ModelConfig:
     rotary_base: float = 10000.0
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
+    recompute_granularity: str | None = None
+    """Activation recomputation (Megatron's): None, "full" (whole layers) or "selective"
+    (the attention core only). See workers.recompute."""
+    recompute_method: str | None = None
+    """With "full": "uniform" (groups of recompute_num_layers layers) or "block" (the first
+    recompute_num_layers layers of each pipeline model chunk)."""
+    recompute_num_layers: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -86,6 +93,16 @@ class TrainingConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the global grad L2 norm to this value (Megatron's --clip-grad); 0 = off."""
+    bf16: bool = False
+    """bf16 params and compute, fp32 main params and main grads."""
+    fp16: bool = False
+    """fp16 params and compute with a dynamic loss scaler (exclusive with bf16)."""
+    initial_loss_scale: float = 2.0**32
+    """fp16: the dynamic loss scaler's first scale (Megatron's --initial-loss-scale)."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars here (the last rank that holds the loss writes)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,6 +31,7 @@ from workers.parallel.expert import MoELayer
 from workers.parallel.initializer import Cat, NormalInit, Zeros
 from workers.parallel.sequence import mark_sequence_parallel
 from workers.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from workers.recompute import checkpointed, is_recomputing, run_layers
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,9 @@ class RMSNorm(nn.Module):
         self.weight = mark_sequence_parallel(nn.Parameter(torch.ones(hidden)), sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # Statistics in fp32 under bf16/fp16 (as Megatron's fused norms); no-ops in fp32.
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> torch.Tensor:
@@ -133,9 +136,15 @@ class Attention(nn.Module):
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
         q = apply_rotary(q, rotary)
         k = apply_rotary(k, rotary)
-        out = context_parallel_attention(q, k, v, group=self.ctx.cp_group, ranks=self.ctx.cp_ranks,
-                                         comm_type=self.ctx.cp_comm_type)
+        if self.cfg.recompute_granularity == "selective":
+            out = checkpointed(self._core, q, k, v)  # Megatron's selective: the attention core
+        else:
+            out = self._core(q, k, v)
         return self.proj(out.reshape(s, b, -1))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return context_parallel_attention(q, k, v, group=self.ctx.cp_group, ranks=self.ctx.cp_ranks,
+                                          comm_type=self.ctx.cp_comm_type)
 
 
 class MLP(nn.Module):
@@ -207,7 +216,8 @@ class DecoderLayer(nn.Module):
         h = self.post_norm(x)
         if isinstance(self.mlp, MoELayer):
             y, aux = self.mlp(h)
-            self.aux_loss_sum = aux.detach() if self.aux_loss_sum is None else self.aux_loss_sum + aux.detach()
+            if not is_recomputing():  # a recomputed forward must not record its aux loss twice
+                self.aux_loss_sum = aux.detach() if self.aux_loss_sum is None else self.aux_loss_sum + aux.detach()
             if aux.requires_grad:
                 y = _AttachAuxLoss.apply(y, aux, self.aux_scale)
         else:
@@ -251,8 +261,7 @@ class ModelChunk(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_process:
             x = self.embedding(x)
-        for layer in self.layers:
-            x = layer(x, self.rotary)
+        x = run_layers(self.layers, x, self.rotary, self.cfg)
         if self.post_process:
             logits = self.output(self.final_norm(x))
             x = logits.masked_fill(self.vocab_pad_mask, float("-inf")) if self.has_vocab_pad else logits

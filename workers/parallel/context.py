@@ -219,7 +219,9 @@ def context_parallel_attention(
     scale = _scale(q, softmax_scale)
     if comm_type == "p2p":
         plans = ring_plans(seq_len, cp, cp_rank, str(q.device))
-        return RingAttention.apply(q, k, v, scale, plans, cp_rank, ranks, group)
+        # The ring's online softmax (running output and log-sum-exp) needs fp32 under bf16/fp16.
+        out = RingAttention.apply(q.float(), k.float(), v.float(), scale, plans, cp_rank, ranks, group)
+        return out.to(q.dtype)
     positions = [cp_positions(seq_len, cp, r, device=q.device) for r in range(cp)]
     d = k.shape[-1]
     kv = _GatherKV.apply(torch.cat([k, v], dim=-1), group, torch.cat(positions))

@@ -19,6 +19,11 @@ times; :meth:`DataParallelGrads.arm` marks one chunk's params final on its own (
 each chunk's grad sync on that chunk's last microbatch), so every bucket can go out during
 backward with or without interleaving.
 
+Mixed precision (Megatron's ``main_grad``): with ``grad_dtype=torch.float32`` and bf16/fp16
+params, the flat buffer is fp32 and is *not* the params' ``.grad`` (autograd insists that a
+grad has its param's dtype). Each backward leaves a low-precision ``.grad``; the hook adds it
+into the fp32 buffer and drops it, so microbatches accumulate and reduce in fp32.
+
 With ``shard=True`` (the distributed optimizer) each bucket is padded to a multiple of the
 group size and reduce-scattered: rank r keeps the summed gradient of the r-th 1/n slice of
 every bucket, Megatron's layout. The optimizers that consume these buffers live in
@@ -61,9 +66,12 @@ class GradBuffer:
             is never split); ``None`` puts everything in one bucket.
         shard: pad buckets to a multiple of the group size and reduce-scatter them into
             :attr:`shard_grad` instead of all-reducing them in place.
+        grad_dtype: the buffer's dtype (accumulation and reduction); default the params'.
+            When it differs, the buffer holds main grads (see the module docstring).
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], group, bucket_size: int | None, *, shard: bool):
+    def __init__(self, params: Iterable[torch.nn.Parameter], group, bucket_size: int | None, *, shard: bool,
+                 grad_dtype: torch.dtype | None = None):
         self.params = [p for p in params if p.requires_grad]
         self.group, self.shard = group, shard
         self.num_ranks, self.rank = comm.world_size(group), comm.rank(group)
@@ -89,11 +97,13 @@ class GradBuffer:
                 start, members = end, []
         self.numel = end
         like = self.params[0] if self.params else torch.empty(0)
-        self.grad = torch.zeros(self.numel, dtype=like.dtype, device=like.device)
-        self.shard_grad = torch.zeros(self.numel // self.num_ranks, dtype=like.dtype, device=like.device) if shard else None
+        dtype = grad_dtype or like.dtype
+        self.main_grads = dtype != like.dtype  # True: .grad is low precision, folded in by the hook
+        self.grad = torch.zeros(self.numel, dtype=dtype, device=like.device)
+        self.shard_grad = torch.zeros(self.numel // self.num_ranks, dtype=dtype, device=like.device) if shard else None
         self._next = 0
         for p in self.params:
-            p.grad = self.view(p)
+            p.grad = None if self.main_grads else self.view(p)
 
     def view(self, p: torch.Tensor) -> torch.Tensor:
         """``p``'s gradient as a view into the flat buffer."""
@@ -164,9 +174,11 @@ class DataParallelGrads:
         param_groups: ``[(params, group), ...]``; a param may appear in one group only.
         bucket_size: elements per bucket (``None``: one bucket per group).
         shard: reduce-scatter instead of all-reduce (used by :class:`DistributedOptimizer`).
+        grad_dtype: accumulate and reduce in this dtype (fp32 main grads for bf16/fp16 params).
     """
 
-    def __init__(self, param_groups: ParamGroups, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE, shard: bool = False):
+    def __init__(self, param_groups: ParamGroups, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE, shard: bool = False,
+                 grad_dtype: torch.dtype | None = None):
         if bucket_size is not None and bucket_size < 1:
             raise ValueError(f"bucket_size must be a positive number of elements or None, got {bucket_size}")
         seen: set[int] = set()
@@ -176,7 +188,7 @@ class DataParallelGrads:
             if seen & {id(p) for p in params} or len({id(p) for p in params}) != len(params):
                 raise ValueError("a param appears twice in param_groups; list each param in exactly one group")
             seen |= {id(p) for p in params}
-            self.buffers.append(GradBuffer(params, group, bucket_size, shard=shard))
+            self.buffers.append(GradBuffer(params, group, bucket_size, shard=shard, grad_dtype=grad_dtype))
         self._last = False
         self._armed: set[int] = set()  # ids of params whose gradients are final this iteration
         self._finished = False
@@ -188,7 +200,11 @@ class DataParallelGrads:
     def _make_hook(self, buf: GradBuffer):
         def hook(p: torch.Tensor) -> None:
             view = buf.view(p)
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+            if buf.main_grads:
+                # Megatron's main_grad: fold this backward's bf16/fp16 grad into fp32, drop it.
+                view.add_(p.grad)
+                p.grad = None
+            elif p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 # Autograd replaced .grad (someone set it to None, or create_graph=True):
                 # fold the new gradient into the buffer, which stays authoritative.
                 if p.grad is not None:
@@ -247,7 +263,7 @@ class DataParallelGrads:
         for buf in self.buffers:
             buf.grad.zero_()
             for p in buf.params:
-                p.grad = buf.view(p)
+                p.grad = None if buf.main_grads else buf.view(p)
         self._finished = False
 
     def remove_hooks(self) -> None:

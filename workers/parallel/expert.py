@@ -95,11 +95,12 @@ class TopKRouter(nn.Module):
             return logits.new_zeros(())
         flat = topk_idx.reshape(-1)
         # scatter_add, not bincount: no device-to-host sync to size the output.
-        counts = torch.zeros(self.num_experts, dtype=logits.dtype, device=logits.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=logits.dtype))
+        # fp32 whatever the compute dtype: bf16 counts stop being exact integers past 256.
+        counts = torch.zeros(self.num_experts, dtype=torch.float32, device=logits.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
         comm.all_reduce(counts, self.token_group)
         total_tokens = logits.shape[0] * comm.world_size(self.token_group)
-        probs_sum = torch.softmax(logits, dim=-1).sum(0)
+        probs_sum = torch.softmax(logits.float(), dim=-1).sum(0)
         scale = self.num_experts * self.aux_loss_coeff / (self.topk * total_tokens * total_tokens)
         return (probs_sum * counts).sum() * scale
 

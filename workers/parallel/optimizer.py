@@ -8,6 +8,12 @@ exactly ``torch.optim.AdamW``'s) and one interface, built by :func:`build_optimi
 
 Weight decay, as in Megatron, never touches 1-D parameters (norm weights, biases): decaying a
 norm's scale towards 0 only fights the normalisation.
+
+A step (Megatron's ``MixedPrecisionOptimizer.step``): finish the gradient reduction; with a
+loss scaler, unscale the main grads and skip the step if any rank found an inf/nan; take the
+global grad norm (:mod:`workers.parallel.clip`) and clip by it (``clip_grad > 0``); update.
+With ``param_dtype`` bf16/fp16 the params are cast to it here, the optimizer keeps their fp32
+main copy (the distributed optimizer: its shard of it) and grads accumulate in fp32 buffers.
 """
 
 from __future__ import annotations
@@ -15,64 +21,11 @@ from __future__ import annotations
 import torch
 
 from workers.parallel import comm
-from workers.parallel.data import DEFAULT_BUCKET_SIZE, DataParallelGrads, GradBuffer, ParamGroups
+from workers.parallel.adamw import AdamWOverGrads, StepInfo, adamw_update, check_full_state, decays  # noqa: F401
+from workers.parallel.data import DEFAULT_BUCKET_SIZE, GradBuffer, ParamGroups
 
 
-def decays(param: torch.Tensor) -> bool:
-    """Whether weight decay applies to ``param``: not to 1-D params (norm weights, biases)."""
-    return param.dim() > 1
-
-
-def _check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    if lr < 0 or eps < 0 or weight_decay < 0:
-        raise ValueError(f"lr ({lr}), eps ({eps}) and weight_decay ({weight_decay}) must be >= 0")
-    if not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas {tuple(betas)} must each lie in [0, 1), e.g. (0.9, 0.999)")
-
-
-@torch.no_grad()
-def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-                 step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 decay_mask: torch.Tensor | None = None) -> None:
-    """One AdamW step in place: exactly ``torch.optim.AdamW``'s single-tensor math (decoupled
-    weight decay, bias correction). Written out rather than calling torch.optim, whose first
-    use imports torch._dynamo (~2 CPU-seconds per rank at start-up).
-
-    ``decay_mask`` (bool, ``param``'s shape) limits weight decay to the elements where it is
-    True; the decayed elements are scaled by the same float as without a mask.
-    """
-    beta1, beta2 = betas
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    if weight_decay and decay_mask is not None:
-        param.mul_(torch.where(decay_mask, torch.tensor(1 - lr * weight_decay, dtype=param.dtype), 1.0))
-    elif weight_decay:
-        param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-
-
-class _AdamWOverGrads:
-    """What both optimizers share: AdamW's hyperparameters, the bucketed grads, the step count."""
-
-    def __init__(self, param_groups: ParamGroups, lr: float, betas, eps: float, weight_decay: float, *,
-                 bucket_size: int | None, shard: bool):
-        _check_hparams(lr, betas, eps, weight_decay)
-        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
-        self.grads = DataParallelGrads(param_groups, bucket_size=bucket_size, shard=shard)
-        self.num_steps = 0
-
-    def zero_grad(self) -> None:
-        self.grads.zero()
-
-    def _update(self, param, grad, exp_avg, exp_avg_sq, *, decay: bool = True, decay_mask=None) -> None:
-        adamw_update(param, grad, exp_avg, exp_avg_sq, step=self.num_steps, lr=self.lr, betas=self.betas,
-                     eps=self.eps, weight_decay=self.weight_decay if decay else 0.0, decay_mask=decay_mask)
-
-
-class DistributedOptimizer(_AdamWOverGrads):
+class DistributedOptimizer(AdamWOverGrads):
     """ZeRO-1 AdamW: each rank keeps the fp32 master params and Adam moments of its 1/n shard.
 
     The math is ``torch.optim.AdamW``'s (decoupled weight decay, bias correction), applied
@@ -85,8 +38,8 @@ class DistributedOptimizer(_AdamWOverGrads):
     """
 
     def __init__(self, param_groups: ParamGroups, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE):
-        super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=True)
+                 weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE, **kwargs):
+        super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=True, **kwargs)
         self.shards = []
         for buf in self.grads.buffers:
             n = buf.numel // buf.num_ranks
@@ -100,6 +53,7 @@ class DistributedOptimizer(_AdamWOverGrads):
             for p, a, b, s in buf.pieces():
                 mask[s : s + b - a] = decays(p)
             self.decay_masks.append(mask)
+        self._cast_params()
 
     @staticmethod
     @torch.no_grad()
@@ -107,14 +61,19 @@ class DistributedOptimizer(_AdamWOverGrads):
         for p, a, b, s in buf.pieces():
             master[s : s + b - a].copy_(p.detach().reshape(-1)[a:b])
 
-    @torch.no_grad()
-    def step(self) -> None:
-        """Finish the gradient reduction, update this rank's shard, all-gather the params."""
-        self.grads.finish()
-        self.num_steps += 1
+    def main_grads(self) -> list[torch.Tensor]:
+        return [buf.shard_grad for buf in self.grads.buffers]
+
+    def owned_grads(self):
+        for buf in self.grads.buffers:
+            for p, a, b, s in buf.pieces():
+                yield p, buf.shard_grad[s : s + b - a]
+
+    def _apply_updates(self) -> None:
+        """Update this rank's shard of the fp32 main params, all-gather the model params."""
         for buf, state, mask in zip(self.grads.buffers, self.shards, self.decay_masks):
             master, exp_avg, exp_avg_sq = state["param"], state["exp_avg"], state["exp_avg_sq"]
-            if buf.params and buf.params[0].dtype == torch.float32:
+            if not self.low_precision:
                 # fp32 params hold exactly the master values; re-reading them keeps the master
                 # right if model weights were loaded after this optimizer was built.
                 self._load_master(buf, master)
@@ -122,12 +81,13 @@ class DistributedOptimizer(_AdamWOverGrads):
             self._gather_params(buf, master)
 
     def _gather_params(self, buf: GradBuffer, master: torch.Tensor) -> None:
-        scratch = torch.empty(max((b.end - b.start for b in buf.buckets), default=0), dtype=buf.grad.dtype,
+        # Gathered in the params' dtype: bf16 halves the traffic (Megatron gathers model params).
+        scratch = torch.empty(max((b.end - b.start for b in buf.buckets), default=0), dtype=self.param_dtype,
                               device=buf.grad.device)
         for bucket in buf.buckets:
             lo, hi, base = buf.shard_range(bucket)
             full = scratch[: bucket.end - bucket.start]
-            comm.all_gather_into(full, master[base : base + hi - lo].to(buf.grad.dtype), buf.group)
+            comm.all_gather_into(full, master[base : base + hi - lo].to(self.param_dtype), buf.group)
             for p in bucket.params:
                 a = buf.offsets[id(p)] - bucket.start
                 p.detach().copy_(full[a : a + p.numel()].view_as(p))
@@ -173,7 +133,7 @@ class DistributedOptimizer(_AdamWOverGrads):
     def load_full_state_dict(self, state: dict) -> None:
         """Load :meth:`full_state_dict` output (from any layout); the model params must hold
         the matching weights already (they are the master copy)."""
-        _check_full_state(state, self.grads.buffers)
+        check_full_state(state, self.grads.buffers)
         self.num_steps = int(state["step"])
         for buf, shard, entries in zip(self.grads.buffers, self.shards, state["state"]):
             index = {id(p): i for i, p in enumerate(buf.params)}
@@ -183,14 +143,7 @@ class DistributedOptimizer(_AdamWOverGrads):
                     shard[key][s : s + b - a].copy_(entries[index[id(p)]][key].reshape(-1)[a:b])
 
 
-def _check_full_state(state: dict, buffers: list[GradBuffer]) -> None:
-    want = [[tuple(p.shape) for p in buf.params] for buf in buffers]
-    got = [[tuple(e["exp_avg"].shape) for e in group] for group in state["state"]]
-    if want != got:
-        raise ValueError(f"optimizer state holds params of shapes {got}, this model has {want}")
-
-
-class ReplicatedOptimizer(_AdamWOverGrads):
+class ReplicatedOptimizer(AdamWOverGrads):
     """The plain data-parallel path: all-reduced buckets + AdamW on the full params.
 
     Same interface as :class:`DistributedOptimizer` (and the same math, :func:`adamw_update`);
@@ -198,21 +151,33 @@ class ReplicatedOptimizer(_AdamWOverGrads):
     """
 
     def __init__(self, param_groups: ParamGroups, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE):
-        super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=False)
+                 weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE, **kwargs):
+        super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=False, **kwargs)
         self.moments = [[self._zeros(p) for p in buf.params] for buf in self.grads.buffers]
+        # The fp32 main params: the params themselves in fp32, else an fp32 copy of each.
+        self.masters = [[p.detach().clone() if self.low_precision else p for p in buf.params]
+                        for buf in self.grads.buffers]
+        self._cast_params()
 
     @staticmethod
     def _zeros(p: torch.Tensor) -> dict:
         return {"exp_avg": torch.zeros_like(p, dtype=torch.float32), "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
 
-    @torch.no_grad()
-    def step(self) -> None:
-        self.grads.finish()
-        self.num_steps += 1
-        for buf, moments in zip(self.grads.buffers, self.moments):
-            for p, m in zip(buf.params, moments):
-                self._update(p, p.grad, m["exp_avg"], m["exp_avg_sq"], decay=decays(p))
+    def main_grads(self) -> list[torch.Tensor]:
+        return [buf.grad for buf in self.grads.buffers]
+
+    def owned_grads(self):
+        # Every rank of the reduction group holds the same sum: its rank 0 counts it.
+        for buf in self.grads.buffers:
+            if buf.rank == 0:
+                yield from ((p, buf.view(p)) for p in buf.params)
+
+    def _apply_updates(self) -> None:
+        for buf, moments, masters in zip(self.grads.buffers, self.moments, self.masters):
+            for p, m, master in zip(buf.params, moments, masters):
+                self._update(master, buf.view(p), m["exp_avg"], m["exp_avg_sq"], decay=decays(p))
+                if master is not p:
+                    p.detach().copy_(master)
 
     def state_dict(self) -> dict:
         # A copy: the live moment tensors change at the next step.
@@ -227,7 +192,7 @@ class ReplicatedOptimizer(_AdamWOverGrads):
                 "state": [[{k: v.clone() for k, v in m.items()} for m in moments] for moments in self.moments]}
 
     def load_full_state_dict(self, state: dict) -> None:
-        _check_full_state(state, self.grads.buffers)
+        check_full_state(state, self.grads.buffers)
         self.num_steps = int(state["step"])
         for buf, moments, entries in zip(self.grads.buffers, self.moments, state["state"]):
             for p, m, e in zip(buf.params, moments, entries):
@@ -236,13 +201,26 @@ class ReplicatedOptimizer(_AdamWOverGrads):
 
 
 def build_optimizer(param_groups: ParamGroups, *, distributed: bool, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                    weight_decay: float = 0.0, bucket_size: int | None = DEFAULT_BUCKET_SIZE):
+                    weight_decay: float = 0.0, bucket_size: int | None = DEFAULT_BUCKET_SIZE,
+                    param_dtype: torch.dtype | None = None, clip_grad: float = 0.0, grad_scaler=None,
+                    tp_rank: int = 0, norm_group=None):
     """AdamW over data-parallel param groups: ZeRO-1 sharded (``distributed``) or replicated.
 
     Both results offer ``grads`` (a :class:`DataParallelGrads`), ``zero_grad()``, ``step()``
-    (which finishes the gradient reduction first), a settable ``lr``, ``num_steps``,
-    ``state_dict()``/``load_state_dict()`` and layout-independent
-    ``full_state_dict()``/``load_full_state_dict()``.
+    (which finishes the gradient reduction first and returns a :class:`StepInfo`), a
+    settable ``lr``, ``num_steps`` (successful updates), ``state_dict()``/``load_state_dict()``
+    and layout-independent ``full_state_dict()``/``load_full_state_dict()``.
+
+    Args:
+        param_dtype: cast the (fp32) params to this dtype and keep fp32 main params and
+            main grads (bf16/fp16 mixed precision); ``None``: fp32.
+        clip_grad: clip the global grad norm to this value; 0: no clipping (the norm is
+            computed and reported anyway).
+        grad_scaler: fp16's :class:`workers.mixed_precision.DynamicGradScaler` (the caller
+            multiplies the loss by its ``scale``); ``None``: no loss scaling.
+        tp_rank: this rank's TP rank (TP duplicates are counted once in the norm).
+        norm_group: every rank of the job, over which the norm and overflow flag are reduced.
     """
     cls = DistributedOptimizer if distributed else ReplicatedOptimizer
-    return cls(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size)
+    return cls(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, param_dtype=param_dtype,
+               clip_grad=clip_grad, grad_scaler=grad_scaler, tp_rank=tp_rank, norm_group=norm_group)

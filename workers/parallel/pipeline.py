@@ -168,6 +168,15 @@ def schedule(num_microbatches: int, pp: int, vpp: int | None, stage: int) -> lis
     return schedule_1f1b(num_microbatches, pp, stage)
 
 
+def schedule_forward_only(num_microbatches: int, pp: int, vpp: int | None, stage: int) -> list[Action]:
+    """The forwards of :func:`schedule`, in its order, and no backward (evaluation).
+
+    As Megatron's ``forward_only`` schedules: 1F1B's forwards are microbatch order; the
+    interleaved ones walk the chunks in groups of ``pp`` microbatches.
+    """
+    return [a for a in schedule(num_microbatches, pp, vpp, stage) if a.kind == "F"]
+
+
 def in_flight_bound(num_microbatches: int, pp: int, vpp: int | None, stage: int) -> int:
     """Most (microbatch, chunk) activations ``stage`` may hold at once under :func:`schedule`."""
     if vpp is not None and vpp > 1:

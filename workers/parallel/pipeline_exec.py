@@ -43,6 +43,7 @@ def run_pipeline(
     group=None,
     device: torch.device | str | None = None,
     before_last_backward: Callable[[int], None] | None = None,
+    forward_only: bool = False,
 ) -> list[torch.Tensor]:
     """Run one stage's schedule: forwards, backwards and the p2p traffic between them.
 
@@ -121,7 +122,8 @@ def run_pipeline(
                     f"tensor_shape is {shape}: pass the activation shape the model produces"
                 )
             outgoing[("F", mb, v)] = y.detach().contiguous()
-        saved[(mb, a.chunk)] = (None if v == 0 else x, y)
+        if not forward_only:
+            saved[(mb, a.chunk)] = (None if v == 0 else x, y)
 
     def backward(a: Action) -> None:
         mb, v = a.microbatch, a.chunk * pp + stage

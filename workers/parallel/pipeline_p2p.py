@@ -28,7 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
-from workers.parallel.pipeline import Action, interleaved_warmup, schedule
+from workers.parallel.pipeline import Action, interleaved_warmup, schedule, schedule_forward_only
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def _compute_steps(actions: Sequence[Action], stage: int, pp: int, vpp: int) -> 
     backward's receive deadlocks under NCCL for every vpp > 1); warm-up forwards and
     cool-down backwards stay single.
     """
-    if vpp == 1:
+    if vpp == 1 or all(a.kind == "F" for a in actions):  # 1F1B, or forward-only (evaluation)
         return [(a,) for a in actions]
     total = len(actions) // 2
     warmup = interleaved_warmup(total // vpp, pp, vpp, stage)
@@ -174,12 +174,13 @@ def simulate_nccl(plans: Sequence[Sequence[Step]]) -> int:
     return rounds
 
 
-def check_nccl_safe(num_microbatches: int, pp: int, vpp: int | None = None) -> int:
+def check_nccl_safe(num_microbatches: int, pp: int, vpp: int | None = None, *, forward_only: bool = False) -> int:
     """Build every stage's table and plan, simulate them under NCCL; return the rounds.
 
     Raises:
         ValueError: the plans deadlock or pair messages wrongly.
     """
     chunks = vpp or 1
-    plans = [p2p_plan(schedule(num_microbatches, pp, vpp, s), s, pp, chunks) for s in range(pp)]
+    make = schedule_forward_only if forward_only else schedule
+    plans = [p2p_plan(make(num_microbatches, pp, vpp, s), s, pp, chunks) for s in range(pp)]
     return simulate_nccl(plans)
