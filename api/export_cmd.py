@@ -30,7 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     """Export; 0 on success, 2 with one line on stderr for a bad checkpoint or path."""
-    from workers.hf_interop import export_hf
+    from workers.hf_export import export_hf
 
     try:
         result = export_hf(args.checkpoint, args.out_dir)

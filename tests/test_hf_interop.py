@@ -71,7 +71,7 @@ def test_export_matches_the_safetensors_package(tmp_path):
     from safetensors.torch import load_file
 
     from workers.checkpoint import Checkpointer
-    from workers.hf_interop import export_hf
+    from workers.hf_export import export_hf
 
     t = trainer()
     Checkpointer(str(tmp_path / "ckpt")).save(t)

@@ -22,6 +22,7 @@ import torch
 from workers.checkpoint import set_rng_state
 from workers.checkpoint_layout import Box, fill, param_views
 from workers.checkpoint_storage import MANIFEST, Storage, crc32, latest_checkpoint, read_manifest
+from workers.hf_interop import HFReader
 
 # ModelConfig fields that must agree between a checkpoint and the job that loads it: the
 # shapes, and the function the weights were trained for. (seq_length may change.)
@@ -116,8 +117,6 @@ def open_source(load: str):
     """``checkpoint.load``: ``hf:DIR`` (a Hugging Face model directory), a checkpoint
     directory, or a checkpoint root (its latest complete checkpoint)."""
     if load.startswith("hf:"):
-        from workers.hf_interop import HFReader
-
         return HFReader(load[3:])
     return CheckpointReader.open(load)
 

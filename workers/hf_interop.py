@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from workers.checkpoint_layout import Box
-from workers.safetensors_io import SafetensorsDir, save_file
+from workers.safetensors_io import SafetensorsDir
 
 
 def logical_shapes(m: dict) -> dict[str, tuple[int, ...]]:
@@ -138,30 +138,6 @@ def to_hf(name: str, t: torch.Tensor, m: dict) -> dict[str, torch.Tensor]:
         return {f"{p}.mlp.gate_proj.weight": t[0], f"{p}.mlp.up_proj.weight": t[1]}
     w = {"mlp.experts.w_gate": "w1", "mlp.experts.w_down": "w2", "mlp.experts.w_up": "w3"}[rest]
     return {f"{p}.block_sparse_moe.experts.{e}.{w}.weight": t[e] for e in range(t.shape[0])}
-
-
-def export_hf(checkpoint: str, out_dir: str) -> dict:
-    """Write a raytron checkpoint (a directory, or the latest under a root) as a Hugging Face
-    model directory: ``model.safetensors`` (float32) and ``config.json``.
-
-    Returns:
-        ``{"iteration", "architecture", "bytes", "path"}``.
-    """
-    from workers.checkpoint_reader import CheckpointReader
-
-    reader = CheckpointReader.open(checkpoint)
-    reader.verify()  # every byte against the manifest before it leaves raytron
-    m = reader.model
-    tensors = {}
-    for name, shape in logical_shapes(m).items():
-        full = reader.read(f"model/{name}", Box((0,) * len(shape), shape))
-        tensors.update({k: v.contiguous() for k, v in to_hf(name, full, m).items()})
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    size = save_file(tensors, out / "model.safetensors", {"raytron_iteration": str(reader.iteration)})
-    config = hf_config(m)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return {"iteration": reader.iteration, "architecture": config["architectures"][0], "bytes": size, "path": str(out)}
 
 
 class HFReader:

@@ -29,23 +29,10 @@ import torch.nn.functional as F
 import torch.distributed as dist
 
 from workers.parallel import comm
+from workers.parallel.context_layout import check_split, cp_positions  # noqa: F401 (re-exported)
 from workers.parallel.context_ring import RingAttention, ring_plans
 
 COMM_TYPES = ("p2p", "all_gather")
-
-
-def _check_split(seq_len: int, cp_size: int, cp_rank: int) -> int:
-    """Validate a split and return the chunk length."""
-    if cp_size < 1:
-        raise ValueError(f"context_parallel_size must be >= 1, got {cp_size}")
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank {cp_rank} is outside [0, {cp_size}) for context_parallel_size {cp_size}")
-    if seq_len % (2 * cp_size):
-        raise ValueError(
-            f"sequence length {seq_len} is not divisible by 2 x context_parallel_size = {2 * cp_size}; "
-            f"use a seq_length that is a multiple of {2 * cp_size} or a smaller context_parallel_size"
-        )
-    return seq_len // (2 * cp_size)
 
 
 def cp_split(x: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int = 0) -> torch.Tensor:
@@ -64,24 +51,9 @@ def cp_split(x: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int = 0) -> t
     Raises:
         ValueError: the sequence length is not divisible by ``2 cp_size``.
     """
-    c = _check_split(x.shape[seq_dim], cp_size, cp_rank)
+    c = check_split(x.shape[seq_dim], cp_size, cp_rank)
     late = 2 * cp_size - 1 - cp_rank
     return torch.cat([x.narrow(seq_dim, cp_rank * c, c), x.narrow(seq_dim, late * c, c)], dim=seq_dim)
-
-
-def cp_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
-    """Global positions (``LongTensor [seq_len / cp_size]``) of the tokens :func:`cp_split` keeps.
-
-    Used for rotary embeddings and causal masks, which must see global, not local, positions.
-    """
-    c = _check_split(seq_len, cp_size, cp_rank)
-    late = 2 * cp_size - 1 - cp_rank
-    return torch.cat(
-        [
-            torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device),
-            torch.arange(late * c, (late + 1) * c, device=device),
-        ]
-    )
 
 
 def cp_unsplit(parts: Sequence[torch.Tensor], seq_dim: int = 0) -> torch.Tensor:

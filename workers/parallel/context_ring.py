@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from workers.parallel import comm
+from workers.parallel.context_layout import cp_positions
 
 def _group_heads(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     s, b, h, d = x.shape
@@ -64,8 +65,6 @@ def ring_plans(seq_len: int, cp: int, cp_rank: int, device: str = "cpu") -> tupl
     host syncs from the ring. Step ``j`` pairs this rank's queries with the K/V block that
     started at CP rank ``cp_rank - j``.
     """
-    from workers.parallel.context import cp_positions
-
     positions = [cp_positions(seq_len, cp, r) for r in range(cp)]
     plans = []
     for step in range(cp):

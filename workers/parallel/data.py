@@ -270,15 +270,3 @@ class DataParallelGrads:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-
-
-_MOVED = {"adamw_update", "DistributedOptimizer", "ReplicatedOptimizer", "build_optimizer"}
-
-
-def __getattr__(name: str):
-    # The optimizers moved to workers.parallel.optimizer; imports from here keep working.
-    if name in _MOVED:
-        from workers.parallel import optimizer
-
-        return getattr(optimizer, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
