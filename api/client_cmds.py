@@ -164,6 +164,8 @@ def follow(client, job_id: str, as_json: bool) -> int:
     0 when it succeeded, 1 otherwise."""
     from tqdm import tqdm
 
+    from api.render import progress_postfix
+
     job = client.job(job_id)
     bar = None if as_json else tqdm(total=job["train_iters"], desc=job["name"], unit="it", file=sys.stderr,
                                     dynamic_ncols=True)
@@ -174,8 +176,8 @@ def follow(client, job_id: str, as_json: bool) -> int:
                 _print_json(event)
             elif event["kind"] == "iteration":
                 d = event["data"]
-                bar.n = d.get("iteration", bar.n + 1)
-                bar.set_postfix(loss=f"{d.get('loss', float('nan')):.4f}", tok_s=f"{d.get('tokens_per_s') or 0:.0f}")
+                bar.set_postfix(progress_postfix(d), refresh=False)
+                bar.update(d.get("iteration", bar.n + 1) - bar.n)
             elif event["kind"] in ("state", "failure"):
                 bar.write(f"{job_id}: {event['state']} {event['message']}".rstrip(), file=sys.stderr)
             if event["kind"] == "state":

@@ -53,8 +53,9 @@ class RunView:
 
             self.bar = tqdm(total=self.total, desc=self.name, unit="it", file=self.out, dynamic_ncols=True)
         elif event.kind == "iteration" and self.bar is not None:
-            self.bar.set_postfix(loss=f"{event.data['loss']:.4f}", tok_s=f"{event.data['tokens_per_s']:.0f}")
-            self.bar.update(1)
+            self.bar.set_postfix(progress_postfix(event.data), refresh=False)
+            # by iteration number, not +1: an attempt resumed from a checkpoint continues the count
+            self.bar.update(event.data.get("iteration", self.bar.n + 1) - self.bar.n)
         elif event.kind == "failure":
             self.close()
             print(f"raytron: {event.message}", file=self.out)
@@ -67,6 +68,26 @@ class RunView:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def progress_postfix(metrics: dict) -> dict:
+    """The progress bar's figures for one iteration's metrics: loss, validation loss (when an
+    evaluation ran), learning rate, gradient norm, loss scale (fp16) and tokens/s."""
+    out = {"loss": _num(metrics.get("loss"), ".4f")}
+    if metrics.get("val_loss") is not None:
+        out["val"] = _num(metrics["val_loss"], ".4f")
+    if metrics.get("lr") is not None:
+        out["lr"] = _num(metrics["lr"], ".2e")
+    if metrics.get("grad_norm") is not None:
+        out["gnorm"] = _num(metrics["grad_norm"], ".3f")
+    if metrics.get("loss_scale") not in (None, 1.0):
+        out["scale"] = _num(metrics["loss_scale"], ".0f")
+    out["tok_s"] = _num(metrics.get("tokens_per_s") or 0.0, ".0f")
+    return out
+
+
+def _num(value, fmt: str) -> str:
+    return "nan" if value is None else format(value, fmt)
 
 
 def final_line(result: dict, seconds: float, note: str = "") -> str:
