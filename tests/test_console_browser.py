@@ -23,6 +23,7 @@ import yaml
 from test_api import ROOT, TOKEN, Server, tiny, wait_for
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -84,7 +85,9 @@ def browser():
 
 
 def wait(driver, condition, timeout=60, message=""):
-    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(lambda d: condition(d), message)
+    # a live page redraws: an element found a moment ago may be gone; look again
+    return WebDriverWait(driver, timeout, poll_frequency=0.2, ignored_exceptions=[StaleElementReferenceException]
+                         ).until(lambda d: condition(d), message)
 
 
 def visible(driver, css) -> bool:
@@ -271,11 +274,14 @@ def test_cancel_a_second_job_from_the_list(server, browser, api, artifacts):
     wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, row).get_attribute("data-state") == "CANCELLED", 60,
          "CANCELLED in the list")
     assert wait_for(api, job_id, ("CANCELLED",), timeout_s=5)["state"] == "CANCELLED"
-    assert not browser.find_elements(By.CSS_SELECTOR, f"{row} button.cancel")
-    listed = browser.find_elements(By.CSS_SELECTOR, "#jobs tbody tr")
-    assert len(listed) == 2 and listed[1].get_attribute("data-state") == "SUCCEEDED"  # newest first
-    cells = listed[1].find_elements(By.TAG_NAME, "td")
-    finished = api.get(f"/jobs/{listed[1].get_attribute('data-job-id')}").json()
-    assert cells[3].text == "tp2 pp2 dp2 cp1 ep1" and cells[4].text == f"{ITERS} / {ITERS}"
-    assert cells[5].text == f"{finished['losses'][-1]:.4f}" and cells[6].text == "0"
+    assert not browser.find_element(By.CSS_SELECTOR, f"{row} button.cancel").is_displayed()
+    listed = browser.execute_script(  # one snapshot of the live table
+        "return [...document.querySelectorAll('#jobs tbody tr')].map(r => ({id: r.dataset.jobId,"
+        "state: r.dataset.state, cells: [...r.cells].map(c => c.textContent)}))")
+    assert [r["id"] for r in listed][0] == job_id and len(listed) == 2  # newest first
+    finished = api.get(f"/jobs/{listed[1]['id']}").json()
+    state, name, _, sizes, iteration, loss, restarts, age, _ = listed[1]["cells"]
+    assert (state, name, sizes, iteration, restarts) == ("SUCCEEDED", "tiny-5d", "tp2 pp2 dp2 cp1 ep1",
+                                                         f"{ITERS} / {ITERS}", "0")
+    assert loss == f"{finished['losses'][-1]:.4f}" and age.endswith(("s", "m"))
     shoot(browser, artifacts, "jobs")

@@ -90,33 +90,42 @@ async function refreshJobs() {
   }));
   const now = Date.now() / 1000;
   const body = $("#jobs tbody");
-  body.replaceChildren();
-  for (const j of jobs) {
+  const rows = new Map([...body.rows].map((r) => [r.dataset.jobId, r]));
+  // Rows are kept and only redrawn when their job changed: a button must not vanish under a click.
+  const shown = jobs.map((j) => {
     const d = details.get(j.id) || j;
-    const row = body.insertRow();
-    row.dataset.jobId = j.id;
-    row.dataset.state = d.state;
-    stateBadge(cell(row, "", "state-cell").appendChild(document.createElement("span")), d.state);
-    const name = cell(row, "");
-    const link = name.appendChild(document.createElement("a"));
-    link.href = `#/jobs/${j.id}`;
-    link.textContent = d.name;
-    cell(row, j.id.slice(0, 12), "muted");
-    cell(row, sizesText(d.sizes));
-    cell(row, `${d.iteration} / ${d.train_iters}`, "num iter");
-    cell(row, lossText(d.losses?.at(-1)), "num loss");
-    cell(row, String(d.restarts ?? 0), "num restarts");
-    cell(row, age(now - j.submitted_at), "num age");
-    const actions = cell(row, "");
-    if (!TERMINAL.has(d.state)) {
-      const button = actions.appendChild(document.createElement("button"));
-      button.type = "button";
-      button.className = "danger cancel";
-      button.textContent = "Cancel";
-      button.addEventListener("click", () => cancel(j.id).then(refreshJobs).catch(alertError));
-    }
-  }
+    const row = rows.get(j.id) || document.createElement("tr");
+    const sig = JSON.stringify([d.state, d.iteration, d.losses?.at(-1), d.restarts, d.sizes]);
+    if (row.dataset.sig !== sig) fillJobRow(row, j, d, sig);
+    row.cells[7].textContent = age(now - j.submitted_at);
+    return row;
+  });
+  body.replaceChildren(...shown);  // moves kept rows; nothing in them is rebuilt
   $("#jobs-empty").hidden = jobs.length > 0;
+}
+
+const COLUMNS = ["state-cell", "name", "id muted", "sizes", "num iter", "num loss", "num restarts", "num age", "actions"];
+
+/** Fill a job's row in place: its cells, link and button are made once and then only updated. */
+function fillJobRow(row, j, d, sig) {
+  if (!row.cells.length) {
+    for (const cls of COLUMNS) cell(row, "", cls);
+    row.cells[0].append(document.createElement("span"));
+    row.cells[1].append(Object.assign(document.createElement("a"), { href: `#/jobs/${j.id}` }));
+    row.cells[2].textContent = j.id.slice(0, 12);
+    const button = Object.assign(document.createElement("button"), { type: "button", className: "danger cancel",
+                                                                     textContent: "Cancel" });
+    button.addEventListener("click", () => cancel(j.id).then(refreshJobs).catch(alertError));
+    row.cells[8].append(button);
+  }
+  Object.assign(row.dataset, { jobId: j.id, state: d.state, sig });
+  stateBadge(row.cells[0].firstChild, d.state);
+  row.cells[1].firstChild.textContent = d.name;
+  row.cells[3].textContent = sizesText(d.sizes);
+  row.cells[4].textContent = `${d.iteration} / ${d.train_iters}`;
+  row.cells[5].textContent = lossText(d.losses?.at(-1));
+  row.cells[6].textContent = String(d.restarts ?? 0);
+  row.cells[8].firstChild.hidden = TERMINAL.has(d.state);
 }
 
 function alertError(err) {
