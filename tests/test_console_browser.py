@@ -195,7 +195,7 @@ def test_plan_view_shows_the_map_memory_and_traffic(server, browser, api, artifa
 
 def test_submit_watch_the_curve_grow_to_succeeded_and_the_placement(server, browser, api, artifacts):
     browser.find_element(By.ID, "submit-btn").click()  # the uploaded example, still in the box
-    wait(browser, lambda d: d.find_element(By.ID, "spec-message").get_attribute("data-job-id"))
+    wait(browser, lambda d: (d.find_element(By.ID, "spec-message").get_attribute("data-job-id") or "").startswith("tiny-5d-"))
     job_id = browser.find_element(By.ID, "spec-message").get_attribute("data-job-id")
     row = f"#jobs tr[data-job-id='{job_id}']"
     wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, row), message="the new job in the list")
@@ -263,15 +263,16 @@ def test_cancel_a_second_job_from_the_list(server, browser, api, artifacts):
     wait(browser, lambda d: visible(d, "#jobs-view"))
     set_spec(browser, json.dumps(tiny("long", world=2, iters=10 ** 6)))  # JSON works as well as YAML
     browser.find_element(By.ID, "submit-btn").click()
-    wait(browser, lambda d: d.find_element(By.ID, "spec-message").get_attribute("data-job-id"))
+    # the id of this submission (job ids start with the job's name), not the last one's
+    wait(browser, lambda d: (d.find_element(By.ID, "spec-message").get_attribute("data-job-id") or "").startswith("long-"))
     job_id = browser.find_element(By.ID, "spec-message").get_attribute("data-job-id")
     row = f"#jobs tr[data-job-id='{job_id}']"
     wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, row)
-         and d.find_element(By.CSS_SELECTOR, row).get_attribute("data-state") == "RUNNING", 120, "RUNNING")
+         and d.find_element(By.CSS_SELECTOR, row).get_attribute("data-state") == "RUNNING", 300, "RUNNING")
     wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, f"{row} td.iter").text.split(" /")[0] not in ("", "0"),
-         60, "iterations counting up in the list")
+         120, "iterations counting up in the list")
     browser.find_element(By.CSS_SELECTOR, f"{row} button.cancel").click()
-    wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, row).get_attribute("data-state") == "CANCELLED", 60,
+    wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, row).get_attribute("data-state") == "CANCELLED", 120,
          "CANCELLED in the list")
     assert wait_for(api, job_id, ("CANCELLED",), timeout_s=5)["state"] == "CANCELLED"
     assert not browser.find_element(By.CSS_SELECTOR, f"{row} button.cancel").is_displayed()

@@ -169,6 +169,7 @@ function showSpecErrors(err) {
 }
 
 function clearSpecMessages() {
+  delete $("#spec-message").dataset.jobId;
   $("#spec-errors").replaceChildren();
   $("#spec-message").textContent = "";
   $("#spec-message").className = "";
@@ -177,7 +178,9 @@ function clearSpecMessages() {
 $("#spec-file").addEventListener("change", async (e) => {
   const file = e.target.files[0];
   if (file) $("#spec").value = await file.text();
+  $("#plan-view").hidden = true;  // a plan shown is the plan of the text above it
 });
+$("#spec").addEventListener("input", () => { $("#plan-view").hidden = true; });
 
 $("#submit-btn").addEventListener("click", async () => {
   clearSpecMessages();
@@ -319,8 +322,10 @@ async function showJob(jobId, signal) {
     const when = new Date(e.time * 1000).toLocaleTimeString();
     li.innerHTML = "<time></time><span></span>";
     li.firstChild.textContent = when;
+    const rank = e.kind === "failure" && e.data?.rank !== undefined && !/\brank\b/.test(e.message || "")
+      ? ` (rank ${e.data.rank})` : "";
     li.lastChild.textContent = e.kind === "state" ? `${e.state}${e.message ? `: ${e.message}` : ""}`
-      : `${e.kind}: ${e.message || ""}`;
+      : `${e.kind}: ${e.message || ""}${rank}`;
     $("#events").append(li);
   };
 
