@@ -17,7 +17,7 @@ from fastapi import Depends, FastAPI
 from api import http_errors
 from api.deps import require_token
 from api.http_errors import error_response
-from api.routes import cluster as cluster_routes, health, jobs, plan, streams
+from api.routes import cluster as cluster_routes, console, health, jobs, plan, streams
 from service.launchers import JobLauncher
 from service.scheduler import ClusterView, Scheduler
 from service.store import JobStore
@@ -106,6 +106,7 @@ def create_app(settings: Settings, *, store: JobStore, launcher: JobLauncher, cl
     for router in api:
         app.include_router(router, prefix=API_PREFIX, dependencies=[Depends(require_token)])
     app.include_router(health.router)
+    console.install(app)  # the web console: / and /static/* (no token), /console/yaml
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app
 

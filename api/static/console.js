@@ -1,0 +1,391 @@
+// The raytron console: login, the jobs page (live list, submit, plan, cancel) and a job page
+// (curves from the SSE event stream, events, log tail, placement map). Routes live in the
+// URL fragment (#/, #/jobs/ID); the token never does.
+
+import { API, ApiError, followEvents, followLog, getJSON, postJSON, request, setOnUnauthorized, token } from "./api.js";
+import { drawChart } from "./plot.js";
+import { colourChoices, drawPlacement } from "./placement.js";
+
+const $ = (sel, root = document) => root.querySelector(sel);
+const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
+const POLL_MS = 1500;
+let view = null;  // the live view's AbortController: leaving a page stops its streams and polls
+
+// ---- small helpers -------------------------------------------------------------------------------
+
+function show(id) {
+  for (const s of document.querySelectorAll("main > section")) s.hidden = s.id !== id;
+}
+
+function age(seconds) {
+  const s = Math.max(0, Math.round(seconds));
+  if (s < 90) return `${s}s`;
+  if (s < 5400) return `${Math.round(s / 60)}m`;
+  if (s < 172800) return `${Math.round(s / 3600)}h`;
+  return `${Math.round(s / 86400)}d`;
+}
+
+const sizesText = (sizes) => (sizes ? ["tp", "pp", "dp", "cp", "ep"].map((k) => `${k}${sizes[k] ?? 1}`).join(" ") : "");
+const lossText = (v) => (v === undefined || v === null ? "" : v.toFixed(4));
+const bytes = (n) => (n >= 2 ** 30 ? `${(n / 2 ** 30).toFixed(2)} GiB` : n >= 2 ** 20 ? `${(n / 2 ** 20).toFixed(2)} MiB`
+  : `${(n / 1024).toFixed(1)} KiB`);
+
+function cell(row, text, cls) {
+  const td = row.insertCell();
+  td.textContent = text;
+  if (cls) td.className = cls;
+  return td;
+}
+
+function stateBadge(el, state) {
+  el.textContent = state;
+  el.className = `state ${state}`;
+}
+
+function sleep(ms, signal) {
+  return new Promise((resolve) => {
+    const t = setTimeout(resolve, ms);
+    signal.addEventListener("abort", () => { clearTimeout(t); resolve(); }, { once: true });
+  });
+}
+
+// ---- login ---------------------------------------------------------------------------------------
+
+function showLogin(message = "") {
+  if (view) view.abort();
+  show("login-view");
+  $("#logout").hidden = true;
+  $("#login-error").textContent = message;
+  $("#token").focus();
+}
+
+$("#login-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  token.set($("#token").value.trim());
+  $("#token").value = "";
+  try {
+    await getJSON(`${API}/cluster`);
+  } catch (err) {
+    token.clear();
+    showLogin(err instanceof ApiError && err.status === 401 ? "Wrong token." : `Cannot reach the server: ${err.message}`);
+    return;
+  }
+  route();
+});
+
+$("#logout").addEventListener("click", () => { token.clear(); showLogin(); });
+setOnUnauthorized(() => { token.clear(); showLogin("The server refused the token; enter it again."); });
+
+// ---- jobs page -----------------------------------------------------------------------------------
+
+const details = new Map();  // job id -> its JobPublic, refetched when its summary changes
+
+async function refreshJobs() {
+  const { jobs } = await getJSON(`${API}/jobs?limit=100`);
+  await Promise.all(jobs.map(async (j) => {
+    const known = details.get(j.id);
+    if (!known || known.updated_at !== j.updated_at || known.iteration !== j.iteration || known.state !== j.state) {
+      details.set(j.id, await getJSON(`${API}/jobs/${j.id}`));
+    }
+  }));
+  const now = Date.now() / 1000;
+  const body = $("#jobs tbody");
+  const rows = new Map([...body.rows].map((r) => [r.dataset.jobId, r]));
+  // Rows are kept and only redrawn when their job changed: a button must not vanish under a click.
+  const shown = jobs.map((j) => {
+    const d = details.get(j.id) || j;
+    const row = rows.get(j.id) || document.createElement("tr");
+    const sig = JSON.stringify([d.state, d.iteration, d.losses?.at(-1), d.restarts, d.sizes]);
+    if (row.dataset.sig !== sig) fillJobRow(row, j, d, sig);
+    row.cells[7].textContent = age(now - j.submitted_at);
+    return row;
+  });
+  body.replaceChildren(...shown);  // moves kept rows; nothing in them is rebuilt
+  $("#jobs-empty").hidden = jobs.length > 0;
+}
+
+const COLUMNS = ["state-cell", "name", "id muted", "sizes", "num iter", "num loss", "num restarts", "num age", "actions"];
+
+/** Fill a job's row in place: its cells, link and button are made once and then only updated. */
+function fillJobRow(row, j, d, sig) {
+  if (!row.cells.length) {
+    for (const cls of COLUMNS) cell(row, "", cls);
+    row.cells[0].append(document.createElement("span"));
+    row.cells[1].append(Object.assign(document.createElement("a"), { href: `#/jobs/${j.id}` }));
+    row.cells[2].textContent = j.id.slice(0, 12);
+    const button = Object.assign(document.createElement("button"), { type: "button", className: "danger cancel",
+                                                                     textContent: "Cancel" });
+    button.addEventListener("click", () => cancel(j.id).then(refreshJobs).catch(alertError));
+    row.cells[8].append(button);
+  }
+  Object.assign(row.dataset, { jobId: j.id, state: d.state, sig });
+  stateBadge(row.cells[0].firstChild, d.state);
+  row.cells[1].firstChild.textContent = d.name;
+  row.cells[3].textContent = sizesText(d.sizes);
+  row.cells[4].textContent = `${d.iteration} / ${d.train_iters}`;
+  row.cells[5].textContent = lossText(d.losses?.at(-1));
+  row.cells[6].textContent = String(d.restarts ?? 0);
+  row.cells[8].firstChild.hidden = TERMINAL.has(d.state);
+}
+
+function alertError(err) {
+  $("#spec-message").textContent = err.message;
+  $("#spec-message").className = "error";
+}
+
+async function cancel(jobId) {
+  await request(`${API}/jobs/${jobId}/cancel`, { method: "POST" });
+}
+
+async function pollJobs(signal) {
+  while (!signal.aborted) {
+    try { await refreshJobs(); } catch (err) { if (err instanceof ApiError && err.status === 401) return; }
+    await sleep(POLL_MS, signal);
+  }
+}
+
+/** The spec in the text box as an object: JSON as is, anything else through the server's YAML reader. */
+async function specFromText() {
+  const text = $("#spec").value;
+  if (/^\s*[{[]/.test(text)) {
+    try { return JSON.parse(text); } catch { /* YAML reads most JSON typos more kindly: fall through */ }
+  }
+  return (await (await request("/console/yaml", { method: "POST", body: text, raw: true })).json()).spec;
+}
+
+function showSpecErrors(err) {
+  const list = $("#spec-errors");
+  list.replaceChildren();
+  $("#spec-message").className = "error";
+  $("#spec-message").textContent = err.body?.code === "invalid_spec"
+    ? `The spec has ${err.body.errors?.length || 1} problem(s):` : err.message;
+  for (const p of err.body?.errors || []) {
+    const li = list.appendChild(document.createElement("li"));
+    li.dataset.field = p.field;
+    li.innerHTML = "<code></code>: <span></span>";
+    li.firstChild.textContent = p.field;
+    li.lastChild.textContent = p.message;
+  }
+}
+
+function clearSpecMessages() {
+  delete $("#spec-message").dataset.jobId;
+  $("#spec-errors").replaceChildren();
+  $("#spec-message").textContent = "";
+  $("#spec-message").className = "";
+}
+
+$("#spec-file").addEventListener("change", async (e) => {
+  const file = e.target.files[0];
+  if (file) $("#spec").value = await file.text();
+  $("#plan-view").hidden = true;  // a plan shown is the plan of the text above it
+});
+$("#spec").addEventListener("input", () => { $("#plan-view").hidden = true; });
+
+$("#submit-btn").addEventListener("click", async () => {
+  clearSpecMessages();
+  try {
+    const job = await postJSON(`${API}/jobs`, await specFromText());
+    $("#spec-message").textContent = `Submitted ${job.name} (${job.id}): ${job.state}`;
+    $("#spec-message").dataset.jobId = job.id;
+    await refreshJobs();
+  } catch (err) {
+    showSpecErrors(err);
+  }
+});
+
+$("#plan-btn").addEventListener("click", async () => {
+  clearSpecMessages();
+  try {
+    showPlan(await postJSON(`${API}/plan`, await specFromText()));
+  } catch (err) {
+    $("#plan-view").hidden = true;
+    showSpecErrors(err);
+  }
+});
+
+function showPlan(plan) {
+  $("#plan-view").hidden = false;
+  $("#plan-title").textContent = plan.name;
+  $("#plan-summary").textContent = `${plan.world_size} ranks on ${plan.num_nodes} node(s) x ${plan.gpus_per_node} GPUs; ` +
+    `${sizesText(plan.sizes)}; order ${plan.order}; ${plan.model_parameters.toLocaleString()} parameters`;
+  setupMap($("#plan-view .colour-by"), $("#plan-map"), plan.placement, plan.gpus_per_node);
+  const traffic = $("#plan-traffic");
+  traffic.innerHTML = "<tr><th>kind</th><th class=num>in-node</th><th class=num>cross-node</th></tr>";
+  for (const [kind, t] of Object.entries(plan.traffic)) {
+    const row = traffic.insertRow();
+    row.dataset.kind = kind;
+    cell(row, kind);
+    cell(row, bytes(t.in_node), "num in-node").dataset.bytes = t.in_node;
+    cell(row, bytes(t.cross_node), "num cross-node").dataset.bytes = t.cross_node;
+  }
+  const memory = $("#plan-memory");
+  memory.innerHTML = "<tr><th>rank</th><th class=num>parameters</th><th class=num>total</th>" +
+    "<th class=num>with distributed optimizer</th></tr>";
+  for (const m of plan.memory) {
+    const row = memory.insertRow();
+    row.dataset.rank = m.rank;
+    cell(row, String(m.rank));
+    cell(row, m.parameters.toLocaleString(), "num");
+    cell(row, bytes(m.total_bytes), "num total").dataset.bytes = m.total_bytes;
+    cell(row, bytes(m.total_bytes_distributed), "num");
+  }
+}
+
+/** Fill a colour-by select for `ranks` and (re)draw the map whenever it changes. */
+function setupMap(select, container, ranks, gpusPerNode) {
+  const previous = select.value;
+  const choices = colourChoices(ranks);
+  select.replaceChildren(...choices.map(([value, label]) => new Option(label, value)));
+  if (choices.some(([v]) => v === previous)) select.value = previous;
+  const draw = () => drawPlacement(container, ranks, { gpusPerNode, colourBy: select.value || "group:tp" });
+  select.onchange = draw;
+  draw();
+}
+
+// ---- job page ------------------------------------------------------------------------------------
+
+// Series drawn when a job reports them (keys of its iteration events); losses share one chart.
+const CHARTS = [
+  { title: "loss", series: [["loss", "#2f6fdf"], ["val_loss", "#e67e22"]] },
+  { title: "learning rate", series: [["lr", "#16a085"]] },
+  { title: "grad norm", series: [["grad_norm", "#8e44ad"]] },
+  { title: "loss scale", series: [["loss_scale", "#7f8c8d"]] },
+  { title: "MoE aux loss", series: [["moe_aux_loss", "#c0392b"]] },
+];
+
+async function showJob(jobId, signal) {
+  show("job-view");
+  for (const id of ["#job-name", "#job-id", "#job-iter", "#job-restarts", "#job-sizes", "#job-error"]) $(id).textContent = "";
+  $("#charts").replaceChildren();
+  $("#events").replaceChildren();
+  $("#logs").textContent = "";
+  $("#placement-map").replaceChildren();
+  const job = await getJSON(`${API}/jobs/${jobId}`);
+  const metrics = new Map();  // iteration -> that iteration's metrics (the latest attempt's wins)
+  let planned = null;         // the plan's coordinates per rank (etp, expert_dp) and slots
+  let placedAt = null;
+
+  const render = (j) => {
+    $("#job-name").textContent = j.name;
+    $("#job-id").textContent = j.id;
+    stateBadge($("#job-state"), j.state);
+    $("#job-iter").textContent = `${j.iteration} / ${j.train_iters}`;
+    $("#job-restarts").textContent = String(j.restarts ?? 0);
+    $("#job-sizes").textContent = sizesText(j.sizes);
+    $("#job-error").textContent = j.error ? `${j.error.code || "error"}: ${j.error.message || ""}` : "";
+    $("#job-cancel").hidden = TERMINAL.has(j.state);
+    $("#job-cancel").onclick = () => cancel(j.id).catch((err) => { $("#job-error").textContent = err.message; });
+  };
+  render(job);
+
+  const drawCharts = () => {
+    const rows = [...metrics.entries()].sort((a, b) => a[0] - b[0]);
+    const boxes = [];
+    for (const chart of CHARTS) {
+      const series = chart.series.map(([name, colour]) => ({
+        name, colour, points: rows.filter(([, m]) => typeof m[name] === "number").map(([it, m]) => [it, m[name]]),
+      })).filter((s) => s.points.length);
+      if (!series.length) continue;
+      const box = document.createElement("div");
+      box.className = "chart";
+      box.dataset.chart = chart.series[0][0];
+      drawChart(box, { title: chart.title, xMax: job.train_iters, series });
+      boxes.push(box);
+    }
+    if (!boxes.length) boxes.push(Object.assign(document.createElement("p"), { className: "muted", textContent: "No iterations yet." }));
+    $("#charts").replaceChildren(...boxes);
+  };
+  drawCharts();
+
+  const drawMap = async () => {
+    const placement = await getJSON(`${API}/jobs/${jobId}/placement`);
+    if (planned === null) {
+      // The plan adds what ranks do not report (the expert grid's etp and expert_dp, the planned slot).
+      try { planned = (await postJSON(`${API}/plan`, job.spec)).placement; } catch { planned = []; }
+    }
+    const byRank = new Map(planned.map((p) => [p.rank, p]));
+    const ranks = placement.ranks.map((r) => ({ ...byRank.get(r.rank), ...r, node: r.node ?? r.node_id }));
+    $("#placement-note").textContent = ranks.length
+      ? `attempt ${placement.attempt}, as the ranks reported it` : "not placed yet";
+    setupMap($("#job-view .colour-by"), $("#placement-map"), ranks, job.spec?.resources?.gpus_per_node);
+    $("#placement-map").dataset.attempt = placement.attempt;
+  };
+  drawMap().catch(() => {});
+
+  const addEvent = (e) => {
+    const li = document.createElement("li");
+    li.className = `ev-${e.kind}`;
+    li.dataset.kind = e.kind;
+    li.dataset.seq = e.seq;
+    li.dataset.state = e.state;
+    const when = new Date(e.time * 1000).toLocaleTimeString();
+    li.innerHTML = "<time></time><span></span>";
+    li.firstChild.textContent = when;
+    const rank = e.kind === "failure" && e.data?.rank !== undefined && !/\brank\b/.test(e.message || "")
+      ? ` (rank ${e.data.rank})` : "";
+    li.lastChild.textContent = e.kind === "state" ? `${e.state}${e.message ? `: ${e.message}` : ""}`
+      : `${e.kind}: ${e.message || ""}${rank}`;
+    $("#events").append(li);
+  };
+
+  let pending = false;
+  const redraw = () => {  // many events arrive at once when a page opens late: draw once per frame
+    if (pending) return;
+    pending = true;
+    requestAnimationFrame(() => { pending = false; drawCharts(); });
+  };
+
+  followEvents(jobId, async (kind, e) => {
+    if (kind === "end") {
+      render(await getJSON(`${API}/jobs/${jobId}`));
+      drawCharts();
+      $("#charts").dataset.complete = "true";
+      return;
+    }
+    if (kind === "iteration") {
+      metrics.set(e.data.iteration, e.data);
+      redraw();
+      $("#job-iter").textContent = `${e.data.iteration} / ${job.train_iters}`;
+      return;
+    }
+    addEvent(e);
+    if (kind === "placement" && e.time !== placedAt) { placedAt = e.time; drawMap().catch(() => {}); }
+    if (kind === "state") render(await getJSON(`${API}/jobs/${jobId}`));
+  }, signal);
+
+  const logs = $("#logs");
+  let text = "";
+  followLog(jobId, (chunk) => {
+    text = (text + chunk).split("\n").slice(-400).join("\n");  // a tail: the last 400 lines
+    const atEnd = logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 8;
+    logs.textContent = text;
+    if (atEnd) logs.scrollTop = logs.scrollHeight;
+  }, signal);
+}
+
+// ---- routing -------------------------------------------------------------------------------------
+
+async function route() {
+  if (view) view.abort();
+  if (!token.get()) return showLogin();
+  view = new AbortController();
+  $("#logout").hidden = false;
+  getJSON(`${API}/cluster`).then((c) => {
+    $("#cluster").textContent = `${c.nodes.length} node(s), ${c.gpus_free} of ${c.gpus_total} GPU slots free, ` +
+      `${c.queue_length} queued`;
+  }).catch(() => {});
+  const match = location.hash.match(/^#\/jobs\/([\w.-]+)/);
+  if (match) {
+    showJob(match[1], view.signal).catch((err) => {
+      show("job-view");
+      $("#job-error").textContent = err.message;
+    });
+  } else {
+    show("jobs-view");
+    pollJobs(view.signal);
+  }
+}
+
+window.addEventListener("hashchange", route);
+route();
