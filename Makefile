@@ -20,6 +20,7 @@ run: setup
 	scripts/run_demo.sh examples/tiny-5d.yaml
 
 test: setup
+	sh tests/setup_browser.sh
 	$(PY) -m pytest -q
 
 # Pure and single-process tests only (rank math, spec, controller, CLI parsing): seconds.
