@@ -20,8 +20,7 @@ appending one brings the job's row in step in the same transaction, so a control
 * ``"iteration"``: the job's current iteration and that iteration's metrics row (the latest
   attempt's value wins after a restart).
 
-The schema version lives in the ``schema_version`` table; an older database is upgraded by
-``MIGRATIONS`` (one step per version), a newer one refused.
+The schema (tables, version, migrations) is :mod:`service.store_schema`.
 """
 
 from __future__ import annotations
@@ -30,63 +29,16 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, make_url
 
-SCHEMA_VERSION = 1
+from service import store_schema
+from service.store_schema import SchemaError, attempts, events, jobs, metrics, sqlite_pragmas  # noqa: F401
+
 STATES = ("QUEUED", "STARTING", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "CANCELLED")
 TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
-"""``MIGRATIONS[v](conn)`` brings a version-``v`` database to ``v + 1`` (inside one transaction)."""
-
-_md = sa.MetaData()
-_json = sa.JSON(none_as_null=True)
-jobs = sa.Table(
-    "jobs", _md,
-    sa.Column("number", sa.Integer, primary_key=True, autoincrement=True),  # submission order
-    sa.Column("id", sa.String(128), nullable=False, unique=True),
-    sa.Column("name", sa.String(256), nullable=False),
-    sa.Column("spec", _json, nullable=False),
-    sa.Column("priority", sa.Integer, nullable=False),
-    sa.Column("state", sa.String(16), nullable=False, index=True),
-    sa.Column("submitted_at", sa.Double, nullable=False),
-    sa.Column("updated_at", sa.Double, nullable=False),
-    sa.Column("ray_job_id", sa.String(128)),
-    sa.Column("error", _json),
-    sa.Column("sizes", _json),
-    sa.Column("iteration", sa.Integer, nullable=False),
-)
-
-
-def _job_fk() -> sa.Column:
-    return sa.Column("job_id", sa.String(128), sa.ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
-
-
-events = sa.Table(
-    "events", _md, _job_fk(),
-    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=False),
-    sa.Column("time", sa.Double, nullable=False),
-    sa.Column("kind", sa.String(32), nullable=False),
-    sa.Column("state", sa.String(16), nullable=False),
-    sa.Column("message", sa.Text, nullable=False),
-    sa.Column("data", _json),
-)
-attempts = sa.Table(
-    "attempts", _md, _job_fk(),
-    sa.Column("number", sa.Integer, primary_key=True, autoincrement=False),
-    sa.Column("started_at", sa.Double, nullable=False),
-    sa.Column("ended_at", sa.Double),
-    sa.Column("reason", sa.Text),
-    sa.Column("from_checkpoint", sa.Text),
-)
-metrics = sa.Table(
-    "metrics", _md, _job_fk(),
-    sa.Column("iteration", sa.Integer, primary_key=True, autoincrement=False),
-    sa.Column("data", _json, nullable=False),
-)
-schema_version = sa.Table("schema_version", _md, sa.Column("version", sa.Integer, nullable=False))
 
 
 class UnknownJob(LookupError):
@@ -95,10 +47,6 @@ class UnknownJob(LookupError):
 
 class InvalidTransition(ValueError):
     """A state change the job's state forbids (a terminal state is final)."""
-
-
-class SchemaError(ValueError):
-    """The database's schema is not one this raytron can use; the message says what to do."""
 
 
 def sqlite_url(data_dir: str | Path) -> str:
@@ -129,11 +77,12 @@ class JobStore:
                                  "connection sees empty; use a file, e.g. sqlite:////tmp/raytron/raytron.db")
             Path(url.database).parent.mkdir(parents=True, exist_ok=True)
             self.engine = sa.create_engine(url, connect_args={"timeout": busy_timeout_s, "check_same_thread": False})
-            _sqlite_pragmas(self.engine, busy_timeout_s)
+            sqlite_pragmas(self.engine, busy_timeout_s)
         else:
             self.engine = sa.create_engine(url, pool_pre_ping=True)
         self._writer = self.engine.execution_options(raytron_write=True)
-        self._init_schema()
+        with self._write() as conn:
+            store_schema.init_schema(conn, self.url, self.dialect)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -320,49 +269,6 @@ class JobStore:
                                             message=event.get("message", ""), data=data))
         conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
         return seq
-
-    def _init_schema(self) -> None:
-        with self._write() as conn:
-            if self.dialect == "postgresql":  # two processes starting at once must not both create tables
-                conn.execute(sa.text("SELECT pg_advisory_xact_lock(7242019)"))
-            have = sa.inspect(conn).get_table_names()
-            if "schema_version" not in have:
-                if "jobs" in have:
-                    raise SchemaError(f"{self.url} has a jobs table but no schema_version: it is not a raytron "
-                                      "database; point --data-dir or --database-url at another one")
-                _md.create_all(conn)
-                conn.execute(schema_version.insert().values(version=SCHEMA_VERSION))
-                return
-            version = conn.execute(sa.select(schema_version.c.version)).scalar_one()
-            if version > SCHEMA_VERSION:
-                raise SchemaError(f"{self.url} has schema version {version}, newer than {SCHEMA_VERSION}, the newest "
-                                  f"this raytron knows: a newer raytron wrote it. Upgrade raytron (pip install -U "
-                                  f"raytron), or point --data-dir or --database-url at another database")
-            for step in range(version, SCHEMA_VERSION):
-                if step not in MIGRATIONS:
-                    raise SchemaError(f"{self.url} has schema version {version} and no migration leads from "
-                                      f"{step} to {step + 1}; start from a fresh data dir")
-                MIGRATIONS[step](conn)
-            conn.execute(schema_version.update().values(version=SCHEMA_VERSION))
-
-
-def _sqlite_pragmas(engine: sa.Engine, busy_timeout_s: float) -> None:
-    @sa.event.listens_for(engine, "connect")
-    def _connect(dbapi_conn, _record) -> None:
-        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (below): pysqlite's own is deferred
-        cur = dbapi_conn.cursor()
-        cur.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
-        cur.execute("PRAGMA journal_mode = WAL")
-        cur.execute("PRAGMA synchronous = FULL")  # a commit survives a power cut, not only a kill -9
-        cur.execute("PRAGMA foreign_keys = ON")
-        cur.close()
-
-    @sa.event.listens_for(engine, "begin")
-    def _begin(conn: Connection) -> None:
-        # A deferred transaction that reads, then writes, gets SQLITE_BUSY at once (no wait) when
-        # another process wrote in between; IMMEDIATE takes the write lock up front and waits.
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("raytron_write") else "BEGIN")
-
 
 def _check_states(states) -> list[str]:
     bad = [s for s in states if s not in STATES]

@@ -24,6 +24,7 @@ import pytest
 import sqlalchemy as sa
 
 import service.store as store_mod
+import service.store_schema as schema_mod
 from service.controller import JobEvent, JobState
 from service.store import InvalidTransition, JobStore, SchemaError, UnknownJob, sqlite_url
 
@@ -237,7 +238,7 @@ def test_record_attempt_and_metrics_upsert(store):
 def _set_version(url: str, version: int) -> None:
     engine = sa.create_engine(url)
     with engine.begin() as conn:
-        conn.execute(store_mod.schema_version.update().values(version=version))
+        conn.execute(schema_mod.schema_version.update().values(version=version))
     engine.dispose()
 
 
@@ -258,18 +259,18 @@ def test_an_older_schema_is_migrated_once(url, monkeypatch):
         calls.append(1)
         conn.execute(sa.text("ALTER TABLE jobs ADD COLUMN note VARCHAR(64)"))
 
-    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", 2)
-    monkeypatch.setattr(store_mod, "MIGRATIONS", {1: add_note})
+    monkeypatch.setattr(schema_mod, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(schema_mod, "MIGRATIONS", {1: add_note})
     s = JobStore(url)
     s.close()
     JobStore(url).close()
     engine = sa.create_engine(url)
     with engine.connect() as conn:
-        assert conn.execute(store_mod.schema_version.select()).scalar_one() == 2
+        assert conn.execute(schema_mod.schema_version.select()).scalar_one() == 2
         assert conn.execute(sa.text("SELECT name, note FROM jobs")).all() == [("old", None)]
     engine.dispose()
     assert calls == [1]
-    monkeypatch.setattr(store_mod, "SCHEMA_VERSION", 3)
+    monkeypatch.setattr(schema_mod, "SCHEMA_VERSION", 3)
     with pytest.raises(SchemaError, match="no migration leads from 2 to 3"):
         JobStore(url)
 
