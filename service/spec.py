@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from service.limits import check_memory, check_world_size
 from workers.config import JobConfig, ModelConfig, ParallelConfig, TrainingConfig
-from workers.dataset import data_form_problem, parse_split
+from workers.data_blend import parse_split
+from workers.dataset import data_form_problem
 from workers.grid import ParallelGrid
 from workers.lr_schedule import LRSchedule
 

@@ -54,9 +54,8 @@ def test_npy_and_bin_token_files(tmp_path):
 # --- Megatron indexed datasets, blends, splits, validation batches --------------------------
 
 from workers.config import stable_seed  # noqa: E402
-from workers.dataset import (  # noqa: E402
-    check_data, data_form_problem, eval_index, parse_blend, parse_split, split_bookends,
-)
+from workers.data_blend import parse_blend, parse_split, split_bookends  # noqa: E402
+from workers.dataset import check_data, data_form_problem, eval_index  # noqa: E402
 from workers.indexed_dataset import IndexedDatasetWriter  # noqa: E402
 
 
