@@ -124,6 +124,7 @@ class JobController:
         self.state = JobState.QUEUED
         self.metrics: list[dict] = []  # rank 0's metrics per iteration, over every attempt (the whole curve)
         self.iteration = 0  # the last finished iteration
+        self.attempts = 0  # attempts started by this controller
         self.placement: list[dict] = []
         self.restarts = 0
         self.error: JobError | None = None
@@ -183,6 +184,7 @@ class JobController:
 
     def _attempt(self) -> None:
         job = self._next_size()
+        self.attempts += 1
         grid = ParallelGrid.from_config(job.parallel, job.world_size)
         if grid.world_size != self.grid.world_size:
             self._emit(JobEvent.now("resize", self.state, f"dp {self.grid.dp} -> {grid.dp} ({self.current.num_nodes} "
@@ -240,6 +242,11 @@ class JobController:
             self._transition(JobState.CANCELLED, reason)
             return
         error = exc if isinstance(exc, JobError) else JobError(f"{type(exc).__name__}: {exc}")
+        if isinstance(error, InsufficientResources) and self._fewer_nodes_now():
+            # A node was lost while the attempt waited for its placement: size again, not a restart.
+            self._emit(JobEvent.now("failure", self.state, str(error), error.to_dict()))
+            self._transition(JobState.RESTARTING, f"fewer nodes than the attempt needs: {error}", {"resize": True})
+            return
         # A drill fires once: those at or before the iteration that failed are spent.
         reached = self.iteration + 1
         self.faults = [f for f in self.faults if f.iteration > reached]
@@ -316,7 +323,7 @@ class JobController:
         that stays away node_grace_s, what the scaling policy decides (never below min_nodes)."""
         elastic = (self.job.min_nodes or self.job.num_nodes) < self.job.num_nodes
         available = self._available()
-        if not elastic or available is None or (self.restarts == 0 and self.current is self.job):
+        if not elastic or available is None or self.attempts == 0:
             return self.job
         if available >= self.job.num_nodes:
             return self.job
@@ -331,6 +338,15 @@ class JobController:
         if decision.num_nodes is None:
             raise InsufficientResources(decision.reason)
         return resized(self.job, decision.num_nodes)
+
+    def _fewer_nodes_now(self) -> bool:
+        """An elastic job whose cluster now offers fewer nodes than this attempt wanted."""
+        if (self.job.min_nodes or self.job.num_nodes) >= self.job.num_nodes:
+            return False
+        available = self._available()
+        if available is None or available >= self.current.num_nodes:
+            return False
+        return self.scaling.decide(self.job, available).num_nodes is not None
 
     def _should_grow(self) -> bool:
         """A shrunk job grows back right after a checkpoint once more nodes are there."""

@@ -141,6 +141,8 @@ def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = No
             node_args = dict(num_cpus=cpus, num_gpus=gpus, object_store_memory=_OBJECT_STORE_BYTES)
             cluster = Cluster(initialize_head=True, head_node_args=dict(
                 node_args, include_dashboard=True, dashboard_host="127.0.0.1",
+                # A simulated node lost for good (its raylet killed) is reported dead in ~3 s, not ~30 s.
+                _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
                 # None, not Ray's default 8265: lets the dashboard move on when another cluster has it.
                 dashboard_port=None))
             for _ in range(nodes - 1):
@@ -210,10 +212,11 @@ def connected_cluster(address: str, *, connect_timeout_s: float = 10.0) -> Itera
         except ConnectionError as e:
             raise ClusterUnreachable(f"RAY_ADDRESS={address} accepts connections but no Ray cluster answered "
                                      f"({e}); fix RAY_ADDRESS or unset it to run on an embedded cluster") from None
+        notes = [line for line in captured() if line.strip()][:5]  # read before the capture file closes
     try:
         session = RaySession(address=address, dashboard_url=_http(ctx.dashboard_url or ""), owned=False,
                              static=False, num_nodes=_alive_nodes())
-        session.notes += [line for line in captured() if line.strip()][:5]
+        session.notes += notes
         yield session
     finally:
         ray.shutdown()

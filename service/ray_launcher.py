@@ -19,6 +19,8 @@ may have another size). One attempt:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from service.controller import ControllerConfig
 from service.errors import InsufficientResources, RankDied, RankRaised
 from service.gather import collect
@@ -179,7 +181,12 @@ class RayLauncher:
 
     def make_group(self, job: JobConfig, grid: ParallelGrid, attempt: int, *, job_id: str) -> RayRankGroup:
         plan = plan_placement(grid, job.gpus_per_node, job.num_nodes)
-        return RayRankGroup(job, grid, plan, job_id=job_id, config=self.config)
+        config = self.config
+        if attempt and job.min_nodes is not None:
+            # An elastic job after a failure: a node that does not come back within node_grace_s
+            # makes the controller shrink the job rather than wait out the placement timeout.
+            config = replace(config, placement_timeout_s=min(config.placement_timeout_s, max(10.0, job.node_grace_s)))
+        return RayRankGroup(job, grid, plan, job_id=job_id, config=config)
 
     def nodes_available(self, gpus_per_node: int) -> int:
         """Alive nodes with at least ``gpus_per_node`` GPUs (what the scaling policy may use)."""
