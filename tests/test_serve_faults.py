@@ -119,10 +119,10 @@ def failures(api, job_id: str) -> list[dict]:
 def test_kill_9_of_rank_3_mid_job_restarts_from_the_checkpoint(api):
     s = spec("kill9")
     job_id = submit(api, s)
-    expected = undisturbed(s)
     wait_iteration(api, job_id, 4)
     victim = rank_record(api, job_id, 3)
     os.kill(victim["pid"], signal.SIGKILL)
+    expected = undisturbed(s)
     job = wait_for(api, job_id, DONE, timeout_s=300)
     assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
     assert job["restarts"] >= 1
@@ -131,3 +131,62 @@ def test_kill_9_of_rank_3_mid_job_restarts_from_the_checkpoint(api):
     assert named and named[0].get("node_id") == victim["node_id"] and "died" in named[0]["message"], failures(api, job_id)
     attempts = job["attempts"]
     assert attempts[1]["from_checkpoint"] and "iter_" in attempts[1]["from_checkpoint"], attempts
+
+
+def test_sigstop_of_a_rank_is_caught_by_the_collective_timeout(api):
+    s = spec("sigstop", timeout=10)
+    job_id = submit(api, s)
+    wait_iteration(api, job_id, 3)
+    victim = rank_record(api, job_id, 1)
+    os.kill(victim["pid"], signal.SIGSTOP)
+    expected = undisturbed(s)
+    job = wait_for(api, job_id, DONE, timeout_s=300)
+    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+    assert job["restarts"] >= 1 and close(job["losses"], expected)
+    hung = [f for f in failures(api, job_id) if f.get("code") == "rank_hung"]
+    assert hung and hung[0]["rank"] == 1 and hung[0]["node_id"] == victim["node_id"], failures(api, job_id)
+
+
+def test_max_restarts_exhausted_fails_with_the_reason(api):
+    job_id = submit(api, spec("norestart", max_restarts=0))
+    wait_iteration(api, job_id, 2)
+    os.kill(rank_record(api, job_id, 2)["pid"], signal.SIGKILL)
+    job = wait_for(api, job_id, DONE, timeout_s=120)
+    assert job["state"] == "FAILED" and job["restarts"] == 0
+    assert job["error"]["code"] == "rank_died" and "rank 2" in job["error"]["message"], job["error"]
+
+
+def _raylet_of(node_id: str) -> tuple[int, bool]:
+    """The pid of the raylet of Ray node ``node_id`` on this machine, and whether it is the head's."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith("raylet") and f"--node_id={node_id}" in argv:
+            socket = next(a for a in argv if a.startswith("--raylet_socket_name="))
+            return int(pid), socket.endswith("/raylet")
+    raise AssertionError(f"no raylet of node {node_id}")
+
+
+def test_lost_node_shrinks_dp_with_the_same_global_batch_and_curve(api):
+    """Runs last: the cluster stays a node short."""
+    s = spec("shrink", nodes=4, gpus=1, tp=1, gbs=8, iters=30, min_nodes=1, grace=5.0)
+    job_id = submit(api, s)
+    wait_iteration(api, job_id, 3)
+    ranks = api.get(f"/jobs/{job_id}/placement").json()["ranks"]
+    for victim in sorted(ranks, key=lambda r: -r["rank"]):
+        raylet, head = _raylet_of(victim["node_id"])
+        if not head:
+            break
+    os.kill(raylet, signal.SIGKILL)
+    expected = undisturbed(s)
+    job = wait_for(api, job_id, DONE, timeout_s=400)
+    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+    assert job["sizes"]["dp"] == 2 and job["sizes"]["tp"] == 1  # 3 nodes left: dp 3 does not divide 8
+    assert job["spec"]["training"]["global_batch_size"] == 8
+    assert close(job["losses"], expected), (job["losses"], expected)
+    resize = [e for e in events(api, job_id) if e["kind"] == "resize"]
+    assert resize and resize[0]["data"]["old"]["sizes"]["dp"] == 4 and resize[0]["data"]["new"]["sizes"]["dp"] == 2
+    assert len(api.get(f"/jobs/{job_id}/placement").json()["ranks"]) == 2
+    assert any(f.get("node_id") == victim["node_id"] for f in failures(api, job_id)), failures(api, job_id)
