@@ -85,6 +85,8 @@ def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(tmp_path, u
     assert result["state"] == "SUCCEEDED" and result["restarts"] == 1
     assert close(result["losses"], undisturbed)
     assert starts(events)[1]["from_checkpoint"].endswith("iter_0000002")  # 4 was never committed
+    failure = next(e for e in events if e.kind == "failure")
+    assert failure.data["rank"] == 1 and failure.data["code"] == "rank_died", failure.data
     kept = sorted(n for n in os.listdir(tmp_path) if n.startswith("iter_"))
     assert kept == ["iter_0000006", "iter_0000008"]  # keep_last 2
 
