@@ -123,3 +123,28 @@ def test_no_valid_size_fails_with_the_reason():
     result = JobController(job, ParallelGrid.from_config(job.parallel, 4), job_id="nf2", make_group=make,
                            nodes_available=lambda: nodes[0]).run()
     assert result["state"] == "FAILED" and "resources.min_nodes 3" in result["error"], result
+
+
+def test_the_store_records_resizes_and_attempts_from_the_controller_events(tmp_path):
+    """The runner's recorder turns a resize into the job's sizes column and STARTING's
+    from_checkpoint into the attempt row (what GET /api/v1/jobs/{id} shows)."""
+    from service.job_main import StoreRecorder
+    from service.store import JobStore, sqlite_url
+
+    store = JobStore(sqlite_url(tmp_path))
+    job = make_job()
+    store.create_job({"name": "el"}, job_id="el-1", sizes={"dp": 4})
+    nodes, reached = [4], [0]
+
+    def make(attempt, attempt_job, grid):
+        return ResumingGroup(grid.world_size, reached, fail_at=4 if attempt == 0 else None,
+                             on_fail=lambda: nodes.__setitem__(0, 3))
+
+    result = JobController(job, ParallelGrid.from_config(job.parallel, 4), job_id="el-1", make_group=make,
+                           on_event=StoreRecorder(store, "el-1"), nodes_available=lambda: nodes[0]).run()
+    assert result["state"] == "SUCCEEDED"
+    row = store.get_job("el-1")
+    assert row["sizes"]["dp"] == 2 and row["sizes"] == result["sizes"]
+    attempts = store.attempts("el-1")
+    assert [a["from_checkpoint"] for a in attempts] == [None, None] and len(attempts) == 2
+    store.close()
