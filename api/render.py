@@ -60,7 +60,14 @@ class RunView:
             self.close()
             print(f"raytron: {event.message}", file=self.out)
         elif event.kind == "state" and event.state is JobState.RESTARTING:
-            print(f"raytron: {event.message.split(' after: ')[0]}: a new attempt from iteration 0", file=self.out)
+            print(f"raytron: {event.message.split(' after: ')[0]}", file=self.out)
+        elif event.kind == "state" and event.state is JobState.STARTING and "from_checkpoint" in event.data:
+            where = event.data["from_checkpoint"] or "iteration 0 (no checkpoint yet)"
+            if event.data["from_checkpoint"] or "(attempt" in event.message:
+                print(f"raytron: a new attempt from {where}", file=self.out)
+        elif event.kind == "resize" or (event.kind == "state" and event.state is JobState.QUEUED
+                                        and "checkpoints" in event.message and not self.quiet):
+            print(f"raytron: {event.message}", file=self.out)
         if event.kind == "state" and event.state.is_terminal:
             self.close()
 

@@ -14,21 +14,29 @@ the groups; tests step the controller against a fake one.
 
 A rank failure arrives as a :class:`~service.errors.RankError` naming the rank, its node, pid
 and coordinates; the :class:`~service.policy.FailurePolicy` (by default
-``fault_tolerance.max_restarts``) decides between failing and a new attempt. Until checkpoints
-exist a new attempt starts again from iteration 0, which gives the same loss curve.
+``fault_tolerance.max_restarts``) decides between failing and a new attempt.
+
+Each attempt starts from the latest complete checkpoint under ``checkpoint.dir`` (else
+``checkpoint.load``, else the seed): the controller names it in the attempt's STARTING event
+(``data["from_checkpoint"]``), its ranks load it, and the controller keeps the metrics of the
+iterations up to it, so ``losses`` stays the whole curve. Before an attempt the
+:class:`~service.policy.ScalingPolicy` sizes it from the nodes the cluster offers
+(``nodes_available``): a lost node that does not come back within ``node_grace_s`` shrinks dp
+(a "resize" event), and a shrunk job grows back at its next checkpoint once nodes return.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
-from service.errors import JobCancelled, JobError, NonFiniteMetric
+from service.errors import InsufficientResources, JobCancelled, JobError, NonFiniteMetric
 from service.events import JobEvent, JobState
 from service.placement import check_tp_in_node
-from service.policy import Decision, FailurePolicy, RestartUpTo
+from service.policy import Decision, ElasticDataParallel, FailurePolicy, RestartUpTo, ScalingPolicy, resized
 from service.result import result_object
 from workers.config import JobConfig
 from workers.faults import Fault
@@ -81,21 +89,29 @@ class JobController:
         job: the job.
         grid: its rank grid.
         job_id: unique id (names the actors, tags the metrics).
-        make_group: ``make_group(attempt) -> RankGroup``, called once per attempt (so a later
-            attempt may get a group of another size).
+        make_group: ``make_group(attempt, job, grid) -> RankGroup``, called once per attempt
+            with that attempt's job (its size, the checkpoint to resume from) and grid.
         on_event: called with every :class:`JobEvent`, synchronously, before it takes effect.
         failure_policy: default :class:`RestartUpTo` ``(job.max_restarts)``.
         iterations_per_call: iterations per ``RankGroup.run`` call.
         faults: failure drills; each fires once, in the first attempt that reaches its iteration.
         history: events of this job recorded earlier (a rebuilt controller replays them instead
             of starting over at QUEUED).
+        nodes_available: how many nodes of ``gpus_per_node`` the cluster offers now (None:
+            unknown, the launcher waits for its placement as usual).
+        scaling_policy: default :class:`ElasticDataParallel`.
     """
 
-    def __init__(self, job: JobConfig, grid: ParallelGrid, *, job_id: str, make_group: Callable[[int], RankGroup],
+    def __init__(self, job: JobConfig, grid: ParallelGrid, *, job_id: str,
+                 make_group: Callable[[int, JobConfig, ParallelGrid], RankGroup],
                  on_event: Callable[[JobEvent], None] | None = None, failure_policy: FailurePolicy | None = None,
                  iterations_per_call: int = 1, faults: list[Fault] | tuple = (),
-                 history: list[JobEvent] | None = None):
+                 history: list[JobEvent] | None = None, nodes_available: Callable[[], int | None] | None = None,
+                 scaling_policy: ScalingPolicy | None = None):
         self.job, self.grid, self.job_id = job, grid, job_id
+        self.current = job  # this attempt's job: its size may differ after a resize
+        self._nodes_available = nodes_available
+        self.scaling = scaling_policy or ElasticDataParallel()
         self._make_group, self._on_event = make_group, on_event
         self.policy = failure_policy or RestartUpTo(job.max_restarts)
         self.iterations_per_call = max(1, iterations_per_call)
@@ -106,7 +122,9 @@ class JobController:
         self.faults = list(faults)
         self.events: list[JobEvent] = []
         self.state = JobState.QUEUED
-        self.metrics: list[dict] = []  # rank 0's metrics per iteration of the current attempt
+        self.metrics: list[dict] = []  # rank 0's metrics per iteration, over every attempt (the whole curve)
+        self.iteration = 0  # the last finished iteration
+        self.attempts = 0  # attempts started by this controller
         self.placement: list[dict] = []
         self.restarts = 0
         self.error: JobError | None = None
@@ -119,8 +137,10 @@ class JobController:
         if history:
             self._replay(history)
         else:
+            saves = f"; checkpoints every {job.checkpoint.save_interval} iterations in {job.checkpoint.dir}" \
+                if job.checkpoint.save_interval and job.checkpoint.dir else ""
             self._emit(JobEvent.now("state", JobState.QUEUED, f"job {job_id}: {grid.world_size} ranks on "
-                                    f"{job.num_nodes} node(s) x {job.gpus_per_node} GPU(s)"))
+                                    f"{job.num_nodes} node(s) x {job.gpus_per_node} GPU(s){saves}"))
 
     @property
     def losses(self) -> list[float]:
@@ -163,13 +183,27 @@ class JobController:
             group.kill()
 
     def _attempt(self) -> None:
-        self.metrics = []  # no checkpoint yet: every attempt starts from iteration 0
+        job = self._next_size()
+        self.attempts += 1
+        grid = ParallelGrid.from_config(job.parallel, job.world_size)
+        if grid.world_size != self.grid.world_size:
+            self._emit(JobEvent.now("resize", self.state, f"dp {self.grid.dp} -> {grid.dp} ({self.current.num_nodes} "
+                                    f"-> {job.num_nodes} node(s)); global batch {job.training.global_batch_size} kept",
+                                    {"old": {"num_nodes": self.current.num_nodes, "sizes": self.grid.sizes()},
+                                     "new": {"num_nodes": job.num_nodes, "sizes": grid.sizes()}}))
+        self.current, self.grid = job, grid
+        source = self._resume_source()
+        job = replace(job, checkpoint=replace(job.checkpoint, resume_from=source))
         attempt = f" (attempt {self.restarts + 1})" if self.restarts else ""
-        self._transition(JobState.STARTING, "placing ranks" + attempt)
-        self._group = self._make_group(self.restarts)
+        self._transition(JobState.STARTING, "placing ranks" + attempt + (f" from {source}" if source else ""),
+                         {"from_checkpoint": source, "num_nodes": job.num_nodes, "sizes": grid.sizes()})
+        self._group = self._make_group(self.restarts, job, grid)
         if self._cancel.is_set():
             raise JobCancelled(self._cancel_reason)
-        self.placement = self._group.start(list(self.faults))
+        self.placement = self._group.start([f for f in self.faults if f.rank < grid.world_size])
+        start = int(self.placement[0].get("resumed_iteration") or 0) if self.placement else 0
+        del self.metrics[start:]  # iterations after the checkpoint are run again
+        self.iteration = start
         split = check_tp_in_node(self.grid, {p["rank"]: p["node_id"] for p in self.placement})
         if split:  # the plan keeps them together; this guards the plan -> node mapping end to end
             raise JobError(f"tensor-parallel groups {split} span several nodes")
@@ -177,14 +211,20 @@ class JobController:
                                 {"placement": self.placement}))
         self._transition(JobState.RUNNING, "training")
         total = self.job.training.train_iters
-        while len(self.metrics) < total:
+        while self.iteration < total:
             if self._cancel.is_set():
                 raise JobCancelled(self._cancel_reason)
-            per_rank = self._group.run(min(self.iterations_per_call, total - len(self.metrics)))
+            per_rank = self._group.run(min(self.iterations_per_call, total - self.iteration))
             for metrics in per_rank[0]:  # global metrics: every rank returns the same numbers
-                self._check_finite(len(self.metrics) + 1, metrics)
+                self.iteration += 1
+                self._check_finite(self.iteration, metrics)
                 self.metrics.append(metrics)
                 self._emit(JobEvent.now("iteration", self.state, "", metrics))
+            if self.iteration < total and self._should_grow():
+                self._shutdown_group()
+                self._transition(JobState.RESTARTING, f"nodes returned: growing back to {self.job.num_nodes} "
+                                 f"node(s) from the checkpoint of iteration {self.iteration}", {"resize": True})
+                return
         self._shutdown_group()
         self._transition(JobState.SUCCEEDED, f"{len(self.metrics)} iterations")
 
@@ -202,8 +242,13 @@ class JobController:
             self._transition(JobState.CANCELLED, reason)
             return
         error = exc if isinstance(exc, JobError) else JobError(f"{type(exc).__name__}: {exc}")
+        if isinstance(error, InsufficientResources) and self._fewer_nodes_now():
+            # A node was lost while the attempt waited for its placement: size again, not a restart.
+            self._emit(JobEvent.now("failure", self.state, str(error), error.to_dict()))
+            self._transition(JobState.RESTARTING, f"fewer nodes than the attempt needs: {error}", {"resize": True})
+            return
         # A drill fires once: those at or before the iteration that failed are spent.
-        reached = len(self.metrics) + 1
+        reached = self.iteration + 1
         self.faults = [f for f in self.faults if f.iteration > reached]
         self._emit(JobEvent.now("failure", self.state, str(error), error.to_dict()))
         if self.policy.decide(error, self.restarts) is Decision.RESTART:
@@ -218,10 +263,10 @@ class JobController:
         if group is not None:
             group.shutdown()
 
-    def _transition(self, state: JobState, message: str = "") -> None:
+    def _transition(self, state: JobState, message: str = "", data: dict | None = None) -> None:
         if self.state.is_terminal:
             raise RuntimeError(f"job {self.job_id} is {self.state.value}; cannot go to {state.value}")
-        self._emit(JobEvent.now("state", state, message, {"from": self.state.value}))
+        self._emit(JobEvent.now("state", state, message, {"from": self.state.value, **(data or {})}))
         self.state = state
 
     def _emit(self, event: JobEvent) -> None:
@@ -233,18 +278,20 @@ class JobController:
         """Take the state, metrics, placement and restarts the recorded events end with.
 
         A job that was STARTING or RUNNING when its events stopped has lost its ranks; its
-        next :meth:`run` starts a new attempt (from iteration 0 until checkpoints exist).
+        next :meth:`run` starts a new attempt from its latest checkpoint.
         """
         for event in history:
             self.events.append(event)
             if event.kind == "state":
                 self.state = event.state
-                if event.state is JobState.RESTARTING:
+                if event.state is JobState.RESTARTING and not event.data.get("resize"):
                     self.restarts += 1
-                if event.state is JobState.STARTING:
-                    self.metrics = []
             elif event.kind == "iteration":
+                it = event.data.get("iteration")
+                if isinstance(it, int) and 1 <= it <= len(self.metrics):
+                    del self.metrics[it - 1:]  # a later attempt ran it again from a checkpoint
                 self.metrics.append(event.data)
+                self.iteration = len(self.metrics)
             elif event.kind == "placement":
                 self.placement = event.data.get("placement", [])
             elif event.kind == "failure" and self.state.is_terminal:
@@ -255,3 +302,56 @@ class JobController:
         if self.state in (JobState.STARTING, JobState.RUNNING):
             self.restarts += 1  # a new attempt, counted like any other (replaying this event counts it too)
             self._transition(JobState.RESTARTING, "the controller was restarted; the ranks are gone")
+
+    # -- checkpoints and sizes ------------------------------------------------------------
+    def _resume_source(self) -> str | None:
+        """The latest complete checkpoint under ``checkpoint.dir``, else ``checkpoint.load``, else None."""
+        from workers.checkpoint_storage import Storage, latest_checkpoint
+
+        ckpt = self.job.checkpoint
+        if ckpt.dir:
+            latest = latest_checkpoint(Storage.from_uri(ckpt.dir))
+            if latest is not None:
+                return latest.storage.root
+        return ckpt.load
+
+    def _available(self) -> int | None:
+        return None if self._nodes_available is None else self._nodes_available()
+
+    def _next_size(self) -> JobConfig:
+        """The job the next attempt runs: full size when the nodes are there; after a lost node
+        that stays away node_grace_s, what the scaling policy decides (never below min_nodes)."""
+        elastic = (self.job.min_nodes or self.job.num_nodes) < self.job.num_nodes
+        available = self._available()
+        if not elastic or available is None or self.attempts == 0:
+            return self.job
+        if available >= self.job.num_nodes:
+            return self.job
+        deadline = time.monotonic() + self.job.node_grace_s
+        while available < self.current.num_nodes and time.monotonic() < deadline:
+            if self._cancel.wait(0.5):
+                raise JobCancelled(self._cancel_reason)
+            available = self._available() or 0
+        if available >= self.job.num_nodes:
+            return self.job
+        decision = self.scaling.decide(self.job, available)
+        if decision.num_nodes is None:
+            raise InsufficientResources(decision.reason)
+        return resized(self.job, decision.num_nodes)
+
+    def _fewer_nodes_now(self) -> bool:
+        """An elastic job whose cluster now offers fewer nodes than this attempt wanted."""
+        if (self.job.min_nodes or self.job.num_nodes) >= self.job.num_nodes:
+            return False
+        available = self._available()
+        if available is None or available >= self.current.num_nodes:
+            return False
+        return self.scaling.decide(self.job, available).num_nodes is not None
+
+    def _should_grow(self) -> bool:
+        """A shrunk job grows back right after a checkpoint once more nodes are there."""
+        interval = self.job.checkpoint.save_interval
+        if self.current.num_nodes >= self.job.num_nodes or not interval or self.iteration % interval:
+            return False
+        available = self._available() or 0
+        return self.scaling.decide(self.job, available).num_nodes not in (None, self.current.num_nodes)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -49,6 +50,8 @@ class StoreRecorder:
         if d["kind"] == "state" and d["state"] == JobState.QUEUED.value:
             return
         seq = self.store.append_event(self.job_id, d)
+        if d["kind"] == "resize":  # the job's sizes column shows the size it runs at now
+            self.store.update_job(self.job_id, sizes=d["data"]["new"]["sizes"])
         if d["kind"] == "iteration":
             m = d["data"]
             log.info("iteration %s loss %.6f tokens/s %.0f", m.get("iteration"), m.get("loss", float("nan")),
@@ -76,7 +79,7 @@ def _launcher(ranks: str, job: JobConfig):
 
 
 def run_training(job_id: str, job: JobConfig, on_event: Callable[[JobEvent], None], *, ranks: str = "processes",
-                 cancel_requested: threading.Event | None = None) -> str:
+                 cancel_requested: threading.Event | None = None, checkpoint_root: str | None = None) -> str:
     """Run the job through the single orchestration path (:func:`service.jobs.start_job`), handing
     every event to ``on_event``; returns the final state. Setting ``cancel_requested`` (from any
     thread or a signal handler) cancels the job: it ends CANCELLED with every rank stopped."""
@@ -86,7 +89,8 @@ def run_training(job_id: str, job: JobConfig, on_event: Callable[[JobEvent], Non
             on_event(JobEvent.now("state", JobState.CANCELLED, "cancelled by request",
                                   {"from": JobState.QUEUED.value}))
             return JobState.CANCELLED.value
-        controller = start_job(job, launcher=launcher, on_event=on_event, job_id=job_id)
+        controller = start_job(job, launcher=launcher, on_event=on_event, job_id=job_id,
+                               checkpoint_root=checkpoint_root)
         while controller.wait(timeout=0.2) is None:
             if cancel_requested.is_set():
                 controller.cancel("cancelled by request")
@@ -126,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                                   {"error": {"code": "invalid_spec", "message": str(e)}}))
             return 1
         log.info("job %s: %d rank(s), sizes %s", args.job_id, grid.world_size, grid.sizes())
-        final = run_training(args.job_id, job, recorder, ranks=args.ranks, cancel_requested=cancel_requested)
+        final = run_training(args.job_id, job, recorder, ranks=args.ranks, cancel_requested=cancel_requested,
+                             checkpoint_root=os.path.join(args.data_dir, "checkpoints"))
         log.info("job %s %s", args.job_id, final)
         return 0 if final == JobState.SUCCEEDED.value else 1
     finally:

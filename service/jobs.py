@@ -7,7 +7,9 @@ failure policy. Nothing here prints; callers subscribe to the events (``on_event
 
 from __future__ import annotations
 
+import os
 import uuid
+from dataclasses import replace
 from typing import Callable, Protocol
 
 from service.controller import ControllerConfig, JobController, RankGroup
@@ -27,7 +29,11 @@ class Launcher(Protocol):
     config: ControllerConfig
 
     def make_group(self, job: JobConfig, grid: ParallelGrid, attempt: int, *, job_id: str) -> RankGroup:
-        """The group of attempt ``attempt`` (0-based); a later attempt may get another size."""
+        """The group of attempt ``attempt`` (0-based) for that attempt's job and grid (its size may
+        differ after a resize; ``job.checkpoint.resume_from`` is what its ranks load)."""
+
+    def nodes_available(self, gpus_per_node: int) -> int | None:
+        """Alive nodes with at least ``gpus_per_node`` GPUs (None: not knowable)."""
 
 
 def prepare(spec_path: str) -> tuple[JobConfig, ParallelGrid]:
@@ -51,7 +57,7 @@ def new_job_id(job: JobConfig) -> str:
 def start_job(job: JobConfig, *, launcher: Launcher, on_event: Callable[[JobEvent], None] | None = None,
               job_id: str | None = None, faults: list[Fault] | tuple = (),
               failure_policy: FailurePolicy | None = None, history: list[JobEvent] | None = None,
-              background: bool = True) -> JobController:
+              background: bool = True, checkpoint_root: str | None = None) -> JobController:
     """Build the job's controller over ``launcher`` and start it.
 
     Args:
@@ -64,14 +70,22 @@ def start_job(job: JobConfig, *, launcher: Launcher, on_event: Callable[[JobEven
         history: the job's recorded events, to rebuild its controller.
         background: run in a thread (then ``controller.wait()``); False: only build it
             (then ``controller.run()``).
+        checkpoint_root: where a job with ``checkpoint.save_interval`` and no ``checkpoint.dir``
+            saves (in ``ROOT/JOB_ID``); default ``./raytron-checkpoints``.
 
     Returns:
         The controller; ``cancel()`` stops the job from any thread.
     """
     grid = ParallelGrid.from_config(job.parallel, job.world_size)
     job_id = job_id or new_job_id(job)
+    if job.checkpoint.save_interval and not job.checkpoint.dir:
+        root = checkpoint_root or os.path.join(os.getcwd(), "raytron-checkpoints")
+        job = replace(job, checkpoint=replace(job.checkpoint, dir=os.path.join(root, job_id)))
+    nodes = getattr(launcher, "nodes_available", None)
     controller = JobController(
         job, grid, job_id=job_id, on_event=on_event, failure_policy=failure_policy, faults=faults,
         history=history, iterations_per_call=launcher.config.iterations_per_call,
-        make_group=lambda attempt: launcher.make_group(job, grid, attempt, job_id=job_id))
+        nodes_available=None if nodes is None else (lambda: nodes(job.gpus_per_node)),
+        make_group=lambda attempt, attempt_job, attempt_grid: launcher.make_group(
+            attempt_job, attempt_grid, attempt, job_id=job_id))
     return controller.start() if background else controller

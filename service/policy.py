@@ -1,10 +1,14 @@
-"""Failure policies (Ray Train v2 style): injected objects that turn a failure into a decision."""
+"""Failure and scaling policies (Ray Train v2 style): injected objects that turn a failure, or the
+nodes a cluster offers, into a decision."""
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, replace
 
 from service.errors import JobError, RankError
+from workers.config import JobConfig
+from workers.grid import ParallelGrid
 
 
 class Decision(enum.Enum):
@@ -35,3 +39,66 @@ class RestartUpTo(FailurePolicy):
 
     def decide(self, error: JobError, restarts: int) -> Decision:
         return Decision.RESTART if isinstance(error, RankError) and restarts < self.max_restarts else Decision.FAIL
+
+
+@dataclass(frozen=True)
+class ScalingDecision:
+    """What the next attempt runs on: ``num_nodes`` nodes (None: the job cannot run; ``reason`` says why)."""
+
+    num_nodes: int | None
+    sizes: dict | None = None
+    reason: str = ""
+
+
+class ScalingPolicy:
+    """Decides the size of the next attempt from the nodes the cluster offers."""
+
+    def decide(self, job: JobConfig, available_nodes: int) -> ScalingDecision:
+        raise NotImplementedError
+
+
+class ElasticDataParallel(ScalingPolicy):
+    """Megatron-style elastic data parallelism (Ray Train v2's scaling policy, as a pure function).
+
+    tp, pp, cp, ep (and etp, vpp, order) stay; the job runs on the most nodes it may have, at
+    most ``resources.num_nodes`` and at least ``resources.min_nodes``, such that the grid is
+    valid, dp divides the global batch into whole microbatches and the interleaved schedule's
+    rule holds. The trainer then runs ``global_batch / (micro_batch x dp)`` microbatches, so
+    the global batch and the loss curve do not change.
+    """
+
+    def decide(self, job: JobConfig, available_nodes: int) -> ScalingDecision:
+        floor = job.min_nodes or job.num_nodes
+        problems = []
+        for n in range(min(job.num_nodes, available_nodes), floor - 1, -1):
+            try:
+                grid = ParallelGrid.from_config(job.parallel, n * job.gpus_per_node)
+            except ValueError as e:
+                problems.append(f"{n} node(s): {e}")
+                continue
+            problem = batch_problem(job, grid)
+            if problem:
+                problems.append(f"{n} node(s): {problem}")
+                continue
+            return ScalingDecision(n, grid.sizes())
+        why = f"; ".join(problems[-2:]) if problems else "no node count in range"
+        return ScalingDecision(None, None, f"{available_nodes} node(s) of {job.gpus_per_node} GPU(s) available, "
+                                           f"resources.min_nodes {floor}: no valid size ({why})")
+
+
+def batch_problem(job: JobConfig, grid: ParallelGrid) -> str:
+    """The global-batch rules of the spec (service/spec.py) for one grid, or ""."""
+    t = job.training
+    per_step = t.micro_batch_size * grid.dp
+    if t.global_batch_size % per_step:
+        return (f"global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
+                f"{t.micro_batch_size} x dp {grid.dp}")
+    vpp = job.parallel.virtual_pipeline_model_parallel_size
+    if vpp and (t.global_batch_size // per_step) % grid.pp:
+        return f"{t.global_batch_size // per_step} microbatches are not a multiple of pp {grid.pp} (interleaved)"
+    return ""
+
+
+def resized(job: JobConfig, num_nodes: int) -> JobConfig:
+    """``job`` on ``num_nodes`` nodes (world size follows; everything else stays)."""
+    return replace(job, num_nodes=num_nodes, world_size=num_nodes * job.gpus_per_node)

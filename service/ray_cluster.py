@@ -144,6 +144,8 @@ def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = No
             # agent lost that race cannot accept Ray Jobs ("No available agent to submit job").
             cluster = Cluster(initialize_head=True, head_node_args=dict(
                 node_args, include_dashboard=True, dashboard_host="127.0.0.1",
+                # A simulated node lost for good (its raylet killed) is reported dead in ~3 s, not ~30 s.
+                _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
                 # None, not Ray's default 8265: lets the dashboard move on when another cluster has it.
                 dashboard_port=None, dashboard_agent_listen_port=_free_port()))
             for _ in range(nodes - 1):  # nodes boot in parallel; waited for below

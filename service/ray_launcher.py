@@ -19,6 +19,8 @@ may have another size). One attempt:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from service.controller import ControllerConfig
 from service.errors import InsufficientResources, RankDied, RankRaised
 from service.gather import collect
@@ -135,7 +137,9 @@ class RayRankGroup:
         try:
             return ray.get(ref)
         except RayActorError as exc:
-            return RankDied(rank, self._where(rank), _summary(exc) or "actor died")
+            where = self._where(rank)
+            lost = " (its node is lost: Ray reports it dead)" if where.get("node_id") in _dead_nodes() else ""
+            return RankDied(rank, where, (_summary(exc) or "actor died") + lost)
         except RayTaskError as exc:
             cause = getattr(exc, "cause", None) or exc
             return RankRaised(rank, self._where(rank), f"{type(cause).__name__}: {_summary(cause)}", str(exc))
@@ -177,7 +181,25 @@ class RayLauncher:
 
     def make_group(self, job: JobConfig, grid: ParallelGrid, attempt: int, *, job_id: str) -> RayRankGroup:
         plan = plan_placement(grid, job.gpus_per_node, job.num_nodes)
-        return RayRankGroup(job, grid, plan, job_id=job_id, config=self.config)
+        config = self.config
+        if attempt and job.min_nodes is not None:
+            # An elastic job after a failure: a node that does not come back within node_grace_s
+            # makes the controller shrink the job rather than wait out the placement timeout.
+            config = replace(config, placement_timeout_s=min(config.placement_timeout_s, max(10.0, job.node_grace_s)))
+        return RayRankGroup(job, grid, plan, job_id=job_id, config=config)
+
+    def nodes_available(self, gpus_per_node: int) -> int:
+        """Alive nodes with at least ``gpus_per_node`` GPUs (what the scaling policy may use)."""
+        return sum(1 for r in _node_totals() if r.get("GPU", 0) >= gpus_per_node)
+
+
+def _dead_nodes() -> set[str]:
+    import ray
+
+    try:
+        return {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+    except Exception:  # noqa: BLE001 - only an annotation
+        return set()
 
 
 def _node_totals() -> list[dict]:

@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from service.limits import check_memory, check_world_size
-from workers.config import JobConfig, ModelConfig, ParallelConfig, TrainingConfig
+from workers.config import CheckpointConfig, JobConfig, ModelConfig, ParallelConfig, TrainingConfig
 from workers.data_blend import parse_split
 from workers.dataset import data_form_problem
 from workers.grid import ParallelGrid
@@ -26,12 +26,8 @@ from workers.lr_schedule import LRSchedule
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-NOT_BUILT = {
-    "checkpoint": ("save_interval", "dir", "keep_last", "async_save", "load"),
-    "resources": ("min_nodes",),
-    "fault_tolerance": ("node_grace_s",),
-}
-"""Contract-1 fields whose feature is not built yet (checkpoints, elastic resizing): refused."""
+NOT_BUILT: dict[str, tuple[str, ...]] = {}
+"""Contract-1 fields whose feature is not built yet: refused (none today)."""
 
 
 class ModelSpec(BaseModel):
@@ -128,15 +124,24 @@ def training_problems(t: TrainingSpec) -> list[str]:
 
 
 class CheckpointSpec(BaseModel):
-    """Checkpoints are not built yet: every field of the section is refused (see NOT_BUILT)."""
+    """Sharded, layout-independent checkpoints; a restarted or resized attempt loads the latest."""
 
     model_config = _STRICT
+    save_interval: int | None = Field(None, ge=1, description="save every this many iterations; null = never")
+    dir: str | None = Field(None, min_length=1, description="default: under the service's data dir (raytron run: "
+                            "./raytron-checkpoints/JOB_ID); a shared path or an s3:// gs:// file:// URI")
+    keep_last: int = Field(2, ge=1, description="complete checkpoints kept (older ones are pruned)")
+    async_save: bool = Field(False, description="overlap the write with training")
+    load: str | None = Field(None, min_length=1, description="start from a raytron checkpoint (dir or root) or "
+                             "hf:DIR when checkpoint.dir holds none")
 
 
 class ResourcesSpec(BaseModel):
     model_config = _STRICT
     num_nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(1, ge=1, description="world_size = num_nodes * gpus_per_node")
+    min_nodes: int | None = Field(None, ge=1, description="elastic floor: dp may shrink down to what min_nodes "
+                                  "hold; default num_nodes (no shrinking)")
 
 
 class FaultToleranceSpec(BaseModel):
@@ -144,6 +149,8 @@ class FaultToleranceSpec(BaseModel):
     max_restarts: int = Field(3, ge=0, description="new attempts after rank failures before the job fails")
     collective_timeout_s: float = Field(300.0, ge=5, description="a peer silent this long inside a collective "
                                         "is a failure")
+    node_grace_s: float = Field(60.0, ge=0, description="how long a lost node may take to come back before the "
+                                "job shrinks (with resources.min_nodes below num_nodes)")
 
 
 class JobSpec(BaseModel):
@@ -255,6 +262,9 @@ def spec_problems(spec: JobSpec) -> list[str]:
                        f"({t.global_batch_size // per_step}) to be a multiple of pipeline_model_parallel_size {pp}")
     out.extend(recompute_problems(m, pp))
     out.extend(training_problems(t))
+    if res.min_nodes is not None and res.min_nodes > res.num_nodes:
+        out.append(f"resources.min_nodes {res.min_nodes} > resources.num_nodes {res.num_nodes}: the elastic floor "
+                   f"cannot be above the job's size; lower min_nodes")
     if not out:
         try:
             check_memory(to_job_config(spec))
@@ -371,7 +381,12 @@ def to_job_config(spec: JobSpec) -> JobConfig:
         eval_interval=t.eval_interval, eval_iters=t.eval_iters, clip_grad=t.clip_grad, bf16=t.bf16, fp16=t.fp16,
         initial_loss_scale=t.initial_loss_scale, tensorboard_dir=t.tensorboard_dir,
     )
+    c = spec.checkpoint
+    checkpoint = CheckpointConfig(save_interval=c.save_interval, dir=c.dir, keep_last=c.keep_last,
+                                  async_save=c.async_save, load=c.load)
     return JobConfig(
+        checkpoint=checkpoint, min_nodes=spec.resources.min_nodes,
+        node_grace_s=spec.fault_tolerance.node_grace_s,
         name=spec.name, model=model, parallel=parallel, training=training, world_size=spec.world_size,
         num_nodes=spec.resources.num_nodes, gpus_per_node=spec.resources.gpus_per_node,
         max_restarts=spec.fault_tolerance.max_restarts,

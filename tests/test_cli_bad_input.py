@@ -65,8 +65,8 @@ def test_data_path_that_is_a_directory(tmp_path):
     ("parallel: {tensor_model_parallel_size: true}\n", ["parallel.tensor_model_parallel_size", "got True"]),
     ("resources: {num_nodes: 1000000000}\n", ["world_size", "at most 65536"]),
     ("model: {hidden_size: 1048576}\n", ["GiB per rank", "hidden_size"]),
-    ("checkpoint: {save_interval: 5}\n", ["checkpoint.save_interval", "not built yet"]),
-    ("resources: {min_nodes: 1}\n", ["resources.min_nodes", "not built yet"]),
+    ("checkpoint: {save_interval: 0}\n", ["checkpoint.save_interval", "greater than or equal to 1"]),
+    ("resources: {min_nodes: 9}\n", ["resources.min_nodes 9 >"]),
 ])
 def test_spec_values(tmp_path, text, needles):
     line = run_refused(spec_file(tmp_path, text=text))

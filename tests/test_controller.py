@@ -62,7 +62,7 @@ def test_states_and_events():
     job, grid = make_job()
     groups, events = [], []
     ctrl = JobController(job, grid, job_id="j1", on_event=events.append,
-                         make_group=lambda attempt: groups.append(FakeGroup(4)) or groups[-1])
+                         make_group=lambda attempt, *_: groups.append(FakeGroup(4)) or groups[-1])
     result = ctrl.run()
     assert result["state"] == "SUCCEEDED" and result["losses"] == [1.0, 0.5, 1.0 / 3]
     assert states(events) == [JobState.QUEUED, JobState.STARTING, JobState.RUNNING, JobState.SUCCEEDED]
@@ -80,7 +80,7 @@ def test_max_restarts_drives_the_default_policy():
         job, grid = make_job(max_restarts=max_restarts)
         groups = []
 
-        def make(attempt):
+        def make(attempt, *_):
             groups.append(FakeGroup(4, fail_on_call=2 if attempt == 0 else None))
             return groups[-1]
 
@@ -97,7 +97,7 @@ def test_max_restarts_drives_the_default_policy():
 def test_cancel():
     job, grid = make_job(iters=5)
     group = FakeGroup(4)
-    ctrl = JobController(job, grid, job_id="j4", make_group=lambda a: group,
+    ctrl = JobController(job, grid, job_id="j4", make_group=lambda a, *_: group,
                          on_event=lambda e: e.kind == "iteration" and ctrl.cancel("user asked"))
     result = ctrl.run()
     assert result["state"] == "CANCELLED" and result["iterations"] == 1 and group.shut
@@ -107,7 +107,7 @@ def test_cancel():
 def test_non_finite_loss_fails_at_that_iteration_and_is_not_restarted():
     job, grid = make_job(iters=4, max_restarts=3)
     groups = []
-    ctrl = JobController(job, grid, job_id="nan", make_group=lambda a: groups.append(
+    ctrl = JobController(job, grid, job_id="nan", make_group=lambda a, *_: groups.append(
         FakeGroup(4, loss=lambda call: math.nan if call == 3 else 2.0)) or groups[-1])
     result = ctrl.run()
     assert result["state"] == "FAILED" and result["restarts"] == 0 and len(groups) == 1
@@ -122,7 +122,7 @@ def test_non_finite_grad_norm_fails_the_job_too():
     run = group.run
     group.run = lambda n: [[{**m, "grad_norm": math.inf if m["iteration"] == 2 else 0.5} for m in ms]
                            for ms in run(n)]
-    ctrl = JobController(job, grid, job_id="gn", make_group=lambda a: group)
+    ctrl = JobController(job, grid, job_id="gn", make_group=lambda a, *_: group)
     result = ctrl.run()
     assert result["state"] == "FAILED" and "iteration 2: grad norm is inf" in result["error"]
     assert result["grad_norm"] == [0.5] and result["restarts"] == 0
@@ -132,7 +132,7 @@ def test_a_fault_fires_once_and_later_ones_carry_over():
     job, grid = make_job(iters=5)
     groups = []
 
-    def make(attempt):
+    def make(attempt, *_):
         groups.append(FakeGroup(4, fail_on_call=2 if attempt == 0 else None))
         return groups[-1]
 
@@ -146,11 +146,11 @@ def test_a_fault_fires_once_and_later_ones_carry_over():
 def test_controller_rebuilt_from_its_events_does_not_queue_twice():
     job, grid = make_job(iters=3)
     recorded = []
-    JobController(job, grid, job_id="r", make_group=lambda a: FakeGroup(4), on_event=recorded.append)
+    JobController(job, grid, job_id="r", make_group=lambda a, *_: FakeGroup(4), on_event=recorded.append)
     stored = [e.to_dict() for e in recorded]  # what a job store keeps: QUEUED only, never ran
     replayed = [JobEvent.from_dict(d) for d in json.loads(json.dumps(stored))]
     emitted = []
-    ctrl = JobController(job, grid, job_id="r", make_group=lambda a: FakeGroup(4), on_event=emitted.append,
+    ctrl = JobController(job, grid, job_id="r", make_group=lambda a, *_: FakeGroup(4), on_event=emitted.append,
                          history=replayed)
     assert emitted == [] and ctrl.state is JobState.QUEUED
     result = ctrl.run()
@@ -161,17 +161,17 @@ def test_controller_rebuilt_from_its_events_does_not_queue_twice():
 def test_controller_rebuilt_mid_run_starts_a_new_attempt():
     job, grid = make_job(iters=4)
     recorded = []
-    ctrl = JobController(job, grid, job_id="m", make_group=lambda a: FakeGroup(4), on_event=recorded.append)
+    ctrl = JobController(job, grid, job_id="m", make_group=lambda a, *_: FakeGroup(4), on_event=recorded.append)
     ctrl.run()
     cut = [i for i, e in enumerate(recorded) if e.kind == "iteration"][1] + 1  # the service died after 2 iterations
     emitted = []
-    rebuilt = JobController(job, grid, job_id="m", make_group=lambda a: FakeGroup(4), on_event=emitted.append,
+    rebuilt = JobController(job, grid, job_id="m", make_group=lambda a, *_: FakeGroup(4), on_event=emitted.append,
                             history=recorded[:cut])
     assert rebuilt.losses == [1.0, 0.5] and rebuilt.state is JobState.RESTARTING
     result = rebuilt.run()
     assert result["state"] == "SUCCEEDED" and result["iterations"] == 4 and result["restarts"] == 1
     assert states(emitted)[0] is JobState.RESTARTING and JobState.QUEUED not in states(emitted)
-    done = JobController(job, grid, job_id="m", make_group=lambda a: FakeGroup(4), history=rebuilt.events)
+    done = JobController(job, grid, job_id="m", make_group=lambda a, *_: FakeGroup(4), history=rebuilt.events)
     assert done.run()["state"] == "SUCCEEDED"  # a terminal job replays to its result, starts nothing
 
 

@@ -106,6 +106,22 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """The spec's ``checkpoint`` section, plus what the controller picks per attempt."""
+
+    save_interval: int | None = None
+    """Save every save_interval iterations (all ranks at the same iteration); None = never."""
+    dir: str | None = None
+    """Where this job's checkpoints live (a path or a pyarrow URI); the caller fills the default."""
+    keep_last: int = 2
+    async_save: bool = False
+    load: str | None = None
+    """A raytron checkpoint (dir or root) or ``hf:DIR`` to start from when ``dir`` holds none."""
+    resume_from: str | None = None
+    """Set by the controller for one attempt: the checkpoint its ranks load (None: from the seed)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobConfig:
     name: str
     model: ModelConfig
@@ -118,6 +134,11 @@ class JobConfig:
     """New attempts after rank failures before the job fails (fault_tolerance.max_restarts)."""
     collective_timeout_s: float = 300.0
     """A peer silent this long inside a collective is a failure (fault_tolerance.collective_timeout_s)."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    min_nodes: int | None = None
+    """Elastic floor (resources.min_nodes): dp may shrink down to what min_nodes hold; None = num_nodes."""
+    node_grace_s: float = 60.0
+    """How long a lost node may take to come back before the job shrinks (fault_tolerance.node_grace_s)."""
 
 
 def stable_seed(seed: int, name: str) -> int:

@@ -5,7 +5,9 @@ A :class:`Fault` fires just before iteration ``iteration`` (1-based) on rank ``r
 * ``raise``: the rank raises :class:`InjectedFault` (a bug in user code, a bad batch);
 * ``exit``: the process dies at once with no cleanup (a segfault, the OOM killer);
 * ``hang``: the rank stops answering inside its next collective, so that only the collective
-  timeout of its peers (and the controller's progress watch) can catch it.
+  timeout of its peers (and the controller's progress watch) can catch it;
+* ``save``: the process dies in the middle of writing the checkpoint saved after iteration
+  ``iteration`` (its data file written, its record not), so that checkpoint is never committed.
 
 The hang patches this process's ``torch.distributed`` entry points: the next collective or
 point-to-point call reports the group kind it was called on (through ``on_stall``) and then
@@ -19,7 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-KINDS = ("raise", "exit", "hang")
+KINDS = ("raise", "exit", "hang", "save")
 
 # torch.distributed calls that communicate; a hung rank blocks in the first one it reaches. (Not
 # isend/irecv: P2POp checks their identity; pipelines reach them through batch_isend_irecv.)
@@ -58,7 +60,7 @@ class Fault:
                 raise ValueError
             return cls(int(rank), int(iteration), kind or "raise")
         except ValueError as e:
-            detail = str(e) if str(e) else "expected RANK@ITER[:raise|exit|hang], e.g. 1@3:exit"
+            detail = str(e) if str(e) else "expected RANK@ITER[:raise|exit|hang|save], e.g. 1@3:exit"
             raise ValueError(f"--fault {text!r}: {detail}") from None
 
 
@@ -69,6 +71,20 @@ def trigger(fault: Fault, on_stall: Callable[[str], None] | None = None) -> None
     if fault.kind == "raise":
         raise InjectedFault(f"rank {fault.rank}: injected fault before iteration {fault.iteration}")
     _arm_hang(on_stall)
+
+
+def crash_in_save(checkpointer) -> None:
+    """Make this process die right after it writes its next checkpoint data file (a ``save`` drill)."""
+    storage = checkpointer.root
+    write = storage.write
+
+    def write_then_die(path, chunks):
+        out = write(path, chunks)
+        if path.endswith(".bin"):
+            os._exit(1)
+        return out
+
+    object.__setattr__(storage, "write", write_then_die)  # Storage is a frozen dataclass
 
 
 def _group_kind(group) -> str:

@@ -91,6 +91,7 @@ class RankActor:
             "device": str(device), "backend": backend, "world_size": dist.get_world_size(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "local": local_rank,
             **{k: c[k] for k in ("tp", "pp", "dp", "cp", "ep", "etp", "expert_dp")},
+            **self.runner.resume_info(),
         }
 
     def run(self, iterations: int) -> list[dict]:
@@ -113,6 +114,8 @@ class RankActor:
         """Leave the process group (a clean exit; the controller kills the actor after)."""
         import torch.distributed as dist
 
+        if self.runner is not None:
+            self.runner.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -1,9 +1,12 @@
 """What one rank runs, whoever started it: a local rank process, a Ray actor, or torchrun.
 
 :class:`RankRunner` wraps the :class:`~workers.train.Trainer` (the seam to the training code):
-it runs iterations, fires failure drills (:mod:`workers.faults`) at the right iteration, and
-when anything raises it tears down this rank's process groups at once, so that peers blocked
-in a collective with it see "connection closed" now instead of waiting for their timeout.
+it loads the attempt's checkpoint (``job.checkpoint.resume_from``, chosen by the controller),
+runs iterations, saves a checkpoint every ``checkpoint.save_interval`` iterations (every rank
+at the same iteration, through one :class:`~workers.checkpoint.Checkpointer`), fires failure
+drills (:mod:`workers.faults`) at the right iteration, and when anything raises it tears down
+this rank's process groups at once, so that peers blocked in a collective with it see
+"connection closed" now instead of waiting for their timeout.
 :func:`torchrun_env` reads the standard torchrun variables so that ``torchrun
 --nproc-per-node N $(which raytron) run SPEC --launcher processes`` runs the same code.
 """
@@ -12,10 +15,11 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Callable
 
 from workers.config import JobConfig
-from workers.faults import Fault, trigger
+from workers.faults import Fault, crash_in_save, trigger
 
 COORDS = ("tp", "pp", "dp", "cp", "ep")
 
@@ -36,16 +40,38 @@ class RankRunner:
                  on_stall: Callable[[str], None] | None = None):
         from workers.train import Trainer
 
-        self.rank = rank
-        self.faults = {f.iteration: f for f in faults if f.rank == rank}
+        self.rank, self.job = rank, job
+        mine = [f for f in faults if f.rank == rank]
+        self.faults = {f.iteration: f for f in mine if f.kind != "save"}
+        self.save_faults = {f.iteration: f for f in mine if f.kind == "save"}
         self.on_stall = on_stall
         self.trainer = Trainer(job, rank, world_size, device=device)
+        ckpt = job.checkpoint
+        self.resumed = {"iteration": 0, "path": None, "load_s": 0.0}
+        if ckpt.resume_from:
+            from workers.checkpoint_reader import load_checkpoint
+
+            t0 = time.perf_counter()
+            loaded = load_checkpoint(self.trainer, ckpt.resume_from)
+            self.resumed = {**loaded, "load_s": time.perf_counter() - t0}
+        self.checkpointer = None
+        if ckpt.save_interval and ckpt.dir:
+            from workers.checkpoint import Checkpointer
+
+            self.checkpointer = Checkpointer(ckpt.dir, keep_last=ckpt.keep_last, async_save=ckpt.async_save,
+                                             timeout_s=max(60.0, 2 * job.collective_timeout_s))
 
     def info(self) -> dict:
         """Where this rank runs and its grid coordinates (its placement record)."""
         c = self.trainer.coords
         return {"rank": self.rank, "node_id": socket.gethostname(), "pid": os.getpid(),
-                "device": str(self.trainer.device), **{k: c[k] for k in (*COORDS, "etp", "expert_dp")}}
+                "device": str(self.trainer.device), **{k: c[k] for k in (*COORDS, "etp", "expert_dp")},
+                **self.resume_info()}
+
+    def resume_info(self) -> dict:
+        """Where this attempt started: the checkpoint loaded (or None) and its iteration."""
+        return {"resumed_iteration": self.resumed["iteration"], "resumed_from": self.resumed["path"],
+                "load_s": round(self.resumed["load_s"], 4)}
 
     def run(self, iterations: int, on_metrics: Callable[[dict], None] | None = None) -> list[dict]:
         """``iterations`` iterations; returns their metrics. On any error the groups are torn down."""
@@ -56,6 +82,7 @@ class RankRunner:
                 if fault is not None:
                     trigger(fault, self.on_stall)
                 metrics = self.trainer.train_step()
+                self._maybe_save(metrics)
                 if on_metrics is not None:
                     on_metrics(metrics)
                 out.append(metrics)
@@ -63,6 +90,28 @@ class RankRunner:
             abort_process_groups()
             raise
         return out
+
+    def _maybe_save(self, metrics: dict) -> None:
+        """Save after every save_interval-th iteration (all ranks agree: same iteration counter);
+        the last iteration waits for an async save so the job ends with a complete checkpoint."""
+        if self.checkpointer is None:
+            return
+        it = self.trainer.iteration
+        if it % self.job.checkpoint.save_interval == 0:
+            fault = self.save_faults.pop(it, None)
+            if fault is not None:
+                crash_in_save(self.checkpointer)
+            t0 = time.perf_counter()
+            self.checkpointer.save(self.trainer)
+            metrics["checkpoint_save_s"] = round(time.perf_counter() - t0, 4)
+            metrics["checkpoint_bytes"] = int(self.checkpointer.last_stats.get("bytes", 0))
+        if it >= self.job.training.train_iters:
+            self.checkpointer.wait()
+
+    def close(self) -> None:
+        """Finish a pending async save (a clean exit)."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
 
 
 def abort_process_groups() -> None:

@@ -53,6 +53,7 @@ def rank_process_main(conn, rank: int, world_size: int, job: JobConfig, master_a
             if command[0] == "run":
                 conn.send(("metrics", runner.run(command[1])))
             else:
+                runner.close()
                 return
     except BaseException as exc:  # noqa: BLE001 - everything must reach the launcher
         try:

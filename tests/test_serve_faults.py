@@ -1,0 +1,192 @@
+"""Fault drills through `raytron serve --simulate 4x2 --launcher ray` (issue 11's acceptance):
+a real server, jobs as Ray Jobs, ranks as Ray actors on a simulated 4-node cluster that the
+tests share. Each drill breaks a running job from outside (kill -9, SIGSTOP, a raylet killed)
+or from inside (a crash while saving, exhausted restarts); the job must end as stated, with the
+loss curve of an undisturbed run (computed here on local processes: layout invariance) and
+events that tell what happened. The lost-node drill runs last: it leaves the cluster a node short.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from service.jobs import start_job
+from service.process_launcher import ProcessLauncher
+from service.spec import parse_spec, to_job_config
+from test_api import ROOT, TOKEN, Server, wait_for
+
+pytestmark = pytest.mark.ray
+
+MODEL = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+         "ffn_hidden_size": 128, "vocab_size": 256, "seq_length": 64}
+DONE = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def spec(name, *, nodes=2, gpus=2, tp=2, iters=12, gbs=8, save_interval=2, min_nodes=None, max_restarts=3,
+         timeout=300, grace=60.0) -> dict:
+    return {"name": name, "model": MODEL, "parallel": {"tensor_model_parallel_size": tp},
+            "training": {"train_iters": iters, "global_batch_size": gbs, "micro_batch_size": 1, "lr": 3e-3},
+            "checkpoint": {"save_interval": save_interval},
+            "resources": {"num_nodes": nodes, "gpus_per_node": gpus, "min_nodes": min_nodes},
+            "fault_tolerance": {"max_restarts": max_restarts, "collective_timeout_s": timeout,
+                                "node_grace_s": grace}}
+
+
+def undisturbed(s: dict) -> list[float]:
+    """The job's loss curve on local processes, without checkpoints or failures."""
+    job = to_job_config(parse_spec({**s, "checkpoint": {}}))
+    result = start_job(job, launcher=ProcessLauncher(), background=False).run()
+    assert result["state"] == "SUCCEEDED", result
+    return result["losses"]
+
+
+def close(a, b, rel=1e-5) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
+
+
+class RayServer(Server):
+    """``raytron serve --simulate 4x2 --launcher ray`` as a child process."""
+
+    def start(self) -> "RayServer":
+        import httpx
+
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "RAYTRON_API_TOKEN": TOKEN}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "api.serve_cmd", "--port", str(self.port), "--simulate", self.simulate,
+                 "--launcher", "ray", "--data-dir", str(self.data_dir), "--log-level", "info"],
+                cwd=ROOT, env=env, stdout=log, stderr=log)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None, self.log.read_text()[-4000:]
+            time.sleep(0.2)
+        raise AssertionError(f"server did not start: {self.log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    srv = RayServer(tmp_path_factory.mktemp("serve4x2") / "data", simulate="4x2").start()
+    try:
+        with srv.client() as client:
+            yield client
+    finally:
+        srv.stop()
+        srv.kill_runners()
+
+
+def submit(api, s: dict) -> str:
+    r = api.post("/jobs", json=s)
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def wait_iteration(api, job_id: str, at_least: int, timeout_s: float = 240) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = api.get(f"/jobs/{job_id}").json()
+        if job["state"] == "RUNNING" and (job.get("iteration") or 0) >= at_least:
+            return job
+        assert job["state"] not in DONE, job
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} did not reach iteration {at_least}")
+
+
+def rank_record(api, job_id: str, rank: int) -> dict:
+    ranks = api.get(f"/jobs/{job_id}/placement").json()["ranks"]
+    return next(r for r in ranks if r["rank"] == rank)
+
+
+def events(api, job_id: str) -> list[dict]:
+    return api.get(f"/jobs/{job_id}/events").json()["events"]
+
+
+def failures(api, job_id: str) -> list[dict]:
+    return [e["data"] for e in events(api, job_id) if e["kind"] == "failure"]
+
+
+def test_kill_9_of_rank_3_mid_job_restarts_from_the_checkpoint(api):
+    s = spec("kill9")
+    job_id = submit(api, s)
+    wait_iteration(api, job_id, 4)
+    victim = rank_record(api, job_id, 3)
+    os.kill(victim["pid"], signal.SIGKILL)
+    expected = undisturbed(s)
+    job = wait_for(api, job_id, DONE, timeout_s=300)
+    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+    assert job["restarts"] >= 1
+    assert close(job["losses"], expected), (job["losses"], expected)
+    named = [f for f in failures(api, job_id) if f.get("rank") == 3]
+    assert named and named[0].get("node_id") == victim["node_id"] and "died" in named[0]["message"], failures(api, job_id)
+    attempts = job["attempts"]
+    assert attempts[1]["from_checkpoint"] and "iter_" in attempts[1]["from_checkpoint"], attempts
+
+
+def test_sigstop_of_a_rank_is_caught_by_the_collective_timeout(api):
+    s = spec("sigstop", timeout=10)
+    job_id = submit(api, s)
+    wait_iteration(api, job_id, 3)
+    victim = rank_record(api, job_id, 1)
+    os.kill(victim["pid"], signal.SIGSTOP)
+    expected = undisturbed(s)
+    job = wait_for(api, job_id, DONE, timeout_s=300)
+    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+    assert job["restarts"] >= 1 and close(job["losses"], expected)
+    hung = [f for f in failures(api, job_id) if f.get("code") == "rank_hung"]
+    assert hung and hung[0]["rank"] == 1 and hung[0]["node_id"] == victim["node_id"], failures(api, job_id)
+
+
+def test_max_restarts_exhausted_fails_with_the_reason(api):
+    job_id = submit(api, spec("norestart", max_restarts=0))
+    wait_iteration(api, job_id, 2)
+    os.kill(rank_record(api, job_id, 2)["pid"], signal.SIGKILL)
+    job = wait_for(api, job_id, DONE, timeout_s=120)
+    assert job["state"] == "FAILED" and job["restarts"] == 0
+    assert job["error"]["code"] == "rank_died" and "rank 2" in job["error"]["message"], job["error"]
+
+
+def _raylet_of(node_id: str) -> tuple[int, bool]:
+    """The pid of the raylet of Ray node ``node_id`` on this machine, and whether it is the head's."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith("raylet") and f"--node_id={node_id}" in argv:
+            socket = next(a for a in argv if a.startswith("--raylet_socket_name="))
+            return int(pid), socket.endswith("/raylet")
+    raise AssertionError(f"no raylet of node {node_id}")
+
+
+def test_lost_node_shrinks_dp_with_the_same_global_batch_and_curve(api):
+    """Runs last: the cluster stays a node short."""
+    s = spec("shrink", nodes=4, gpus=1, tp=1, gbs=8, iters=30, min_nodes=1, grace=5.0)
+    job_id = submit(api, s)
+    wait_iteration(api, job_id, 3)
+    ranks = api.get(f"/jobs/{job_id}/placement").json()["ranks"]
+    for victim in sorted(ranks, key=lambda r: -r["rank"]):
+        raylet, head = _raylet_of(victim["node_id"])
+        if not head:
+            break
+    os.kill(raylet, signal.SIGKILL)
+    expected = undisturbed(s)
+    job = wait_for(api, job_id, DONE, timeout_s=400)
+    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+    assert job["sizes"]["dp"] == 2 and job["sizes"]["tp"] == 1  # 3 nodes left: dp 3 does not divide 8
+    assert job["spec"]["training"]["global_batch_size"] == 8
+    assert close(job["losses"], expected), (job["losses"], expected)
+    resize = [e for e in events(api, job_id) if e["kind"] == "resize"]
+    assert resize and resize[0]["data"]["old"]["sizes"]["dp"] == 4 and resize[0]["data"]["new"]["sizes"]["dp"] == 2
+    assert len(api.get(f"/jobs/{job_id}/placement").json()["ranks"]) == 2
+    assert any(f.get("node_id") == victim["node_id"] for f in failures(api, job_id)), failures(api, job_id)
