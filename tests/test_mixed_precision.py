@@ -159,3 +159,34 @@ def test_bf16_and_fp16_are_exclusive_and_the_fields_are_accepted():
                                    "tensorboard_dir": "/tmp/x"})).training
     assert (t.fp16, t.bf16, t.initial_loss_scale, t.clip_grad, t.tensorboard_dir) == (True, False, 1024.0, 0.0, "/tmp/x")
     assert job_of(tiny_spec()).training.clip_grad == 0.05 and job_of({"name": "d"}).training.clip_grad == 1.0
+
+
+def _parity_layouts() -> dict:
+    """Every layout of the fp32 parity suites as (moe, world, parallel, model, training)."""
+    from test_model_parity import DENSE_LAYOUTS
+    from test_model_parity_5d import LAYOUTS
+
+    out = {}
+    for name, v in DENSE_LAYOUTS.items():
+        world, parallel, model, training = (v + ({}, {}))[:4]
+        out[name] = (False, world, parallel, model or {}, training or {})
+    for name, v in LAYOUTS.items():
+        moe, world, parallel, training, model = (v + (None, None))[:5]
+        out[name] = (moe, world, parallel, model or {}, training or {})
+    return out
+
+
+PARITY_LAYOUTS = _parity_layouts()
+
+
+@pytest.mark.parametrize("name", [n for n in PARITY_LAYOUTS if n not in BF16_LAYOUTS])
+def test_bf16_every_other_parity_layout_trains_and_agrees(name):
+    """bf16 in every layout of the fp32 parity suites (beyond the ones above): it runs, the loss
+    falls, and the layout agrees with the single bf16 process within what bf16 allows."""
+    moe, world, parallel, model, training = PARITY_LAYOUTS[name]
+    training = {**training, **BF16}
+    model_all = {**(MOE if moe else {}), **model}
+    per_rank = check_layout(tiny_spec(moe=moe, world=world, parallel=parallel, model=model, training=training),
+                            model_all or None, training, **(BF16_MOE_TOL if moe else BF16_TOL))
+    losses = per_rank[0]["losses"]
+    assert losses[-1] < losses[0]  # trains
