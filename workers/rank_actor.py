@@ -125,12 +125,18 @@ class RankActor:
         tags = {"job_id": self.job_id, "rank": str(self.rank),
                 **{k: str(coords[k]) for k in ("tp", "pp", "dp", "cp", "ep")}}
         for key, name, doc in (("loss", "raytron_lm_loss", "language-model loss of the last iteration"),
+                               ("val_loss", "raytron_val_loss", "validation loss of the last evaluation"),
+                               ("lr", "raytron_lr", "learning rate the last update applied"),
+                               ("grad_norm", "raytron_grad_norm", "global gradient L2 norm before clipping"),
+                               ("loss_scale", "raytron_loss_scale", "fp16 dynamic loss scale (1 otherwise)"),
                                ("tokens_per_s", "raytron_tokens_per_s", "global-batch tokens per second"),
-                               ("step_time_s", "raytron_step_time_s", "seconds per iteration")):
+                               ("step_time_s", "raytron_step_time_s", "seconds per iteration"),
+                               ("peak_mem_mb", "raytron_peak_mem_mb", "this rank's peak memory, MiB")):
             gauge = Gauge(name, description=doc, tag_keys=METRIC_TAGS)
             gauge.set_default_tags(tags)
             self._gauges[key] = gauge
 
     def _export(self, metrics: dict) -> None:
         for key, gauge in self._gauges.items():
-            gauge.set(float(metrics[key]))
+            if metrics.get(key) is not None:  # val_loss only where an evaluation ran; grad_norm None on fp16 overflow
+                gauge.set(float(metrics[key]))
