@@ -2,8 +2,7 @@
 
 Field names are Megatron-Core's. Unknown fields are refused (a typo must not be ignored), types
 are strict (``tp: "2"`` or ``tp: true`` is an error, not a 2 or a 1), numbers must be finite,
-and fields of features not built yet are refused with a message that says so: no field is
-accepted and ignored. Every cross-field rule is checked here, before anything starts, and each
+and no field is accepted and ignored. The sections are :mod:`service.spec_sections`. Every cross-field rule is checked here, before anything starts, and each
 message names the fields, the numbers and the fix. :func:`to_job_config` is the one place a
 spec becomes the internal :class:`workers.config.JobConfig`.
 """
@@ -13,150 +12,20 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from service.limits import check_memory, check_world_size
+from service.spec_sections import (  # noqa: F401 (the sections are part of this module's interface)
+    STRICT, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
+    training_problems)
 from workers.config import CheckpointConfig, JobConfig, ModelConfig, ParallelConfig, TrainingConfig
-from workers.data_blend import parse_split
-from workers.dataset import data_form_problem
 from workers.grid import ParallelGrid
-from workers.lr_schedule import LRSchedule
-
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-NOT_BUILT: dict[str, tuple[str, ...]] = {}
-"""Contract-1 fields whose feature is not built yet: refused (none today)."""
-
-
-class ModelSpec(BaseModel):
-    model_config = _STRICT
-    num_layers: int = Field(4, ge=1)
-    hidden_size: int = Field(64, ge=1)
-    num_attention_heads: int = Field(4, ge=1)
-    num_query_groups: int | None = Field(None, ge=1, description="grouped-query attention; default = heads")
-    ffn_hidden_size: int | None = Field(None, ge=1, description="default = 4 x hidden_size")
-    vocab_size: int = Field(256, ge=2)
-    seq_length: int = Field(64, ge=2)
-    num_moe_experts: int | None = Field(None, ge=1, description="e.g. 4 -> Mixtral-style MoE layers")
-    moe_router_topk: int = Field(2, ge=1)
-    moe_aux_loss_coeff: float = Field(0.0, ge=0.0)
-    rotary_base: float = Field(10000.0, gt=0, description="rotary embedding base (Llama 3: 500000)")
-    norm_epsilon: float = Field(1e-5, gt=0, description="RMSNorm epsilon")
-    recompute_granularity: Literal["full", "selective"] | None = Field(
-        None, description="activation recomputation: full layers or the attention core")
-    recompute_method: Literal["uniform", "block"] | None = Field(None, description="with full: uniform | block")
-    recompute_num_layers: int | None = Field(None, ge=1, description="with full: layers per group (uniform) or "
-                                             "recomputed layers per pipeline chunk (block)")
-
-
-class ParallelSpec(BaseModel):
-    model_config = _STRICT
-    tensor_model_parallel_size: int = Field(1, ge=1)
-    pipeline_model_parallel_size: int = Field(1, ge=1)
-    virtual_pipeline_model_parallel_size: int | None = Field(None, ge=1)
-    context_parallel_size: int = Field(1, ge=1)
-    expert_model_parallel_size: int = Field(1, ge=1)
-    expert_tensor_parallel_size: int | None = Field(None, ge=1, description="default = tensor_model_parallel_size")
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
-    cp_comm_type: Literal["p2p", "all_gather"] = "p2p"
-    order: str = "tp-cp-ep-dp-pp"
-
-
-class TrainingSpec(BaseModel):
-    model_config = _STRICT
-    train_iters: int = Field(20, ge=1)
-    global_batch_size: int = Field(16, ge=1)
-    micro_batch_size: int = Field(2, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    seed: int = 1234
-    data: str | list[str | float] = Field(
-        "builtin:tiny", description="builtin:tiny, a .npy/.bin token file, a Megatron PATH prefix (PATH.bin + "
-        "PATH.idx), or a blend as Megatron's --data-path: ['0.7', 'a', '0.3', 'b']")
-    weight_decay: float = Field(0.0, ge=0)
-    min_lr: float = Field(0.0, ge=0, description="the LR floor after decay")
-    lr_warmup_iters: int = Field(0, ge=0, description="linear warmup from 0 over this many iterations")
-    lr_warmup_fraction: float | None = Field(None, ge=0, le=1,
-                                             description="warmup as a fraction of lr_decay_iters; exclusive with lr_warmup_iters")
-    lr_decay_iters: int | None = Field(None, ge=1, description="default train_iters")
-    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "constant"
-    lr_wsd_decay_style: Literal["exponential", "linear", "cosine", "minus_sqrt"] = "exponential"
-    lr_wsd_decay_iters: int | None = Field(None, ge=1, description="WSD: the annealing phase, at the end of decay")
-    split: str = Field("969,30,1", description="train, validation, test shares (Megatron's --split)")
-    eval_interval: int | None = Field(None, ge=1, description="evaluate every this many iterations; null = never")
-    eval_iters: int = Field(10, ge=0, description="validation global batches per evaluation")
-    clip_grad: float = Field(1.0, ge=0, description="clip the global grad L2 norm to this; 0 = off")
-    bf16: bool = Field(False, description="bf16 compute, fp32 main params and grads")
-    fp16: bool = Field(False, description="fp16 compute with a dynamic loss scaler")
-    initial_loss_scale: float = Field(2.0**32, gt=0, description="fp16: the loss scaler's first scale")
-    tensorboard_dir: str | None = Field(None, description="write TensorBoard scalars here")
-
-
-def training_problems(t: TrainingSpec) -> list[str]:
-    """Problems of the data, split, LR-schedule and evaluation fields, each naming the fields and the fix."""
-    out: list[str] = []
-    if t.bf16 and t.fp16:
-        out.append("training.bf16 and training.fp16 are both true; they are exclusive, set one")
-    problem = data_form_problem(t.data)
-    if problem:
-        out.append(problem)
-    try:
-        shares = parse_split(t.split)
-    except ValueError as e:
-        out.append(str(e))
-    else:
-        if shares[0] == 0:
-            out.append(f"training.split {t.split!r} gives training no data; give the first share a positive value")
-        if t.eval_interval and t.eval_iters and shares[1] == 0:
-            out.append(f"training.eval_interval {t.eval_interval} needs validation data but training.split "
-                       f"{t.split!r} gives it no share; use a split such as '969,30,1' or eval_interval: null")
-    try:
-        LRSchedule.from_iters(
-            lr=t.lr, min_lr=t.min_lr, train_iters=t.train_iters, global_batch_size=t.global_batch_size,
-            lr_warmup_iters=t.lr_warmup_iters, lr_warmup_fraction=t.lr_warmup_fraction,
-            lr_decay_iters=t.lr_decay_iters, lr_decay_style=t.lr_decay_style,
-            lr_wsd_decay_iters=t.lr_wsd_decay_iters, lr_wsd_decay_style=t.lr_wsd_decay_style)
-    except ValueError as e:
-        out.append(f"training: {e}")
-    return out
-
-
-class CheckpointSpec(BaseModel):
-    """Sharded, layout-independent checkpoints; a restarted or resized attempt loads the latest."""
-
-    model_config = _STRICT
-    save_interval: int | None = Field(None, ge=1, description="save every this many iterations; null = never")
-    dir: str | None = Field(None, min_length=1, description="default: under the service's data dir (raytron run: "
-                            "./raytron-checkpoints/JOB_ID); a shared path or an s3:// gs:// file:// URI")
-    keep_last: int = Field(2, ge=1, description="complete checkpoints kept (older ones are pruned)")
-    async_save: bool = Field(False, description="overlap the write with training")
-    load: str | None = Field(None, min_length=1, description="start from a raytron checkpoint (dir or root) or "
-                             "hf:DIR when checkpoint.dir holds none")
-
-
-class ResourcesSpec(BaseModel):
-    model_config = _STRICT
-    num_nodes: int = Field(1, ge=1)
-    gpus_per_node: int = Field(1, ge=1, description="world_size = num_nodes * gpus_per_node")
-    min_nodes: int | None = Field(None, ge=1, description="elastic floor: dp may shrink down to what min_nodes "
-                                  "hold; default num_nodes (no shrinking)")
-
-
-class FaultToleranceSpec(BaseModel):
-    model_config = _STRICT
-    max_restarts: int = Field(3, ge=0, description="new attempts after rank failures before the job fails")
-    collective_timeout_s: float = Field(300.0, ge=5, description="a peer silent this long inside a collective "
-                                        "is a failure")
-    node_grace_s: float = Field(60.0, ge=0, description="how long a lost node may take to come back before the "
-                                "job shrinks (with resources.min_nodes below num_nodes)")
-
 
 class JobSpec(BaseModel):
     """A training job. Unknown fields are errors."""
 
-    model_config = _STRICT
+    model_config = STRICT
     name: str = Field("job", min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     priority: int = Field(0, ge=-10**6, le=10**6, description="queue order in `raytron serve`: higher first, "
                           "then submission time (`raytron run` starts at once)")
@@ -170,17 +39,6 @@ class JobSpec(BaseModel):
     @property
     def world_size(self) -> int:
         return self.resources.num_nodes * self.resources.gpus_per_node
-
-    @model_validator(mode="before")
-    @classmethod
-    def _not_built(cls, data):
-        if isinstance(data, dict):
-            found = [f"{section}.{key}" for section, keys in NOT_BUILT.items()
-                     if isinstance(data.get(section), dict) for key in keys if key in data[section]]
-            if found:
-                raise ValueError(f"{', '.join(found)}: not built yet (checkpoints and elastic resizing come with "
-                                 f"their own issue); remove {'it' if len(found) == 1 else 'them'} from the spec")
-        return data
 
     @model_validator(mode="after")
     def _check(self) -> "JobSpec":
