@@ -40,10 +40,11 @@ class Server:
     """``raytron serve`` as a child process; ``start`` waits until it answers /healthz."""
 
     def __init__(self, data_dir: Path, *, simulate: str = "1x2", token: str | None = TOKEN,
-                 launcher: str = "processes"):
-        # processes: admission against a static NODESxGPUS cluster, runners as local processes
-        # (the Ray Jobs launcher has its own test, test_api_ray.py)
+                 launcher: str = "processes", start_timeout_s: float = 60):
+        # processes: admission against a static NODESxGPUS cluster, runners as local processes;
+        # ray: a simulated Ray cluster of that shape, jobs as Ray Jobs (slower to start)
         self.data_dir, self.simulate, self.token, self.launcher = Path(data_dir), simulate, token, launcher
+        self.start_timeout_s = start_timeout_s
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -59,16 +60,16 @@ class Server:
                                           "--simulate", self.simulate, "--launcher", self.launcher,
                                           "--data-dir", str(self.data_dir),
                                           "--log-level", "info"], cwd=ROOT, env=env, stdout=log, stderr=log)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
-            assert self.proc.poll() is None, self.log.read_text()
+            assert self.proc.poll() is None, self.log.read_text()[-4000:]
             time.sleep(0.1)
-        raise AssertionError(f"server did not start: {self.log.read_text()}")
+        raise AssertionError(f"server did not start: {self.log.read_text()[-4000:]}")
 
     def client(self, token: str | None = None) -> httpx.Client:
         token = token or self.token or (self.data_dir / "api_token").read_text().strip()

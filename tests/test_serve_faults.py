@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -19,7 +17,7 @@ import pytest
 from service.jobs import start_job
 from service.process_launcher import ProcessLauncher
 from service.spec import parse_spec, to_job_config
-from test_api import ROOT, TOKEN, Server, wait_for
+from test_api import Server, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -50,34 +48,10 @@ def close(a, b, rel=1e-5) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
 
 
-class RayServer(Server):
-    """``raytron serve --simulate 4x2 --launcher ray`` as a child process."""
-
-    def start(self) -> "RayServer":
-        import httpx
-
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "RAYTRON_API_TOKEN": TOKEN}
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "api.serve_cmd", "--port", str(self.port), "--simulate", self.simulate,
-                 "--launcher", "ray", "--data-dir", str(self.data_dir), "--log-level", "info"],
-                cwd=ROOT, env=env, stdout=log, stderr=log)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None, self.log.read_text()[-4000:]
-            time.sleep(0.2)
-        raise AssertionError(f"server did not start: {self.log.read_text()[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    srv = RayServer(tmp_path_factory.mktemp("serve4x2") / "data", simulate="4x2").start()
+    srv = Server(tmp_path_factory.mktemp("serve4x2") / "data", simulate="4x2", launcher="ray",
+                 start_timeout_s=180).start()
     try:
         with srv.client() as client:
             yield client
