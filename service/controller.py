@@ -27,6 +27,7 @@ iterations up to it, so ``losses`` stays the whole curve. Before an attempt the
 
 from __future__ import annotations
 
+import enum
 import math
 import threading
 import time
@@ -64,6 +65,10 @@ class ControllerConfig:
     failure_grace_s: float = 3.0
     """After a failure that looks like a consequence (a peer's connection closed, a collective
     timed out), how long to wait for the rank that caused it before naming one."""
+    reuse_wait_s: float = 5.0
+    """After a failure that leads to a restart: how long the ranks that survived it get to finish
+    their call and reset before they are killed too (those that make it start the next attempt
+    without a new process)."""
 
 
 class RankGroup(Protocol):
@@ -75,11 +80,22 @@ class RankGroup(Protocol):
     def run(self, iterations: int) -> list[list[dict]]:
         """``iterations`` iterations on every rank; per rank, each iteration's metrics."""
 
-    def shutdown(self) -> None:
-        """Stop every rank and free every resource; safe to call twice or after a failure."""
+    def shutdown(self, keep_warm: bool = False) -> None:
+        """Stop every rank and free every resource; safe to call twice or after a failure.
+        ``keep_warm``: a restart of the same job follows, so a launcher may keep the ranks that
+        survived (processes, placement) for it, until the job's ``release``."""
 
     def kill(self) -> None:
         """Stop every rank now, from any thread (interrupts a running call)."""
+
+
+class Outcome(enum.Enum):
+    """What a failed attempt leads to."""
+
+    CANCEL = "cancel"
+    RESIZE = "resize"  # fewer nodes than the attempt waited for: size again (not a restart)
+    RESTART = "restart"
+    FAIL = "fail"
 
 
 class JobController:
@@ -100,6 +116,8 @@ class JobController:
         nodes_available: how many nodes of ``gpus_per_node`` the cluster offers now (None:
             unknown, the launcher waits for its placement as usual).
         scaling_policy: default :class:`ElasticDataParallel`.
+        release: called once when the job is terminal, to free what the launcher kept between
+            attempts (ranks kept warm for a restart).
     """
 
     def __init__(self, job: JobConfig, grid: ParallelGrid, *, job_id: str,
@@ -107,12 +125,12 @@ class JobController:
                  on_event: Callable[[JobEvent], None] | None = None, failure_policy: FailurePolicy | None = None,
                  iterations_per_call: int = 1, faults: list[Fault] | tuple = (),
                  history: list[JobEvent] | None = None, nodes_available: Callable[[], int | None] | None = None,
-                 scaling_policy: ScalingPolicy | None = None):
+                 scaling_policy: ScalingPolicy | None = None, release: Callable[[], None] | None = None):
         self.job, self.grid, self.job_id = job, grid, job_id
         self.current = job  # this attempt's job: its size may differ after a resize
         self._nodes_available = nodes_available
         self.scaling = scaling_policy or ElasticDataParallel()
-        self._make_group, self._on_event = make_group, on_event
+        self._make_group, self._on_event, self._release = make_group, on_event, release
         self.policy = failure_policy or RestartUpTo(job.max_restarts)
         self.iterations_per_call = max(1, iterations_per_call)
         for f in faults:
@@ -153,11 +171,15 @@ class JobController:
                 try:
                     self._attempt()
                 except BaseException as exc:  # noqa: BLE001 - every way out must tear down first
-                    self._shutdown_group()
-                    self._after_failure(exc)
+                    outcome, error = self._judge(exc)
+                    # A restart of the same size may start again on the ranks that survived.
+                    self._shutdown_group(keep_warm=outcome is Outcome.RESTART)
+                    self._after_failure(outcome, error)
             self._result = self.result()
             return self._result
         finally:
+            if self._release is not None:
+                self._release()
             self.done.set()
 
     def start(self) -> "JobController":
@@ -235,14 +257,23 @@ class JobController:
             if value is not None and not math.isfinite(value):
                 raise NonFiniteMetric(iteration, "lm loss" if name == "loss" else name.replace("_", " "), value)
 
-    def _after_failure(self, exc: BaseException) -> None:
+    def _judge(self, exc: BaseException) -> tuple["Outcome", JobError]:
+        """What a failed attempt leads to (decided before the teardown, which it shapes)."""
         if self._cancel.is_set() or isinstance(exc, (JobCancelled, KeyboardInterrupt)):
-            reason = self._cancel_reason if self._cancel.is_set() else "interrupted"
-            self.error = JobCancelled(reason)
-            self._transition(JobState.CANCELLED, reason)
-            return
+            return Outcome.CANCEL, JobCancelled(self._cancel_reason if self._cancel.is_set() else "interrupted")
         error = exc if isinstance(exc, JobError) else JobError(f"{type(exc).__name__}: {exc}")
         if isinstance(error, InsufficientResources) and self._fewer_nodes_now():
+            return Outcome.RESIZE, error
+        if self.policy.decide(error, self.restarts) is Decision.RESTART:
+            return Outcome.RESTART, error
+        return Outcome.FAIL, error
+
+    def _after_failure(self, outcome: "Outcome", error: JobError) -> None:
+        if outcome is Outcome.CANCEL:
+            self.error = error
+            self._transition(JobState.CANCELLED, str(error))
+            return
+        if outcome is Outcome.RESIZE:
             # A node was lost while the attempt waited for its placement: size again, not a restart.
             self._emit(JobEvent.now("failure", self.state, str(error), error.to_dict()))
             self._transition(JobState.RESTARTING, f"fewer nodes than the attempt needs: {error}", {"resize": True})
@@ -251,17 +282,17 @@ class JobController:
         reached = self.iteration + 1
         self.faults = [f for f in self.faults if f.iteration > reached]
         self._emit(JobEvent.now("failure", self.state, str(error), error.to_dict()))
-        if self.policy.decide(error, self.restarts) is Decision.RESTART:
+        if outcome is Outcome.RESTART:
             self.restarts += 1
             self._transition(JobState.RESTARTING, f"restart {self.restarts} after: {error}")
             return
         self.error = error
         self._transition(JobState.FAILED, str(error))
 
-    def _shutdown_group(self) -> None:
+    def _shutdown_group(self, keep_warm: bool = False) -> None:
         group, self._group = self._group, None
         if group is not None:
-            group.shutdown()
+            group.shutdown(keep_warm=keep_warm)
 
     def _transition(self, state: JobState, message: str = "", data: dict | None = None) -> None:
         if self.state.is_terminal:

@@ -35,6 +35,9 @@ class Launcher(Protocol):
     def nodes_available(self, gpus_per_node: int) -> int | None:
         """Alive nodes with at least ``gpus_per_node`` GPUs (None: not knowable)."""
 
+    # Optional: ``release(job_id)``, called once the job is terminal, frees what the launcher kept
+    # between its attempts (``RankGroup.shutdown(keep_warm=True)``).
+
 
 def prepare(spec_path: str) -> tuple[JobConfig, ParallelGrid]:
     """Everything that can be refused before a process starts. Raises ValueError naming the file."""
@@ -82,10 +85,12 @@ def start_job(job: JobConfig, *, launcher: Launcher, on_event: Callable[[JobEven
         root = checkpoint_root or os.path.join(os.getcwd(), "raytron-checkpoints")
         job = replace(job, checkpoint=replace(job.checkpoint, dir=os.path.join(root, job_id)))
     nodes = getattr(launcher, "nodes_available", None)
+    release = getattr(launcher, "release", None)
     controller = JobController(
         job, grid, job_id=job_id, on_event=on_event, failure_policy=failure_policy, faults=faults,
         history=history, iterations_per_call=launcher.config.iterations_per_call,
         nodes_available=None if nodes is None else (lambda: nodes(job.gpus_per_node)),
         make_group=lambda attempt, attempt_job, attempt_grid: launcher.make_group(
-            attempt_job, attempt_grid, attempt, job_id=job_id))
+            attempt_job, attempt_grid, attempt, job_id=job_id),
+        release=None if release is None else (lambda: release(job_id)))
     return controller.start() if background else controller

@@ -96,7 +96,8 @@ class ProcessRankGroup:
                 except OSError:
                     pass
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep_warm: bool = False) -> None:
+        """Stops every rank process (``keep_warm`` is not used: each attempt starts new processes)."""
         for conn in self.conns:
             try:
                 conn.send(("shutdown",))

@@ -15,94 +15,198 @@ may have another size). One attempt:
 4. ``run(n)`` on every rank, collected by :func:`service.gather.collect` (the same failure
    triage as the process launcher: root cause first, a silent rank named as hung);
 5. shutdown: kill the actors, wait until Ray knows they are dead, remove the placement group.
+
+A restart after a rank failure does not start over (``shutdown(keep_warm=True)``): the ranks that
+survived the attempt (their call returned or raised, their node is alive) ``reset`` (leave the
+process groups, free the trainer) and wait, with the placement group, in the launcher
+(:class:`WarmRanks`). The next attempt of the same size reuses them and creates actors only for
+the ranks that died, in their bundles: it pays one torch import instead of one per rank (the
+bulk of a restart). A rank that does not answer within ``ControllerConfig.reuse_wait_s`` (hung,
+stopped) is killed like the dead ones; a lost node or a resize means a full teardown.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
 
 from service.controller import ControllerConfig
 from service.errors import InsufficientResources, RankDied, RankRaised
 from service.gather import collect
 from service.placement import RankPlacement, plan_placement
 from service.ray_cluster import RaySession
+from service.ray_nodes import capacity_message, could_ever_fit, dead_nodes, node_totals
 from workers.config import JobConfig
 from workers.faults import Fault
 from workers.grid import ParallelGrid
 
 
+@dataclass
+class WarmRanks:
+    """The ranks that survived a failed attempt, reset, with the attempt's placement group: what
+    the next attempt of the same shape (``key``) starts on instead of new actors."""
+
+    key: tuple
+    pg: object
+    actors: dict  # rank -> actor handle
+
+    def release(self) -> None:
+        """Kill the actors, remove the placement group."""
+        from ray.util.placement_group import remove_placement_group
+
+        _kill_and_wait(list(self.actors.values()))
+        self.actors = {}
+        remove_placement_group(self.pg)
+
+
 class RayRankGroup:
-    """The rank actors of one attempt (see the module docstring). Needs a connected driver."""
+    """The rank actors of one attempt (see the module docstring). Needs a connected driver.
+
+    Args:
+        warm: ranks kept from the previous attempt; used when their shape matches this one's,
+            released otherwise.
+        park: takes this attempt's survivors at ``shutdown(keep_warm=True)`` (the launcher keeps
+            them for the next attempt); None: never kept.
+    """
 
     def __init__(self, job: JobConfig, grid: ParallelGrid, plan: list[RankPlacement], *, job_id: str,
-                 config: ControllerConfig):
+                 config: ControllerConfig, warm: WarmRanks | None = None,
+                 park: Callable[[WarmRanks], None] | None = None):
         if len(plan) != grid.world_size:
             raise ValueError(f"placement plan has {len(plan)} ranks but the grid has {grid.world_size}")
         self.job, self.grid, self.plan, self.job_id, self.config = job, grid, plan, job_id, config
+        self.warm, self._park = warm, park
+        self.key = (job.num_nodes, job.gpus_per_node, config.cpus_per_rank, tuple(plan))
         self.actors: list = []
         self.pg = None
         self.placement: list[dict] = []
+        self.reused: list[int] = []  # ranks this attempt took over from the previous one
         self._inflight: list = []  # refs of the last call, drained at shutdown
+        self._ran = False  # run() was called: the in-flight refs are one per rank
 
     def start(self, faults: list[Fault]) -> list[dict]:
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        cfg, job = self.config, self.job
+        warm, self.warm = self.warm, None
+        if warm is not None and warm.key != self.key:
+            warm.release()  # another shape (a resize): its bundles are not this attempt's
+            warm = None
+        if warm is not None:
+            self.pg, kept = warm.pg, warm.actors
+        else:
+            self._place()
+            kept = {}
+        self.reused = sorted(kept)
+        self.actors = [kept.get(p.rank) or self._new_actor(p) for p in self.plan]
+        addr, port = self._collect([self.actors[0].rendezvous_address.remote()], cfg.start_timeout_s,
+                                   what="rendezvous")[0]
+        timeout = float(job.collective_timeout_s)
+        self.placement = self._collect(
+            [a.setup.remote(job, addr, port, self.grid.world_size, p.local, timeout, tuple(faults))
+             for a, p in zip(self.actors, self.plan)], cfg.start_timeout_s, what="start")
+        self.placement = [{**rec, "node": p.node, "reused": p.rank in kept}
+                          for rec, p in zip(self.placement, self.plan)]
+        return self.placement
 
-        from workers.rank_actor import RankActor, actor_name
+    def _place(self) -> None:
+        from ray.util.placement_group import placement_group
 
         cfg, job = self.config, self.job
         bundle = {"GPU": job.gpus_per_node, "CPU": cfg.cpus_per_rank * job.gpus_per_node}
-        if cfg.static_cluster and not _could_ever_fit(job, cfg.strategy, bundle):
+        if cfg.static_cluster and not could_ever_fit(job, cfg.strategy, bundle):
             raise InsufficientResources(capacity_message(job, cfg, bundle, waited=False))
         self.pg = placement_group([dict(bundle) for _ in range(job.num_nodes)], strategy=cfg.strategy,
                                   name=f"raytron:{self.job_id}")
         if not self.pg.wait(timeout_seconds=cfg.placement_timeout_s):
             raise InsufficientResources(capacity_message(job, cfg, bundle))
-        remote_cls = ray.remote(RankActor)
-        self.actors = [
-            remote_cls.options(
-                name=actor_name(self.job_id, p.rank), num_gpus=1, num_cpus=cfg.cpus_per_rank, max_restarts=0,
-                max_concurrency=2,  # a second thread answers stall() while run() is blocked
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=p.node),
-            ).remote(job, p.rank, self.job_id)
-            for p in self.plan
-        ]
-        addr, port = self._collect([self.actors[0].rendezvous_address.remote()], cfg.start_timeout_s,
-                                   what="rendezvous")[0]
-        timeout = float(job.collective_timeout_s)
-        self.placement = self._collect(
-            [a.setup.remote(addr, port, self.grid.world_size, p.local, timeout, tuple(faults))
-             for a, p in zip(self.actors, self.plan)], cfg.start_timeout_s, what="start")
-        self.placement = [{**rec, "node": p.node} for rec, p in zip(self.placement, self.plan)]
-        return self.placement
+
+    def _new_actor(self, p: RankPlacement):
+        """Rank ``p.rank``'s actor in its node's bundle. All are created before any is waited for,
+        so that their torch imports overlap."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from workers.rank_actor import RankActor, actor_name
+
+        return ray.remote(RankActor).options(
+            name=actor_name(self.job_id, p.rank), num_gpus=1, num_cpus=self.config.cpus_per_rank, max_restarts=0,
+            max_concurrency=2,  # a second thread answers stall() while run() is blocked
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=p.node),
+        ).remote(p.rank, self.job_id)
 
     def run(self, iterations: int) -> list[list[dict]]:
+        self._ran = True
         return self._collect([a.run.remote(iterations) for a in self.actors], None, stall_s=self.job.collective_timeout_s,
                              what="run")
 
     def kill(self) -> None:
-        import ray
+        _kill(list(self.actors))
 
-        for actor in list(self.actors):
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead is fine
-                pass
-
-    def shutdown(self) -> None:
-        import ray
+    def shutdown(self, keep_warm: bool = False) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        actors = list(self.actors)
-        self.kill()
+        survivors = self._survivors() if keep_warm and self._park is not None else {}
+        doomed = [a for r, a in enumerate(self.actors) if r not in survivors]
         self.actors = []
-        if actors:
-            # A call on a killed actor fails once the GCS knows it is dead; after this wait no
-            # rank of the job shows as alive in `ray list actors`.
-            ray.wait([a.ping.remote() for a in actors], num_returns=len(actors), timeout=30)
-        # Read the answers a failed call left behind, so Ray does not log them as unhandled errors.
+        _kill_and_wait(doomed)
+        self._drain()
+        if self.warm is not None:  # start() never ran
+            self.warm.release()
+            self.warm = None
+        if self.pg is None:
+            return
+        if survivors:
+            self._park(WarmRanks(self.key, self.pg, survivors))
+        else:
+            remove_placement_group(self.pg)
+        self.pg = None
+
+    def _survivors(self) -> dict:
+        """rank -> actor for the ranks whose last call ended (returned, or raised: the process
+        lives) on a live node and that ``reset`` within ``reuse_wait_s``; empty when a node is lost.
+
+        Each is reset as soon as its call ends: that frees its process groups, which makes peers
+        still blocked in a collective with it fail now rather than at their timeout."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        if not self._ran or self.pg is None or len(self._inflight) != len(self.actors):
+            return {}
+        if {p.get("node_id") for p in self.placement} & dead_nodes():
+            return {}  # the placement group is being rescheduled: start over
+        deadline = time.monotonic() + self.config.reuse_wait_s
+        calls = dict(zip(self._inflight, range(len(self.actors))))  # ref -> rank
+        resets: dict = {}
+        kept = {}
+        while calls or resets:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break  # still blocked (a hung or stopped rank, its peers): killed with the dead
+            ready, _ = ray.wait([*calls, *resets], num_returns=1, timeout=left)
+            for ref in ready:
+                if ref in calls:
+                    rank = calls.pop(ref)
+                    try:
+                        ray.get(ref, timeout=0)
+                    except RayActorError:
+                        continue  # dead
+                    except Exception:  # noqa: BLE001 - it raised: the process lives on
+                        pass
+                    resets[self.actors[rank].reset.remote()] = rank
+                else:
+                    rank = resets.pop(ref)
+                    try:
+                        ray.get(ref, timeout=0)
+                        kept[rank] = self.actors[rank]
+                    except Exception:  # noqa: BLE001 - not reusable: killed with the dead
+                        pass
+        return kept
+
+    def _drain(self) -> None:
+        """Read the answers a failed call left behind, so Ray does not log them as unhandled errors."""
+        import ray
+
         inflight, self._inflight = self._inflight, []
         if inflight:
             ray.wait(inflight, num_returns=len(inflight), timeout=10)
@@ -111,9 +215,6 @@ class RayRankGroup:
                     ray.get(ref, timeout=0)
                 except Exception:  # noqa: BLE001 - the failure was reported already
                     pass
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
 
     def _collect(self, refs: list, timeout_s: float | None, *, stall_s: float | None = None, what: str) -> list:
         import ray
@@ -138,7 +239,7 @@ class RayRankGroup:
             return ray.get(ref)
         except RayActorError as exc:
             where = self._where(rank)
-            lost = " (its node is lost: Ray reports it dead)" if where.get("node_id") in _dead_nodes() else ""
+            lost = " (its node is lost: Ray reports it dead)" if where.get("node_id") in dead_nodes() else ""
             return RankDied(rank, where, (_summary(exc) or "actor died") + lost)
         except RayTaskError as exc:
             cause = getattr(exc, "cause", None) or exc
@@ -175,6 +276,7 @@ class RayLauncher:
 
     def __init__(self, session: RaySession, config: ControllerConfig | None = None):
         self.session = session
+        self._warm: dict[str, WarmRanks] = {}  # job id -> ranks kept for its next attempt
         self.config = config or ControllerConfig(
             placement_timeout_s=15.0 if session.static else 300.0, static_cluster=session.static,
             strategy="PACK" if session.single_node else "STRICT_SPREAD")
@@ -186,54 +288,44 @@ class RayLauncher:
             # An elastic job after a failure: a node that does not come back within node_grace_s
             # makes the controller shrink the job rather than wait out the placement timeout.
             config = replace(config, placement_timeout_s=min(config.placement_timeout_s, max(10.0, job.node_grace_s)))
-        return RayRankGroup(job, grid, plan, job_id=job_id, config=config)
+        return RayRankGroup(job, grid, plan, job_id=job_id, config=config, warm=self._warm.pop(job_id, None),
+                            park=lambda warm: self._park(job_id, warm))
+
+    def _park(self, job_id: str, warm: WarmRanks) -> None:
+        old = self._warm.pop(job_id, None)
+        if old is not None:
+            old.release()
+        self._warm[job_id] = warm
+
+    def release(self, job_id: str) -> None:
+        """The job is over: kill the ranks kept warm for its next attempt, free their placement group."""
+        warm = self._warm.pop(job_id, None)
+        if warm is not None:
+            warm.release()
 
     def nodes_available(self, gpus_per_node: int) -> int:
         """Alive nodes with at least ``gpus_per_node`` GPUs (what the scaling policy may use)."""
-        return sum(1 for r in _node_totals() if r.get("GPU", 0) >= gpus_per_node)
+        return sum(1 for r in node_totals() if r.get("GPU", 0) >= gpus_per_node)
 
 
-def _dead_nodes() -> set[str]:
+def _kill(actors: list) -> None:
     import ray
 
-    try:
-        return {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
-    except Exception:  # noqa: BLE001 - only an annotation
-        return set()
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead is fine
+            pass
 
 
-def _node_totals() -> list[dict]:
+def _kill_and_wait(actors: list) -> None:
+    """Kill ``actors`` and wait until the GCS knows they are dead (a call on a killed actor fails
+    then): after it their names are free and none shows as alive in ``ray list actors``."""
     import ray
 
-    return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-
-
-def _could_ever_fit(job: JobConfig, strategy: str, bundle: dict) -> bool:
-    """Whether the cluster's total (not free) resources can hold the bundles at all."""
-    holds = []  # bundles each node could hold if it were empty
-    for r in _node_totals():
-        n = int(r.get("GPU", 0) // bundle["GPU"])
-        holds.append(min(n, int(r.get("CPU", 0) // bundle["CPU"])) if bundle["CPU"] else n)
-    if strategy == "STRICT_SPREAD":
-        return sum(1 for h in holds if h >= 1) >= job.num_nodes
-    return sum(holds) >= job.num_nodes
-
-
-def capacity_message(job: JobConfig, cfg: ControllerConfig, bundle: dict, waited: bool = True) -> str:
-    """Why a placement group does not fit: what the job needs next to what the cluster has."""
-    import ray
-
-    totals = _node_totals()
-    gpus = [int(r.get("GPU", 0)) for r in totals]
-    fitting = sum(1 for g in gpus if g >= job.gpus_per_node)
-    free = ray.available_resources().get("GPU", 0)
-    distinct = "distinct " if cfg.strategy == "STRICT_SPREAD" else ""
-    when = f"waited {cfg.placement_timeout_s:g}s" if waited else "no node can join this cluster"
-    return (f"the job does not fit the cluster: it needs {job.num_nodes} {distinct}node(s) with "
-            f"{job.gpus_per_node} GPU(s) and {bundle['CPU']:g} CPU(s) each ({job.num_nodes * job.gpus_per_node} "
-            f"GPUs); the cluster has {len(totals)} node(s) with GPUs {gpus}, {fitting} of them with >= "
-            f"{job.gpus_per_node} GPUs, {free:g} GPU(s) free ({when}). Lower resources.num_nodes or "
-            f"gpus_per_node, or add nodes (--simulate NODESxGPUS locally)")
+    _kill(actors)
+    if actors:
+        ray.wait([a.ping.remote() for a in actors], num_returns=len(actors), timeout=30)
 
 
 def _summary(exc: BaseException) -> str:

@@ -47,7 +47,7 @@ class FakeGroup:
             raise RankDied(1, {"node": 0, "node_id": "n0", "pid": 101}, "actor died")
         return [[{"loss": self.loss(self.calls), "iteration": self.calls}] * iterations for _ in range(self.world)]
 
-    def shutdown(self):
+    def shutdown(self, keep_warm=False):
         self.shut = True
 
     def kill(self):

@@ -159,6 +159,22 @@ def test_restart_after_exit_and_hang_gives_the_undisturbed_curve(cluster):
     assert failures[1]["group"] == "pp" and failures[1]["pp"] == 1
 
 
+@pytest.mark.parametrize("kind", ["exit", "raise"])
+def test_a_restart_starts_again_on_the_ranks_that_survived(cluster, kind):
+    """After rank 1 dies (or raises), the second attempt takes over the other ranks' actors: same
+    processes (reset, no new torch import), a new actor only for a dead rank, the same curve."""
+    job, grid = make_job(tp=2, pp=2, nodes=2, gpus=2, iters=3, gbs=4, max_restarts=1)
+    reference, _ = run_job(job, cluster)
+    events = []
+    result, _ = run_job(job, cluster, faults=[Fault(1, 2, kind)], on_event=events.append)
+    assert result["state"] == "SUCCEEDED" and result["restarts"] == 1
+    assert result["losses"] == reference["losses"]
+    first, second = [e.data["placement"] for e in events if e.kind == "placement"]
+    survived = [r != 1 or kind == "raise" for r in range(4)]
+    assert [p["reused"] for p in first] == [False] * 4 and [p["reused"] for p in second] == survived
+    assert [a["pid"] == b["pid"] for a, b in zip(first, second)] == survived
+
+
 def test_cli_run_simulated_restarts_after_a_fault(tmp_path):
     spec = tmp_path / "tiny.yaml"
     spec.write_text(yaml.safe_dump(spec_dict(tp=1, pp=2, nodes=2, gpus=1, iters=3, gbs=4, max_restarts=1)))

@@ -6,15 +6,19 @@ node's placement-group bundle with one GPU. Its life:
 
 1. ``__init__`` imports torch and the training stack at once. Every actor's constructor runs
    concurrently as soon as it is scheduled, so the dominant start-up cost (the torch import,
-   ~3-5 s of CPU per process) overlaps across ranks instead of queueing behind the rendezvous.
+   ~2 s of CPU per process) overlaps across ranks instead of queueing behind the rendezvous.
 2. ``rendezvous_address()`` (rank 0 only): this node's IP and a free port for the TCP store.
-3. ``setup(...)``: joins the process group (gloo on CPU, nccl on GPU, with a collective timeout
-   so that a silent peer becomes an error), builds the :class:`~workers.train.Trainer`, and
-   reports where it runs (Ray node id, pid, device, grid coordinates).
+3. ``setup(job, ...)``: joins the process group (gloo on CPU, nccl on GPU, with a collective
+   timeout so that a silent peer becomes an error), builds the :class:`~workers.train.Trainer` of
+   this attempt's job (the checkpoint it resumes from), and reports where it runs (Ray node id,
+   pid, device, grid coordinates).
 4. ``run(n)``: ``n`` iterations (through :class:`~workers.rank_main.RankRunner`, which also fires
    failure drills); returns their metrics and exports each as Ray metrics.
 5. ``stall()``: answered from a second thread while ``run`` is blocked: the group kind a hang
    drill blocked in, or "" (the controller asks a rank that stopped answering).
+6. ``reset()``: after a failed attempt, a rank that survived it forgets the attempt (its trainer
+   and process groups) but keeps its process, torch imported, so that the next attempt starts
+   it again with ``setup`` instead of a new actor (see ``service/ray_launcher.py``).
 
 Nothing here imports torch or ray at module level: the driver imports this module only to name
 the class.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import os
 import socket
+import traceback
 
 from workers.config import JobConfig
 from workers.faults import Fault
@@ -40,13 +45,12 @@ class RankActor:
     """A rank of ``job``: process-group member, model shard, optimizer and data position.
 
     Args:
-        job: the job.
         rank: this rank; the controller assigns it from the placement plan, never from the
             order in which actors happen to start.
         job_id: tags the metrics.
     """
 
-    def __init__(self, job: JobConfig, rank: int, job_id: str):
+    def __init__(self, rank: int, job_id: str):
         import torch
 
         # Two cores are shared by every rank on a simulated cluster; on a real node each rank
@@ -54,7 +58,7 @@ class RankActor:
         torch.set_num_threads(1)
         import workers.train  # noqa: F401 - warm the rest of the stack during the start-up overlap
 
-        self.job, self.rank, self.job_id = job, rank, job_id
+        self.rank, self.job_id = rank, job_id
         self.runner = None
         self.stalled_in = ""
         self._gauges: dict = {}
@@ -68,9 +72,10 @@ class RankActor:
         ip = ray.util.get_node_ip_address()
         return ip, free_port(ip)
 
-    def setup(self, master_addr: str, master_port: int, world_size: int, local_rank: int,
+    def setup(self, job: JobConfig, master_addr: str, master_port: int, world_size: int, local_rank: int,
               collective_timeout_s: float, faults: tuple[Fault, ...] = ()) -> dict:
-        """Join the process group and build the trainer; returns this rank's placement record."""
+        """Join the process group and build the trainer of ``job`` (this attempt's: its size and the
+        checkpoint to resume from); returns this rank's placement record."""
         import ray
         import torch.distributed as dist
 
@@ -80,7 +85,9 @@ class RankActor:
         # Ray exposes exactly one GPU to this actor (CUDA_VISIBLE_DEVICES), so any slot maps to it.
         device = rank_device(local_rank)
         backend = init_distributed(self.rank, world_size, master_addr, master_port, timeout_s=collective_timeout_s)
-        self.runner = RankRunner(self.job, self.rank, world_size, device=device, faults=faults,
+        if self.runner is not None:
+            raise RuntimeError(f"rank {self.rank}: setup() twice without reset()")
+        self.runner = RankRunner(job, self.rank, world_size, device=device, faults=faults,
                                  on_stall=self._stalled)
         c = self.runner.trainer.coords
         ctx = ray.get_runtime_context()
@@ -95,10 +102,23 @@ class RankActor:
         }
 
     def run(self, iterations: int) -> list[dict]:
-        """Train ``iterations`` iterations; returns each one's metrics (the loss is global)."""
+        """Train ``iterations`` iterations; returns each one's metrics (the loss is global).
+
+        When they fail, this rank forgets the attempt before it raises (:meth:`reset`): a gloo
+        group closes its connections only once nothing refers to it any more, and only then do the
+        peers blocked in a collective with this rank fail at once instead of at their timeout."""
         if self.runner is None:
             raise RuntimeError(f"rank {self.rank}: run() before setup()")
-        return self.runner.run(iterations, on_metrics=self._export)
+        try:
+            return self.runner.run(iterations, on_metrics=self._export)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, without its frames
+            error = exc
+        # Outside the handler, so that nothing holds the failed call's frames (and, through them,
+        # the trainer and its groups); the traceback travels as text.
+        error.add_note("".join(traceback.format_exception(error)).rstrip())
+        error.__traceback__ = error.__context__ = error.__cause__ = None
+        self.reset()
+        raise error
 
     def stall(self) -> str:
         """The collective a hang drill blocked in ("tp all_reduce"), or ""."""
@@ -110,20 +130,38 @@ class RankActor:
     def ping(self) -> int:
         return os.getpid()
 
-    def close(self) -> None:
-        """Leave the process group (a clean exit; the controller kills the actor after)."""
-        import torch.distributed as dist
+    def reset(self) -> int:
+        """Forget the attempt, keep the process: finish a pending checkpoint write, leave the
+        process groups (peers that are gone are not waited for), free the trainer. Returns the pid."""
+        import gc
 
-        if self.runner is not None:
-            self.runner.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        import torch
+
+        from workers.rank_main import abort_process_groups
+
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            try:
+                runner.close()
+            except Exception:  # noqa: BLE001 - a failed write leaves an incomplete checkpoint, never loaded
+                pass
+        abort_process_groups()
+        self.stalled_in = ""
+        del runner
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return os.getpid()
 
     def _make_gauges(self, coords: dict) -> None:
         from ray.util.metrics import Gauge
 
         tags = {"job_id": self.job_id, "rank": str(self.rank),
                 **{k: str(coords[k]) for k in ("tp", "pp", "dp", "cp", "ep")}}
+        if self._gauges:  # a reused rank: same metrics, this attempt's coordinates
+            for gauge in self._gauges.values():
+                gauge.set_default_tags(tags)
+            return
         for key, name, doc in (("loss", "raytron_lm_loss", "language-model loss of the last iteration"),
                                ("val_loss", "raytron_val_loss", "validation loss of the last evaluation"),
                                ("lr", "raytron_lr", "learning rate the last update applied"),

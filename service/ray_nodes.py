@@ -1,0 +1,52 @@
+"""What the Ray cluster offers a job: its alive and dead nodes, whether a job could ever fit, and
+why one does not (the numbers a user needs to fix the spec or the cluster). Needs a connected driver."""
+
+from __future__ import annotations
+
+from service.controller import ControllerConfig
+from workers.config import JobConfig
+
+
+def dead_nodes() -> set[str]:
+    """Ids of the nodes Ray reports dead (empty when it cannot be asked)."""
+    import ray
+
+    try:
+        return {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+    except Exception:  # noqa: BLE001 - only an annotation
+        return set()
+
+
+def node_totals() -> list[dict]:
+    """Each alive node's total resources."""
+    import ray
+
+    return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+
+
+def could_ever_fit(job: JobConfig, strategy: str, bundle: dict) -> bool:
+    """Whether the cluster's total (not free) resources can hold the bundles at all."""
+    holds = []  # bundles each node could hold if it were empty
+    for r in node_totals():
+        n = int(r.get("GPU", 0) // bundle["GPU"])
+        holds.append(min(n, int(r.get("CPU", 0) // bundle["CPU"])) if bundle["CPU"] else n)
+    if strategy == "STRICT_SPREAD":
+        return sum(1 for h in holds if h >= 1) >= job.num_nodes
+    return sum(holds) >= job.num_nodes
+
+
+def capacity_message(job: JobConfig, cfg: ControllerConfig, bundle: dict, waited: bool = True) -> str:
+    """Why a placement group does not fit: what the job needs next to what the cluster has."""
+    import ray
+
+    totals = node_totals()
+    gpus = [int(r.get("GPU", 0)) for r in totals]
+    fitting = sum(1 for g in gpus if g >= job.gpus_per_node)
+    free = ray.available_resources().get("GPU", 0)
+    distinct = "distinct " if cfg.strategy == "STRICT_SPREAD" else ""
+    when = f"waited {cfg.placement_timeout_s:g}s" if waited else "no node can join this cluster"
+    return (f"the job does not fit the cluster: it needs {job.num_nodes} {distinct}node(s) with "
+            f"{job.gpus_per_node} GPU(s) and {bundle['CPU']:g} CPU(s) each ({job.num_nodes * job.gpus_per_node} "
+            f"GPUs); the cluster has {len(totals)} node(s) with GPUs {gpus}, {fitting} of them with >= "
+            f"{job.gpus_per_node} GPUs, {free:g} GPU(s) free ({when}). Lower resources.num_nodes or "
+            f"gpus_per_node, or add nodes (--simulate NODESxGPUS locally)")
