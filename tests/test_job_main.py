@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from api.cli import build_parser as cli_parser
+from api.serve_cmd import build_app
 from service.job_main import build_parser, drills_for
 from service.launchers import runner_command
 from service.store import JobStore, sqlite_url
@@ -42,6 +44,20 @@ def test_drills_outside_a_jobs_ranks_are_left_out():
     faults = [Fault(3, 6, "save"), Fault(0, 2), Fault(2, 1, "exit")]
     assert drills_for(faults, 4) == (faults, [])
     assert drills_for(faults, 2) == ([Fault(0, 2)], [Fault(3, 6, "save"), Fault(2, 1, "exit")])
+
+
+def test_serve_fault_flags_reach_the_launcher(tmp_path):
+    args = cli_parser().parse_args(["serve", "--data-dir", str(tmp_path), "--launcher", "processes",
+                                    "--fault", "3@6:save", "--fault", "1@2"])
+    app, store = build_app(args)
+    try:
+        assert app.state.launcher.faults == [Fault(3, 6, "save"), Fault(1, 2)]
+    finally:
+        store.close()
+    args = cli_parser().parse_args(["serve", "--data-dir", str(tmp_path), "--launcher", "processes"])
+    app, store = build_app(args)
+    store.close()
+    assert app.state.launcher.faults == []
 
 
 @pytest.mark.procs
