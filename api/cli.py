@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from api.arg_types import FAULT_METAVAR, fault
 from api.errors import UsageError
 
 EXAMPLES = """\
@@ -45,15 +46,6 @@ def _simulate(text: str) -> tuple[int, int]:
     if nodes < 1 or gpus < 1:
         raise argparse.ArgumentTypeError(f"expected positive NODESxGPUS such as 2x4, got {text!r}")
     return nodes, gpus
-
-
-def _fault(text: str):
-    from workers.faults import Fault
-
-    try:
-        return Fault.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--fault {text!r}: ")) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how ranks are started (default ray)")
     r.add_argument("--simulate", type=_simulate, default=None, metavar="NODESxGPUS",
                    help="start a local simulated Ray cluster of NODES nodes with GPUS fake GPU slots each")
-    r.add_argument("--fault", type=_fault, action="append", metavar="RANK@ITER[:raise|exit|hang]",
+    r.add_argument("--fault", type=fault, action="append", metavar=FAULT_METAVAR,
                    help="failure drill (repeatable): RANK raises, its process exits, or it hangs in its next "
-                        "collective just before iteration ITER (1-based)")
+                        "collective just before iteration ITER (1-based); save: its process dies in the "
+                        "middle of writing the checkpoint of iteration ITER")
     r.add_argument("--json", action="store_true", help="print the result as one JSON object (last line)")
     r.set_defaults(func=cmd_run)
 

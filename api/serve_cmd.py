@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from api.arg_types import FAULT_METAVAR, fault
+
 DEFAULT_DATA_DIR = "~/.raytron"
 
 
@@ -54,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how job runners start: local processes, or Ray Jobs on the Ray cluster (RAY_ADDRESS, "
                         "a simulated one with --simulate, else an embedded one); default ray when RAY_ADDRESS "
                         "or --simulate is given, else processes")
+    p.add_argument("--fault", type=fault, action="append", default=None, metavar=FAULT_METAVAR,
+                   help="a failure drill applied to every job this server runs (for fault-tolerance drills; "
+                        "repeatable; each fires once per job, in the first attempt that reaches that iteration), "
+                        "as raytron run --fault; a job whose ranks do not include RANK runs without it")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
 
 
@@ -98,15 +104,17 @@ def build_app(args, ray_session=None):
     database_url = args.database_url or sqlite_url(data_dir)
     store = JobStore(database_url)
     settings = Settings(data_dir=data_dir, api_token=load_or_create_token(data_dir))
+    faults = list(args.fault or [])  # drills for every job (--fault)
     if ray_session is None:
-        launcher, cluster = LocalProcessLauncher(data_dir, database_url), default_cluster(args.simulate)
+        launcher = LocalProcessLauncher(data_dir, database_url, faults=faults)
+        cluster = default_cluster(args.simulate)
     else:
         from service.ray_jobs import RayClusterView, RayJobsLauncher
 
         if not ray_session.dashboard_url:
             raise ValueError(f"the Ray cluster at {ray_session.address} has no dashboard, which Ray Jobs need; "
                              f"start it with the dashboard (ray[default]) or use --launcher processes")
-        launcher = RayJobsLauncher(data_dir, database_url, store, ray_session.dashboard_url)
+        launcher = RayJobsLauncher(data_dir, database_url, store, ray_session.dashboard_url, faults=faults)
         cluster = RayClusterView(ray_session.address, ray_session.dashboard_url)
     return create_app(settings, store=store, launcher=launcher, cluster=cluster), store
 
@@ -131,6 +139,8 @@ def _serve(args, session) -> int:
     except ValueError as e:  # a bad database URL, a newer schema, ...
         print(f"raytron serve: error: {e}", file=sys.stderr)
         return 2
+    if args.fault:
+        print(f"raytron serve: failure drills for every job: {' '.join(map(str, args.fault))}", file=sys.stderr)
     print(f"raytron serve: http://{args.host}:{args.port}/docs (token: RAYTRON_API_TOKEN or "
           f"{Path(args.data_dir or data_dir_default()).expanduser()}/api_token)", file=sys.stderr, flush=True)
     try:

@@ -1,4 +1,5 @@
-"""One job's runner process: ``python -m service.job_main JOB_ID --data-dir DIR --database-url URL``.
+"""One job's runner process: ``python -m service.job_main JOB_ID --data-dir DIR --database-url URL
+[--ranks processes|ray] [--fault RANK@ITER:KIND]...``.
 
 Started by a launcher (:mod:`service.launchers`) once the queue admits the job. It loads the
 job's spec from the store, runs it and appends every :class:`~service.controller.JobEvent` to
@@ -12,6 +13,10 @@ SIGTERM (the launcher's cancel) stops the job: it ends CANCELLED, with its ranks
 (:func:`service.jobs.start_job`): the same controller, failure policy, restarts and events as
 ``raytron run``, with the ranks as local processes or (``--ranks ray``, the Ray Jobs launcher)
 as actors on the cluster.
+
+``--fault`` (repeatable) carries the server's failure drills (``raytron serve --fault``): they
+apply to every job the server runs, so a drill whose rank is outside this job's ranks is left
+out (logged), and a small job runs undisturbed.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from service.jobs import start_job
 from service.spec import parse_spec, to_job_config
 from service.store import TERMINAL_STATES, JobStore
 from workers.config import JobConfig
+from workers.faults import Fault
 from workers.grid import ParallelGrid
 
 log = logging.getLogger("raytron.job")
@@ -79,10 +85,12 @@ def _launcher(ranks: str, job: JobConfig):
 
 
 def run_training(job_id: str, job: JobConfig, on_event: Callable[[JobEvent], None], *, ranks: str = "processes",
-                 cancel_requested: threading.Event | None = None, checkpoint_root: str | None = None) -> str:
+                 cancel_requested: threading.Event | None = None, checkpoint_root: str | None = None,
+                 faults: list[Fault] | tuple = ()) -> str:
     """Run the job through the single orchestration path (:func:`service.jobs.start_job`), handing
     every event to ``on_event``; returns the final state. Setting ``cancel_requested`` (from any
-    thread or a signal handler) cancels the job: it ends CANCELLED with every rank stopped."""
+    thread or a signal handler) cancels the job: it ends CANCELLED with every rank stopped.
+    ``faults``: failure drills, each inside the job's ranks (see :func:`drills_for`)."""
     cancel_requested = cancel_requested or threading.Event()
     with _launcher(ranks, job) as launcher:
         if cancel_requested.is_set():  # a cancel that arrived while the cluster connection came up
@@ -90,7 +98,7 @@ def run_training(job_id: str, job: JobConfig, on_event: Callable[[JobEvent], Non
                                   {"from": JobState.QUEUED.value}))
             return JobState.CANCELLED.value
         controller = start_job(job, launcher=launcher, on_event=on_event, job_id=job_id,
-                               checkpoint_root=checkpoint_root)
+                               checkpoint_root=checkpoint_root, faults=faults)
         while controller.wait(timeout=0.2) is None:
             if cancel_requested.is_set():
                 controller.cancel("cancelled by request")
@@ -98,14 +106,27 @@ def run_training(job_id: str, job: JobConfig, on_event: Callable[[JobEvent], Non
         return controller.state.value
 
 
-def main(argv: list[str] | None = None) -> int:
+def drills_for(faults: list[Fault], world_size: int) -> tuple[list[Fault], list[Fault]]:
+    """The server-wide drills that apply to a job of ``world_size`` ranks, and those left out
+    (their rank is outside the job: the controller would refuse them)."""
+    return [f for f in faults if f.rank < world_size], [f for f in faults if f.rank >= world_size]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The runner's command line (:func:`service.launchers.runner_command` writes it)."""
     parser = argparse.ArgumentParser(prog="python -m service.job_main", description=__doc__.splitlines()[0])
     parser.add_argument("job_id")
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--database-url", required=True)
     parser.add_argument("--ranks", choices=("processes", "ray"), default="processes",
                         help="start the ranks as local processes or as actors on the Ray cluster")
-    args = parser.parse_args(argv)
+    parser.add_argument("--fault", type=Fault.parse, action="append", default=[], metavar="RANK@ITER:KIND",
+                        help="failure drill (repeatable); those outside the job's ranks are left out")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s %(message)s")
     cancel_requested = threading.Event()
     # The launcher's cancel is SIGTERM: the handler only sets a flag that the waiting loop turns
@@ -130,8 +151,14 @@ def main(argv: list[str] | None = None) -> int:
                                   {"error": {"code": "invalid_spec", "message": str(e)}}))
             return 1
         log.info("job %s: %d rank(s), sizes %s", args.job_id, grid.world_size, grid.sizes())
+        faults, outside = drills_for(args.fault, grid.world_size)
+        if faults:
+            log.info("failure drills: %s", " ".join(map(str, faults)))
+        if outside:
+            log.info("failure drills left out (rank outside the job's %d ranks): %s", grid.world_size,
+                     " ".join(map(str, outside)))
         final = run_training(args.job_id, job, recorder, ranks=args.ranks, cancel_requested=cancel_requested,
-                             checkpoint_root=os.path.join(args.data_dir, "checkpoints"))
+                             checkpoint_root=os.path.join(args.data_dir, "checkpoints"), faults=faults)
         log.info("job %s %s", args.job_id, final)
         return 0 if final == JobState.SUCCEEDED.value else 1
     finally:

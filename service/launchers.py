@@ -19,9 +19,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from service.logs import job_dir, log_path, read_runner, write_runner
+from workers.faults import Fault
 
 
 class JobLauncher(Protocol):
@@ -40,11 +41,20 @@ class JobLauncher(Protocol):
         """After a server restart: find the job's runner again; False when it is gone."""
 
 
-def runner_command(job_id: str, data_dir: str | Path, database_url: str, *, ranks: str = "processes") -> list[str]:
-    """The runner's command line; ``ranks``: how the runner starts the job's ranks (``processes``
-    on this machine, ``ray`` as actors on the Ray cluster the runner is a job of)."""
+def runner_command(job_id: str, data_dir: str | Path, database_url: str, *, ranks: str = "processes",
+                   faults: Sequence[Fault] = ()) -> list[str]:
+    """The runner's command line.
+
+    Args:
+        ranks: how the runner starts the job's ranks (``processes`` on this machine, ``ray`` as
+            actors on the Ray cluster the runner is a job of).
+        faults: failure drills for the job (``raytron serve --fault``), one ``--fault RANK@ITER:KIND``
+            each: the command line is what reaches a Ray Job's entry point (not the server's
+            environment).
+    """
+    drills = [arg for f in faults for arg in ("--fault", str(f))]
     return [sys.executable, "-m", "service.job_main", job_id, "--data-dir", str(data_dir),
-            "--database-url", database_url, "--ranks", ranks]
+            "--database-url", database_url, "--ranks", ranks, *drills]
 
 
 def _start_time(pid: int) -> int | None:
@@ -66,13 +76,15 @@ class LocalProcessLauncher:
         cancel_grace_s: after SIGTERM, how long the runner may take to record CANCELLED and stop
             its ranks before its whole process group is killed.
         env: extra environment for the runner.
+        faults: failure drills applied to every job (``raytron serve --fault``; see :func:`runner_command`).
     """
 
     def __init__(self, data_dir: str | Path, database_url: str, *, cancel_grace_s: float = 10.0,
-                 env: dict | None = None):
+                 env: dict | None = None, faults: Sequence[Fault] = ()):
         self.data_dir, self.database_url = Path(data_dir), database_url
         self.cancel_grace_s = cancel_grace_s
         self.env = env or {}
+        self.faults = list(faults)
         self._procs: dict[str, subprocess.Popen] = {}
         self._pids: dict[str, tuple[int, int]] = {}  # job id -> (pid, start time), for reattached runners
 
@@ -80,7 +92,8 @@ class LocalProcessLauncher:
         folder = job_dir(self.data_dir, job["id"])
         folder.mkdir(parents=True, exist_ok=True)
         with open(log_path(self.data_dir, job["id"]), "ab") as log:
-            proc = subprocess.Popen(runner_command(job["id"], self.data_dir, self.database_url), stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(runner_command(job["id"], self.data_dir, self.database_url, faults=self.faults),
+                                    stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"})
         self._procs[job["id"]] = proc

@@ -20,11 +20,13 @@ from __future__ import annotations
 import shlex
 import time
 from pathlib import Path
+from typing import Sequence
 
 from service.launchers import runner_command
 from service.logs import job_dir, log_path, write_runner
 from service.scheduler import NodeSlots
 from service.store import JobStore
+from workers.faults import Fault
 
 ALIVE = ("PENDING", "RUNNING")
 
@@ -43,21 +45,24 @@ class RayJobsLauncher:
         dashboard_url: the Ray dashboard (job submission API), e.g. ``http://127.0.0.1:8265``.
         env: environment variables for the entry point (``runtime_env``).
         submit_timeout_s: how long to retry a submission the cluster is not ready for yet.
+        faults: failure drills applied to every job (``raytron serve --fault``), passed on the
+            entry point's command line (see :func:`service.launchers.runner_command`).
     """
 
     def __init__(self, data_dir: str | Path, database_url: str, store: JobStore, dashboard_url: str, *,
-                 env: dict | None = None, submit_timeout_s: float = 180.0):
+                 env: dict | None = None, submit_timeout_s: float = 180.0, faults: Sequence[Fault] = ()):
         from ray.job_submission import JobSubmissionClient
 
         self.data_dir, self.database_url, self.store = Path(data_dir), database_url, store
         self.client = JobSubmissionClient(dashboard_url)
         self.env = env or {}
+        self.faults = list(faults)
         self.submit_timeout_s = submit_timeout_s
 
     def launch(self, job: dict) -> str:
         job_dir(self.data_dir, job["id"]).mkdir(parents=True, exist_ok=True)
         command = " ".join(shlex.quote(x) for x in runner_command(job["id"], self.data_dir, self.database_url,
-                                                                 ranks="ray"))
+                                                                 ranks="ray", faults=self.faults))
         log = shlex.quote(str(log_path(self.data_dir, job["id"])))
         # pipefail: the Ray job's status is the runner's, not tee's
         entrypoint = f"bash -o pipefail -c {shlex.quote(f'{command} 2>&1 | tee -a {log}')}"

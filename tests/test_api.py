@@ -40,11 +40,12 @@ class Server:
     """``raytron serve`` as a child process; ``start`` waits until it answers /healthz."""
 
     def __init__(self, data_dir: Path, *, simulate: str = "1x2", token: str | None = TOKEN,
-                 launcher: str = "processes", start_timeout_s: float = 60):
+                 launcher: str = "processes", start_timeout_s: float = 60, extra_args: tuple[str, ...] = ()):
         # processes: admission against a static NODESxGPUS cluster, runners as local processes;
-        # ray: a simulated Ray cluster of that shape, jobs as Ray Jobs (slower to start)
+        # ray: a simulated Ray cluster of that shape, jobs as Ray Jobs (slower to start);
+        # extra_args: more serve flags (e.g. --fault drills)
         self.data_dir, self.simulate, self.token, self.launcher = Path(data_dir), simulate, token, launcher
-        self.start_timeout_s = start_timeout_s
+        self.start_timeout_s, self.extra_args = start_timeout_s, tuple(extra_args)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -59,7 +60,8 @@ class Server:
             self.proc = subprocess.Popen([sys.executable, "-m", "api.serve_cmd", "--port", str(self.port),
                                           "--simulate", self.simulate, "--launcher", self.launcher,
                                           "--data-dir", str(self.data_dir),
-                                          "--log-level", "info"], cwd=ROOT, env=env, stdout=log, stderr=log)
+                                          "--log-level", "info", *self.extra_args], cwd=ROOT, env=env,
+                                         stdout=log, stderr=log)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             try:

@@ -84,3 +84,12 @@ def test_fault_syntax_and_rank(tmp_path):
     assert "RANK@ITER" in refused("run", path, "--fault", "3", "--launcher", "processes")
     assert "kind must be one of raise, exit, hang" in refused("run", path, "--fault", "0@1:boom")
     assert "rank 5 is outside the job's 1 ranks" in refused("run", path, "--fault", "5@1", "--launcher", "processes")
+
+
+def test_serve_fault_syntax(tmp_path):
+    """The server's drills are parsed as run's, before anything (a store, a cluster) starts."""
+    line = refused("serve", "--fault", "bogus", "--data-dir", str(tmp_path / "data"))
+    assert "--fault" in line and "RANK@ITER[:raise|exit|hang|save]" in line, line
+    line = refused("serve", "--fault", "1@2:exit", "--fault", "0@1:boom", "--data-dir", str(tmp_path / "data"))
+    assert "--fault" in line and "kind must be one of raise, exit, hang, save" in line, line
+    assert not (tmp_path / "data").exists()

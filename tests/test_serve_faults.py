@@ -1,9 +1,11 @@
 """Fault drills through `raytron serve --simulate 4x2 --launcher ray` (issue 11's acceptance):
 a real server, jobs as Ray Jobs, ranks as Ray actors on a simulated 4-node cluster that the
 tests share. Each drill breaks a running job from outside (kill -9, SIGSTOP, a raylet killed)
-or from inside (a crash while saving, exhausted restarts); the job must end as stated, with the
-loss curve of an undisturbed run (computed here on local processes: layout invariance) and
-events that tell what happened. The lost-node drill runs last: it leaves the cluster a node short.
+or from inside (a crash while saving, through `serve --fault`, on a server of its own; exhausted
+restarts); the job must end as stated, with the loss curve of an undisturbed run (computed here
+on local processes: layout invariance) and events that tell what happened. The crash-in-save
+drill runs first, its server stopped before the shared one starts (one simulated cluster at a
+time); the lost-node drill runs last: it leaves the cluster a node short.
 """
 
 from __future__ import annotations
@@ -88,6 +90,69 @@ def events(api, job_id: str) -> list[dict]:
 
 def failures(api, job_id: str) -> list[dict]:
     return [e["data"] for e in events(api, job_id) if e["kind"] == "failure"]
+
+
+SAVE_DRILL = "3@6:save"  # rank 3 dies writing the checkpoint of iteration 6 (after its data file, before its record)
+
+
+@pytest.fixture
+def drilled(tmp_path_factory):
+    """A server of its own whose every job carries ``SAVE_DRILL`` (``serve --fault``); stopped
+    after its one test, before the shared server's cluster starts."""
+    srv = Server(tmp_path_factory.mktemp("serve4x2-drill") / "data", simulate="4x2", launcher="ray",
+                 start_timeout_s=180, extra_args=("--fault", SAVE_DRILL)).start()
+    try:
+        with srv.client() as client:
+            yield srv, client
+    finally:
+        srv.stop()
+        srv.kill_runners()
+
+
+def wait_failure(api, job_id: str, timeout_s: float = 240) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = failures(api, job_id)
+        if found:
+            return found
+        state = api.get(f"/jobs/{job_id}").json()["state"]
+        assert state not in DONE, f"job {job_id} ended {state} without a failure (did the drill reach it?)"
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id}: no failure after {timeout_s}s")
+
+
+def test_crash_in_the_middle_of_a_save_restarts_from_the_previous_complete_checkpoint(drilled):
+    srv, api = drilled
+    s = spec("ckptcrash")  # 2 nodes x 2 slots, tp 2 (dp 2), 12 iterations, a checkpoint every 2
+    job_id = submit(api, s)
+    root = srv.data_dir / "checkpoints" / job_id
+    wait_failure(api, job_id)
+    # What the crash left (before the next attempt's commits prune it): the save of iteration 6
+    # in its temporary directory with rank 3's data file but not its record, and no manifest;
+    # the checkpoint of iteration 4 complete.
+    names = sorted(os.listdir(root))
+    tmp = [n for n in names if n.startswith(".iter_0000006.tmp-")]
+    assert "iter_0000004" in names and "iter_0000006" not in names and len(tmp) == 1, names
+    left = set(os.listdir(root / tmp[0]))
+    assert "rank_00003.bin" in left and "rank_00003.json" not in left and "manifest.json" not in left, left
+    assert "manifest.json" in os.listdir(root / "iter_0000004")
+    expected = undisturbed(s)
+    job = wait_for(api, job_id, DONE, timeout_s=300)
+    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+    assert job["restarts"] == 1  # the drill fires once
+    assert close(job["losses"], expected), (job["losses"], expected)
+    named = [f for f in failures(api, job_id) if f.get("rank") == 3]
+    assert named and named[0]["code"] == "rank_died" and "died" in named[0]["message"], failures(api, job_id)
+    froms = [a["from_checkpoint"] for a in job["attempts"]]
+    assert len(froms) == 2 and froms[0] is None and froms[1].endswith(f"/{job_id}/iter_0000004"), froms
+    log = events(api, job_id)
+    placements = [e["data"]["placement"] for e in log if e["kind"] == "placement"]
+    assert {(r["resumed_iteration"], os.path.basename(r["resumed_from"])) for r in placements[1]} == \
+        {(4, "iter_0000004")}, placements[1]  # every rank of attempt 2 loaded iteration 4
+    its = [e["data"]["iteration"] for e in log if e["kind"] == "iteration"]
+    assert its == [1, 2, 3, 4, 5, *range(5, 13)], its  # 5 and 6 ran again after the checkpoint of 4
+    # the half-written save never became a checkpoint: only complete ones remain, leftovers pruned
+    assert sorted(os.listdir(root)) == ["iter_0000010", "iter_0000012"], os.listdir(root)
 
 
 def test_kill_9_of_rank_3_mid_job_restarts_from_the_checkpoint(api):

@@ -1,4 +1,4 @@
-"""Failure drills: make one rank fail on purpose (``raytron run --fault RANK@ITER[:KIND]``).
+"""Failure drills: make one rank fail on purpose (``raytron run|serve --fault RANK@ITER[:KIND]``).
 
 A :class:`Fault` fires just before iteration ``iteration`` (1-based) on rank ``rank``:
 
@@ -62,6 +62,10 @@ class Fault:
         except ValueError as e:
             detail = str(e) if str(e) else "expected RANK@ITER[:raise|exit|hang|save], e.g. 1@3:exit"
             raise ValueError(f"--fault {text!r}: {detail}") from None
+
+    def __str__(self) -> str:
+        """The ``RANK@ITER:KIND`` form :meth:`parse` reads back (how a drill travels on a command line)."""
+        return f"{self.rank}@{self.iteration}:{self.kind}"
 
 
 def trigger(fault: Fault, on_stall: Callable[[str], None] | None = None) -> None:
