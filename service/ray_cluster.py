@@ -32,8 +32,9 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 from service.errors import ClusterUnreachable
 from service.proc_tree import children as _children, descendants as _descendants, reap as _reap
@@ -50,8 +51,8 @@ class RaySession:
         address: the GCS address the driver is connected to.
         dashboard_url: ``http://host:port`` of the dashboard, or "" when there is none.
         owned: True when this session started the cluster (and will stop it).
-        static: True when no node can join later (a cluster started here), so a placement
-            group that does not fit now never will.
+        static: True when no node can join later (a cluster started here, unless simulated
+            with ``growable=True``), so a placement group that does not fit now never will.
         num_nodes: alive nodes when the session began.
         single_node: True when the cluster started here is one node (placement may then PACK a
             multi-node job onto it).
@@ -65,6 +66,15 @@ class RaySession:
     num_nodes: int
     single_node: bool = False
     notes: list[str] = field(default_factory=list)
+    _add_node: Callable[[], str] | None = field(default=None, repr=False, compare=False)
+
+    def add_node(self) -> str:
+        """Start one more node shaped like the others and wait until Ray reports it alive; returns
+        its node id. Only a simulated cluster started with ``growable=True`` (so not static) can:
+        the drill of a lost node that returns."""
+        if self._add_node is None:
+            raise RuntimeError("this Ray session cannot add nodes (only simulated_cluster(..., growable=True) can)")
+        return self._add_node()
 
 
 def local_gpu_count() -> int:
@@ -114,7 +124,8 @@ def _init_kwargs() -> dict:
 
 
 @contextlib.contextmanager
-def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = None) -> Iterator[RaySession]:
+def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = None,
+                      growable: bool = False) -> Iterator[RaySession]:
     """Start ``nodes`` Ray nodes on this machine with ``gpus`` fake GPU slots each and connect.
 
     Args:
@@ -122,6 +133,9 @@ def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = No
         gpus: GPU slots each node declares.
         cpus_per_node: logical CPUs each node declares; default ``gpus`` (one per rank actor).
             Ray prestarts that many idle workers per node, so it should not exceed the ranks.
+        growable: the session's :meth:`RaySession.add_node` may start more nodes while it runs
+            (fault drills: a lost node that returns). Such a session is not static: a launcher
+            waits for a placement that does not fit yet instead of refusing it at once.
 
     Yields:
         The session; the cluster is shut down and its files removed on exit.
@@ -152,10 +166,19 @@ def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = No
                 cluster.add_node(wait=False, dashboard_agent_listen_port=_free_port(), **node_args)
             cluster.wait_for_nodes(timeout=120)
             ray.init(address=cluster.address, **_init_kwargs())
-            ray_processes = _children(os.getpid()) - before  # GCS, raylets, dashboard, agents
+            ray_processes.update(_children(os.getpid()) - before)  # GCS, raylets, dashboard, agents
+
+            def add_node() -> str:
+                # Not cluster.wait_for_nodes: it never returns once a node was lost without remove_node.
+                started = _children(os.getpid())
+                node = cluster.add_node(wait=True, dashboard_agent_listen_port=_free_port(), **node_args)
+                ray_processes.update(_children(os.getpid()) - started)  # reaped with the others at exit
+                _wait_alive(node.node_id, timeout_s=60)
+                return node.node_id
+
             url = cluster.head_node.address_info.get("webui_url") or ""
-            yield RaySession(address=cluster.address, dashboard_url=_http(url), owned=True, static=True,
-                             num_nodes=nodes, single_node=nodes == 1)
+            yield RaySession(address=cluster.address, dashboard_url=_http(url), owned=True, static=not growable,
+                             num_nodes=nodes, single_node=nodes == 1, _add_node=add_node if growable else None)
     finally:
         family = _descendants(ray_processes)
         ray.shutdown()
@@ -163,6 +186,17 @@ def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = No
             cluster.shutdown()
         _reap(family)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _wait_alive(node_id: str, timeout_s: float) -> None:
+    """Until Ray lists node ``node_id`` as alive (with its resources, which the scaling policy counts)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while not any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the added Ray node {node_id} is not alive after {timeout_s:g}s")
+        time.sleep(0.1)
 
 
 def _free_port() -> int:

@@ -1,6 +1,6 @@
 """Elastic data parallelism: the scaling policy as a pure function, and the controller's resize
-and grow-back steps against a fake rank group (milliseconds; the Ray drill is in
-test_serve_faults.py)."""
+and grow-back steps against a fake rank group (milliseconds; the Ray drills are in
+test_elastic_ray.py, shrink and grow back, and test_serve_faults.py, shrink through the server)."""
 
 from __future__ import annotations
 
