@@ -9,7 +9,8 @@ On one simulated cluster of 4 nodes x 2 GPU slots (started here, shared by both)
   -> the new attempt's STARTING: policy, sizing, choosing the checkpoint), *restart* (STARTING ->
   ranks placed, minus the checkpoint load), *restore* (the slowest rank's checkpoint load) and
   *first iteration* (placed -> the next iteration finished). Also the checkpoint's save seconds
-  (rank 0, per save) and bytes per rank (its data file).
+  (rank 0, per save) and bytes per rank (its data file), and how many ranks the new attempt
+  started again in place (the survivors: see ``service/ray_launcher.py``).
 * **Ray Train**: ``TorchTrainer`` with 8 CPU workers and ``FailureConfig(max_failures=1)``; each
   step is a 1 MiB all-reduce; worker 3 is killed with SIGKILL after its third step. Measured:
   kill -> every restarted worker has finished its first all-reduce.
@@ -80,7 +81,8 @@ def child_raytron(ckpt_dir: str) -> dict:
             "restart_s": placed_t - marks["starting"] - load, "restore_s": load,
             "first_iteration_s": marks["next_iteration"] - placed_t, "total_s": marks["next_iteration"] - marks["kill"],
             "save_s_median": sorted(s for s in saves if s)[len([s for s in saves if s]) // 2],
-            "load_s_max": load, "bytes_per_rank": sorted(sizes.values())}
+            "load_s_max": load, "bytes_per_rank": sorted(sizes.values()),
+            "reused_ranks": [p["rank"] for p in placed if p.get("reused")]}
 
 
 def _ray_train_fn(config: dict) -> None:
@@ -171,6 +173,7 @@ def main() -> None:
         print(f"  {key:<50}{ours[key]:>10.2f}{'':>11}")
     print(f"  {'total':<50}{ours['total_s']:>10.2f}{theirs['total_s']:>11.2f}")
     print(f"  {'ratio raytron / Ray Train (target <= 0.50)':<50}{ours['total_s'] / theirs['total_s']:>10.2f}")
+    print(f"restarted in place: ranks {ours['reused_ranks']} ({len(ours['reused_ranks'])} of 8; the others new actors)")
     print(f"checkpoint: save {ours['save_s_median']:.3f}s (rank 0, median), load {ours['load_s_max']:.3f}s "
           f"(slowest rank), bytes per rank {ours['bytes_per_rank']}")
 

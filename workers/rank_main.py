@@ -109,9 +109,12 @@ class RankRunner:
             self.checkpointer.wait()
 
     def close(self) -> None:
-        """Finish a pending async save (a clean exit)."""
-        if self.checkpointer is not None:
-            self.checkpointer.wait()
+        """Finish a pending async save, release the trainer (see :meth:`Trainer.close`)."""
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
+        finally:
+            self.trainer.close()
 
 
 def abort_process_groups() -> None:

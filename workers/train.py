@@ -113,6 +113,14 @@ class Trainer:
             # member to take part in that first call; one collective creates it up front.
             comm.all_reduce(torch.zeros(1, device=self.device), self.groups.pp)
 
+    def close(self) -> None:
+        """Release what outlives a dropped reference: the gradient hooks (a param -> hook ->
+        gradient buffer -> param cycle that keeps the model, and with it every process group,
+        alive) and the TensorBoard file."""
+        self.optimizer.grads.remove_hooks()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
     @property
     def iteration(self) -> int:
         return self.sampler.iteration
