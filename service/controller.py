@@ -19,9 +19,9 @@ and coordinates; the :class:`~service.policy.FailurePolicy` (by default
 Each attempt starts from the latest complete checkpoint under ``checkpoint.dir`` (else
 ``checkpoint.load``, else the seed): the controller names it in the attempt's STARTING event
 (``data["from_checkpoint"]``), its ranks load it, and the controller keeps the metrics of the
-iterations up to it, so ``losses`` stays the whole curve. Before an attempt the
-:class:`~service.policy.ScalingPolicy` sizes it from the nodes the cluster offers
-(``nodes_available``): a lost node that does not come back within ``node_grace_s`` shrinks dp
+iterations up to it, so ``losses`` stays the whole curve. Before an attempt a
+:class:`~service.sizing.Sizer` sizes it from the nodes the cluster offers
+(``nodes_available``) with the :class:`~service.policy.ScalingPolicy`: a lost node that does not come back within ``node_grace_s`` shrinks dp
 (a "resize" event), and a shrunk job grows back at its next checkpoint once nodes return.
 """
 
@@ -30,63 +30,21 @@ from __future__ import annotations
 import enum
 import math
 import threading
-import time
-from dataclasses import dataclass, replace
-from typing import Callable, Protocol
+from dataclasses import replace
+from typing import Callable
 
 from service.errors import InsufficientResources, JobCancelled, JobError, NonFiniteMetric
 from service.events import JobEvent, JobState
 from service.placement import check_tp_in_node
-from service.policy import Decision, ElasticDataParallel, FailurePolicy, RestartUpTo, ScalingPolicy, resized
+from service.policy import Decision, ElasticDataParallel, FailurePolicy, RestartUpTo, ScalingPolicy
+from service.rank_group import RankGroup
 from service.result import result_object
+from service.sizing import Sizer
 from workers.config import JobConfig
 from workers.faults import Fault
 from workers.grid import ParallelGrid
 
 CHECKED_METRICS = ("loss", "grad_norm")  # a non-finite value of either fails the job at that iteration
-
-
-@dataclass(frozen=True, kw_only=True)
-class ControllerConfig:
-    placement_timeout_s: float = 120.0
-    """How long to wait for the placement group (on a static cluster a job that does not fit
-    now never will, so callers that own the cluster pass a short one)."""
-    start_timeout_s: float = 600.0
-    """Rank start-up (the torch import) plus rendezvous and trainer construction."""
-    iterations_per_call: int = 1
-    """Iterations per ``run`` call: more means fewer round trips, coarser progress."""
-    cpus_per_rank: float = 1.0
-    """Logical CPUs each Ray rank requests (its bundle holds gpus_per_node of them)."""
-    strategy: str = "STRICT_SPREAD"
-    """Placement-group strategy: one node per bundle. "PACK" only for a one-machine cluster."""
-    static_cluster: bool = False
-    """True when no node can join (a cluster started by raytron): a job larger than the cluster's
-    total capacity then fails at once instead of after placement_timeout_s."""
-    failure_grace_s: float = 3.0
-    """After a failure that looks like a consequence (a peer's connection closed, a collective
-    timed out), how long to wait for the rank that caused it before naming one."""
-    reuse_wait_s: float = 5.0
-    """After a failure that leads to a restart: how long the ranks that survived it get to finish
-    their call and reset before they are killed too (those that make it start the next attempt
-    without a new process)."""
-
-
-class RankGroup(Protocol):
-    """The ranks of one attempt, wherever they run."""
-
-    def start(self, faults: list[Fault]) -> list[dict]:
-        """Place, rendezvous, build trainers; returns per-rank placement records (rank order)."""
-
-    def run(self, iterations: int) -> list[list[dict]]:
-        """``iterations`` iterations on every rank; per rank, each iteration's metrics."""
-
-    def shutdown(self, keep_warm: bool = False) -> None:
-        """Stop every rank and free every resource; safe to call twice or after a failure.
-        ``keep_warm``: a restart of the same job follows, so a launcher may keep the ranks that
-        survived (processes, placement) for it, until the job's ``release``."""
-
-    def kill(self) -> None:
-        """Stop every rank now, from any thread (interrupts a running call)."""
 
 
 class Outcome(enum.Enum):
@@ -128,8 +86,7 @@ class JobController:
                  scaling_policy: ScalingPolicy | None = None, release: Callable[[], None] | None = None):
         self.job, self.grid, self.job_id = job, grid, job_id
         self.current = job  # this attempt's job: its size may differ after a resize
-        self._nodes_available = nodes_available
-        self.scaling = scaling_policy or ElasticDataParallel()
+        self.sizer = Sizer(job, scaling_policy or ElasticDataParallel(), nodes_available)
         self._make_group, self._on_event, self._release = make_group, on_event, release
         self.policy = failure_policy or RestartUpTo(job.max_restarts)
         self.iterations_per_call = max(1, iterations_per_call)
@@ -205,7 +162,9 @@ class JobController:
             group.kill()
 
     def _attempt(self) -> None:
-        job = self._next_size()
+        job = self.job if self.attempts == 0 else self.sizer.next_size(self.current, self._cancel.wait)
+        if job is None:
+            raise JobCancelled(self._cancel_reason)
         self.attempts += 1
         grid = ParallelGrid.from_config(job.parallel, job.world_size)
         if grid.world_size != self.grid.world_size:
@@ -242,7 +201,7 @@ class JobController:
                 self._check_finite(self.iteration, metrics)
                 self.metrics.append(metrics)
                 self._emit(JobEvent.now("iteration", self.state, "", metrics))
-            if self.iteration < total and self._should_grow():
+            if self.iteration < total and self.sizer.should_grow(self.current, self.iteration):
                 self._shutdown_group()
                 self._transition(JobState.RESTARTING, f"nodes returned: growing back to {self.job.num_nodes} "
                                  f"node(s) from the checkpoint of iteration {self.iteration}", {"resize": True})
@@ -262,7 +221,7 @@ class JobController:
         if self._cancel.is_set() or isinstance(exc, (JobCancelled, KeyboardInterrupt)):
             return Outcome.CANCEL, JobCancelled(self._cancel_reason if self._cancel.is_set() else "interrupted")
         error = exc if isinstance(exc, JobError) else JobError(f"{type(exc).__name__}: {exc}")
-        if isinstance(error, InsufficientResources) and self._fewer_nodes_now():
+        if isinstance(error, InsufficientResources) and self.sizer.fewer_nodes_now(self.current):
             return Outcome.RESIZE, error
         if self.policy.decide(error, self.restarts) is Decision.RESTART:
             return Outcome.RESTART, error
@@ -334,7 +293,7 @@ class JobController:
             self.restarts += 1  # a new attempt, counted like any other (replaying this event counts it too)
             self._transition(JobState.RESTARTING, "the controller was restarted; the ranks are gone")
 
-    # -- checkpoints and sizes ------------------------------------------------------------
+    # -- checkpoints ------------------------------------------------------------------------
     def _resume_source(self) -> str | None:
         """The latest complete checkpoint under ``checkpoint.dir``, else ``checkpoint.load``, else None."""
         from workers.checkpoint_storage import Storage, latest_checkpoint
@@ -345,44 +304,3 @@ class JobController:
             if latest is not None:
                 return latest.storage.root
         return ckpt.load
-
-    def _available(self) -> int | None:
-        return None if self._nodes_available is None else self._nodes_available()
-
-    def _next_size(self) -> JobConfig:
-        """The job the next attempt runs: full size when the nodes are there; after a lost node
-        that stays away node_grace_s, what the scaling policy decides (never below min_nodes)."""
-        elastic = (self.job.min_nodes or self.job.num_nodes) < self.job.num_nodes
-        available = self._available()
-        if not elastic or available is None or self.attempts == 0:
-            return self.job
-        if available >= self.job.num_nodes:
-            return self.job
-        deadline = time.monotonic() + self.job.node_grace_s
-        while available < self.current.num_nodes and time.monotonic() < deadline:
-            if self._cancel.wait(0.5):
-                raise JobCancelled(self._cancel_reason)
-            available = self._available() or 0
-        if available >= self.job.num_nodes:
-            return self.job
-        decision = self.scaling.decide(self.job, available)
-        if decision.num_nodes is None:
-            raise InsufficientResources(decision.reason)
-        return resized(self.job, decision.num_nodes)
-
-    def _fewer_nodes_now(self) -> bool:
-        """An elastic job whose cluster now offers fewer nodes than this attempt wanted."""
-        if (self.job.min_nodes or self.job.num_nodes) >= self.job.num_nodes:
-            return False
-        available = self._available()
-        if available is None or available >= self.current.num_nodes:
-            return False
-        return self.scaling.decide(self.job, available).num_nodes is not None
-
-    def _should_grow(self) -> bool:
-        """A shrunk job grows back right after a checkpoint once more nodes are there."""
-        interval = self.job.checkpoint.save_interval
-        if self.current.num_nodes >= self.job.num_nodes or not interval or self.iteration % interval:
-            return False
-        available = self._available() or 0
-        return self.scaling.decide(self.job, available).num_nodes not in (None, self.current.num_nodes)

@@ -12,7 +12,8 @@ import uuid
 from dataclasses import replace
 from typing import Callable, Protocol
 
-from service.controller import ControllerConfig, JobController, RankGroup
+from service.controller import JobController
+from service.rank_group import ControllerConfig, RankGroup
 from service.events import JobEvent
 from service.placement import plan_placement
 from service.policy import FailurePolicy

@@ -17,7 +17,7 @@ import signal
 import time
 from multiprocessing.connection import wait as wait_any
 
-from service.controller import ControllerConfig
+from service.rank_group import ControllerConfig
 from service.errors import JobError, RankDied, RankRaised
 from service.gather import collect
 from service.placement import RankPlacement, plan_placement

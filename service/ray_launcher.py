@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from service.controller import ControllerConfig
+from service.rank_group import ControllerConfig
 from service.errors import InsufficientResources, RankDied, RankRaised
 from service.gather import collect
 from service.placement import RankPlacement, plan_placement

@@ -67,7 +67,7 @@ def leftovers() -> tuple[list, list]:
 
 def run_job(job, session, *, config=None, faults=(), on_event=None):
     """One job through the one orchestration path, on the module's Ray session."""
-    from service.controller import ControllerConfig
+    from service.rank_group import ControllerConfig
     from service.jobs import start_job
     from service.ray_launcher import RayLauncher
 
@@ -120,7 +120,7 @@ def test_ray_and_process_launchers_give_the_same_losses(ray_runs):
 
 @pytest.mark.parametrize("static", [True, False])
 def test_job_that_cannot_fit_fails_with_the_numbers(cluster, static):
-    from service.controller import ControllerConfig
+    from service.rank_group import ControllerConfig
 
     job, grid = make_job(tp=2, pp=1, nodes=2, gpus=4, max_restarts=3)  # nodes here have 2 GPU slots
     events = []

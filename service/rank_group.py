@@ -1,0 +1,53 @@
+"""What a launcher's rank groups are to the job controller: the :class:`RankGroup` protocol (the
+ranks of one attempt, wherever they run) and the :class:`ControllerConfig` timeouts and resources
+the launchers read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from workers.faults import Fault
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControllerConfig:
+    placement_timeout_s: float = 120.0
+    """How long to wait for the placement group (on a static cluster a job that does not fit
+    now never will, so callers that own the cluster pass a short one)."""
+    start_timeout_s: float = 600.0
+    """Rank start-up (the torch import) plus rendezvous and trainer construction."""
+    iterations_per_call: int = 1
+    """Iterations per ``run`` call: more means fewer round trips, coarser progress."""
+    cpus_per_rank: float = 1.0
+    """Logical CPUs each Ray rank requests (its bundle holds gpus_per_node of them)."""
+    strategy: str = "STRICT_SPREAD"
+    """Placement-group strategy: one node per bundle. "PACK" only for a one-machine cluster."""
+    static_cluster: bool = False
+    """True when no node can join (a cluster started by raytron): a job larger than the cluster's
+    total capacity then fails at once instead of after placement_timeout_s."""
+    failure_grace_s: float = 3.0
+    """After a failure that looks like a consequence (a peer's connection closed, a collective
+    timed out), how long to wait for the rank that caused it before naming one."""
+    reuse_wait_s: float = 5.0
+    """After a failure that leads to a restart: how long the ranks that survived it get to finish
+    their call and reset before they are killed too (those that make it start the next attempt
+    without a new process)."""
+
+
+class RankGroup(Protocol):
+    """The ranks of one attempt, wherever they run."""
+
+    def start(self, faults: list[Fault]) -> list[dict]:
+        """Place, rendezvous, build trainers; returns per-rank placement records (rank order)."""
+
+    def run(self, iterations: int) -> list[list[dict]]:
+        """``iterations`` iterations on every rank; per rank, each iteration's metrics."""
+
+    def shutdown(self, keep_warm: bool = False) -> None:
+        """Stop every rank and free every resource; safe to call twice or after a failure.
+        ``keep_warm``: a restart of the same job follows, so a launcher may keep the ranks that
+        survived (processes, placement) for it, until the job's ``release``."""
+
+    def kill(self) -> None:
+        """Stop every rank now, from any thread (interrupts a running call)."""
