@@ -20,6 +20,8 @@ import yaml
 
 from workers.spawn import free_port
 
+pytestmark = pytest.mark.procs  # a real server process (and its job runners)
+
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "test-token-0123456789abcdef"
 

@@ -7,9 +7,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import yaml
 
 from test_api import ROOT, TOKEN, server, tiny  # noqa: F401 - `server` is the module's fixture
+
+pytestmark = pytest.mark.procs  # a real server process (and its job runners)
 
 
 def raytron(srv, *args, token_dir=None, timeout=180):

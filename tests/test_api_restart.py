@@ -7,7 +7,11 @@ import os
 import signal
 import time
 
+import pytest
+
 from test_api import Server, pid_alive, tiny, wait_for
+
+pytestmark = pytest.mark.procs  # a real server process (and its job runners)
 
 
 def test_sigkill_mid_job_then_restart_the_job_finishes_with_its_history_once(tmp_path):

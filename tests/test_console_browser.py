@@ -27,6 +27,8 @@ from selenium.common.exceptions import StaleElementReferenceException  # noqa: E
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
+pytestmark = pytest.mark.procs  # a real server process (and its job runners)
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 CHROMEDRIVER = shutil.which("chromedriver")
 if not (CHROMIUM and CHROMEDRIVER):

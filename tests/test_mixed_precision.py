@@ -50,6 +50,7 @@ def test_bf16_model_with_fp32_main_params_and_grads(distributed):
     assert m["loss_scale"] == 1.0 and m["skipped"] == 0 and m["grad_norm"] > 0
 
 
+@pytest.mark.slow
 def test_bf16_trains_and_stays_within_a_few_percent_of_fp32():
     cfg = {"train_iters": 12, "lr": 1e-2}
     fp32 = run_trainer(0, 1, job_of(tiny_spec(training=cfg)), iters=12)["losses"]
@@ -58,6 +59,7 @@ def test_bf16_trains_and_stays_within_a_few_percent_of_fp32():
     assert max(abs(a - b) / b for a, b in zip(bf16, fp32)) < 0.02, (bf16, fp32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(BF16_LAYOUTS))
 def test_bf16_layout_agrees_with_single_bf16_process(name):
     moe, world, parallel = BF16_LAYOUTS[name]
@@ -67,6 +69,7 @@ def test_bf16_layout_agrees_with_single_bf16_process(name):
     assert losses[-1] < losses[0]  # trains
 
 
+@pytest.mark.slow
 def test_bf16_full_5d_moe_layout_16_ranks():
     spec = tiny_spec(moe=True, world=16, training=BF16, parallel={
         "tensor_model_parallel_size": 2, "context_parallel_size": 2, "pipeline_model_parallel_size": 2,
@@ -114,6 +117,7 @@ def test_fp16_skips_overflow_steps_without_advancing_the_lr():
     assert metrics[-1]["loss"] < metrics[0]["loss"]
 
 
+@pytest.mark.slow
 def test_fp16_dp2_layout_skips_the_same_steps():
     check_layout(tiny_spec(world=2, training=FP16), None, FP16, **BF16_TOL)
 
@@ -179,6 +183,7 @@ def _parity_layouts() -> dict:
 PARITY_LAYOUTS = _parity_layouts()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in PARITY_LAYOUTS if n not in BF16_LAYOUTS])
 def test_bf16_every_other_parity_layout_trains_and_agrees(name):
     """bf16 in every layout of the fp32 parity suites (beyond the ones above): it runs, the loss

@@ -44,6 +44,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_recompute_layout_matches_single_process_without_recompute(name):
     moe, world, parallel, setting = LAYOUTS[name]
