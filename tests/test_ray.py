@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -175,6 +176,58 @@ def test_a_restart_starts_again_on_the_ranks_that_survived(cluster, kind):
     survived = [r != 1 or kind == "raise" for r in range(4)]
     assert [p["reused"] for p in first] == [False] * 4 and [p["reused"] for p in second] == survived
     assert [a["pid"] == b["pid"] for a, b in zip(first, second)] == survived
+
+
+def _exported(job_id: str) -> dict:
+    """Every node's Prometheus export (Ray's metrics agent): (metric, rank) -> (tags, value) of
+    this job's raytron gauges."""
+    import re
+    import urllib.request
+
+    import ray
+
+    out = {}
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+        for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+            m = re.match(r'^ray_(raytron_\w+)\{(.*)\} (\S+)$', line)
+            if m:
+                tags = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+                if tags.get("job_id") == job_id:
+                    out[(m.group(1), int(tags["rank"]))] = (tags, float(m.group(3)))
+    return out
+
+
+def test_rank_metrics_reach_the_ray_metrics_export_with_their_coordinates(cluster):
+    """What the Ray dashboard's Grafana reads: each rank's gauges, tagged with job, rank and grid
+    coordinates, holding this job's numbers (each the value of one of its iterations)."""
+    s = spec_dict(tp=2, pp=1, nodes=1, gpus=2, iters=4, gbs=4)
+    s["training"].update(split="90,10,0", eval_interval=2, eval_iters=1)
+    job = to_job_config(parse_spec(s))
+    result, ctrl = run_job(job, cluster)
+    assert result["state"] == "SUCCEEDED"
+    job_id = ctrl.job_id
+    per_iteration = {key: {m[key] for m in ctrl.metrics if m.get(key) is not None}
+                     for key in ("loss", "val_loss", "lr", "grad_norm", "loss_scale")}
+    names = {"loss": "raytron_lm_loss", "val_loss": "raytron_val_loss", "lr": "raytron_lr",
+             "grad_norm": "raytron_grad_norm", "loss_scale": "raytron_loss_scale"}
+    wanted = {(name, rank) for name in [*names.values(), "raytron_tokens_per_s", "raytron_step_time_s",
+                                        "raytron_peak_mem_mb"] for rank in (0, 1)}
+    deadline = time.monotonic() + 60  # the agent exports what the workers reported, every few seconds
+    while not wanted <= set(got := _exported(job_id)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert wanted <= set(got), sorted(wanted - set(got))
+    for rank in (0, 1):
+        coords = ParallelGrid.from_config(job.parallel, 2).coords(rank)
+        for (name, r), (tags, value) in got.items():
+            if r == rank:
+                assert {k: tags[k] for k in ("tp", "pp", "dp", "cp", "ep")} == {k: str(coords[k]) for k in
+                                                                                   ("tp", "pp", "dp", "cp", "ep")}
+        for key, name in names.items():
+            assert got[(name, rank)][1] in per_iteration[key], (name, got[(name, rank)], per_iteration[key])
+        assert got[("raytron_tokens_per_s", rank)][1] > 0 and got[("raytron_peak_mem_mb", rank)][1] > 0
 
 
 def test_cli_run_simulated_restarts_after_a_fault(tmp_path):
