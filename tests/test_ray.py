@@ -166,10 +166,15 @@ def test_a_restart_starts_again_on_the_ranks_that_survived(cluster, kind):
     processes (reset, no new torch import), a new actor only for a dead rank, the same curve.
     tp 2 x dp 2: rank 2 waits in a dp all-reduce for rank 0, which failed in a tp all-reduce with
     rank 1; only rank 0 freeing its groups at once (not at the 300 s timeout) lets rank 2 go in time."""
+    from service.rank_group import ControllerConfig
+
     job, grid = make_job(tp=2, pp=1, nodes=2, gpus=2, iters=3, gbs=4, max_restarts=1)
     reference, _ = run_job(job, cluster)
     events = []
-    result, _ = run_job(job, cluster, faults=[Fault(1, 2, kind)], on_event=events.append)
+    # A wide reuse window (the cascade takes about a second) keeps the test deterministic on a
+    # loaded machine; without the cascade rank 2 would wait for the 300 s collective timeout.
+    config = ControllerConfig(placement_timeout_s=30, reuse_wait_s=60)
+    result, _ = run_job(job, cluster, config=config, faults=[Fault(1, 2, kind)], on_event=events.append)
     assert result["state"] == "SUCCEEDED" and result["restarts"] == 1
     assert result["losses"] == reference["losses"]
     first, second = [e.data["placement"] for e in events if e.kind == "placement"]
