@@ -295,12 +295,17 @@ class JobController:
 
     # -- checkpoints ------------------------------------------------------------------------
     def _resume_source(self) -> str | None:
-        """The latest complete checkpoint under ``checkpoint.dir``, else ``checkpoint.load``, else None."""
-        from workers.checkpoint_storage import Storage, latest_checkpoint
+        """The latest complete checkpoint under ``checkpoint.dir``, else ``checkpoint.load``, else None.
+
+        Once the job has recorded iterations, the latest one not past them: the ranks may save a
+        checkpoint and die before the call that saved it returns its metrics, and resuming from
+        it would leave those iterations out of the curve (``keep_last`` >= 2 keeps the one before)."""
+        from workers.checkpoint_storage import Storage, list_checkpoints
 
         ckpt = self.job.checkpoint
         if ckpt.dir:
-            latest = latest_checkpoint(Storage.from_uri(ckpt.dir))
-            if latest is not None:
-                return latest.storage.root
+            found = list_checkpoints(Storage.from_uri(ckpt.dir))
+            held = [c for c in found if c.iteration <= len(self.metrics)] if self.metrics else []
+            if found:
+                return (held or found)[-1].storage.root
         return ckpt.load

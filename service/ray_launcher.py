@@ -164,21 +164,24 @@ class RayRankGroup:
 
     def _survivors(self) -> dict:
         """rank -> actor for the ranks whose last call ended (returned, or raised: the process
-        lives) on a live node and that ``reset`` within ``reuse_wait_s``; empty when a node is lost.
+        lives) on a live node and that ``reset`` within ``reuse_wait_s``; empty when a node is lost
+        or may be (Ray reports it dead, or a dead rank's raylet stopped answering).
 
         Each is reset as soon as its call ends: that frees its process groups, which makes peers
         still blocked in a collective with it fail now rather than at their timeout."""
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ActorUnavailableError, RayActorError
 
         if not self._ran or self.pg is None or len(self._inflight) != len(self.actors):
             return {}
-        if {p.get("node_id") for p in self.placement} & dead_nodes():
+        nodes = {p.get("node_id") for p in self.placement}
+        if nodes & dead_nodes():
             return {}  # the placement group is being rescheduled: start over
         deadline = time.monotonic() + self.config.reuse_wait_s
         calls = dict(zip(self._inflight, range(len(self.actors))))  # ref -> rank
         resets: dict = {}
         kept = {}
+        node_suspect = False
         while calls or resets:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -189,6 +192,11 @@ class RayRankGroup:
                     rank = calls.pop(ref)
                     try:
                         ray.get(ref, timeout=0)
+                    except ActorUnavailableError:
+                        # Its raylet does not answer: the node may be lost before Ray says so
+                        # (a health check away); its bundle must not be reused.
+                        node_suspect = True
+                        continue
                     except RayActorError:
                         continue  # dead
                     except Exception:  # noqa: BLE001 - it raised: the process lives on
@@ -201,7 +209,7 @@ class RayRankGroup:
                         kept[rank] = self.actors[rank]
                     except Exception:  # noqa: BLE001 - not reusable: killed with the dead
                         pass
-        return kept
+        return {} if node_suspect or nodes & dead_nodes() else kept
 
     def _drain(self) -> None:
         """Read the answers a failed call left behind, so Ray does not log them as unhandled errors."""

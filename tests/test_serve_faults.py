@@ -50,6 +50,21 @@ def close(a, b, rel=1e-5) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
 
 
+def story(api, job_id: str, losses: list[float], expected: list[float]) -> str:
+    """Why two curves differ, with the job's events (an assertion message)."""
+    first = next((i for i, (x, y) in enumerate(zip(losses, expected)) if abs(x - y) > 1e-5 * abs(y)), None)
+    lines = [f"{len(losses)} losses vs {len(expected)} expected; first difference at index {first}: "
+             f"{None if first is None else (losses[first], expected[first])}"]
+    for e in events(api, job_id):
+        if e["kind"] == "iteration":
+            lines.append(f"  iteration {e['data']['iteration']} loss {e['data']['loss']!r}")
+        elif e["kind"] == "placement":
+            lines.append(f"  placement {[(p['rank'], p.get('reused'), p.get('resumed_iteration')) for p in e['data']['placement']]}")
+        else:
+            lines.append(f"  {e['kind']} {e['state']} {e['message'][:200]}")
+    return "\n".join(lines)
+
+
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
     srv = Server(tmp_path_factory.mktemp("serve4x2") / "data", simulate="4x2", launcher="ray",
@@ -224,7 +239,7 @@ def test_lost_node_shrinks_dp_with_the_same_global_batch_and_curve(api):
     assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
     assert job["sizes"]["dp"] == 2 and job["sizes"]["tp"] == 1  # 3 nodes left: dp 3 does not divide 8
     assert job["spec"]["training"]["global_batch_size"] == 8
-    assert close(job["losses"], expected), (job["losses"], expected)
+    assert close(job["losses"], expected), story(api, job_id, job["losses"], expected)
     resize = [e for e in events(api, job_id) if e["kind"] == "resize"]
     assert resize and resize[0]["data"]["old"]["sizes"]["dp"] == 4 and resize[0]["data"]["new"]["sizes"]["dp"] == 2
     assert len(api.get(f"/jobs/{job_id}/placement").json()["ranks"]) == 2
