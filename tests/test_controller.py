@@ -191,3 +191,29 @@ def test_result_object_has_no_bare_nan():
     out = result_object("j", "FAILED", grid, metrics, [], error="x")
     assert out["losses"] == [2.0, None] and out["grad_norm"] == [None, 1.0] and "moe_aux_loss" not in out
     json.dumps(out, allow_nan=False)
+
+
+def test_a_restart_resumes_from_the_last_checkpoint_whose_iterations_it_recorded(tmp_path):
+    """The ranks can save iteration k's checkpoint and die before the call returns k's metrics:
+    resuming from k would leave k out of the curve, so the restart takes the checkpoint before."""
+    from dataclasses import replace
+
+    from test_checkpoint import checkpointer, trained
+
+    ck = checkpointer(tmp_path, keep_last=2)
+    t = trained(2)
+    ck.save(t)
+    t.train_step()
+    t.train_step()
+    ck.save(t)  # iterations 2 and 4 on disk
+    job, grid = make_job(iters=5)
+    job = replace(job, checkpoint=replace(job.checkpoint, dir=str(tmp_path)))
+
+    def make(attempt, *_):  # the first attempt records iterations 1-3, then a rank dies
+        return FakeGroup(4, fail_on_call=4 if attempt == 0 else None)
+
+    ctrl = JobController(job, grid, job_id="j-ckpt", make_group=make)
+    assert ctrl.run()["state"] == "SUCCEEDED"
+    starts = [e.data["from_checkpoint"] for e in ctrl.events if e.kind == "state" and e.state is JobState.STARTING]
+    assert starts[0].endswith("iter_0000004")  # a first attempt takes the latest
+    assert starts[1].endswith("iter_0000002"), starts  # not iteration 4: its metrics never arrived
