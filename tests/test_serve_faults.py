@@ -170,17 +170,23 @@ def test_crash_in_the_middle_of_a_save_restarts_from_the_previous_complete_check
     assert sorted(os.listdir(root)) == ["iter_0000010", "iter_0000012"], os.listdir(root)
 
 
-def test_kill_9_of_rank_3_mid_job_restarts_from_the_checkpoint(api):
-    s = spec("kill9")
+def signal_drill(api, s: dict, *, at: int, rank: int, sig: int) -> tuple[str, dict, dict]:
+    """Submit ``s``, send ``sig`` to rank ``rank``'s process once the job is at iteration ``at``;
+    the job must end SUCCEEDED after a restart, on the undisturbed curve. Returns (job id, job, victim)."""
     job_id = submit(api, s)
-    wait_iteration(api, job_id, 4)
-    victim = rank_record(api, job_id, 3)
-    os.kill(victim["pid"], signal.SIGKILL)
+    wait_iteration(api, job_id, at)
+    victim = rank_record(api, job_id, rank)
+    os.kill(victim["pid"], sig)
     expected = undisturbed(s)
     job = wait_for(api, job_id, DONE, timeout_s=300)
     assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
     assert job["restarts"] >= 1
-    assert close(job["losses"], expected), (job["losses"], expected)
+    assert close(job["losses"], expected), story(api, job_id, job["losses"], expected)
+    return job_id, job, victim
+
+
+def test_kill_9_of_rank_3_mid_job_restarts_from_the_checkpoint(api):
+    job_id, job, victim = signal_drill(api, spec("kill9"), at=4, rank=3, sig=signal.SIGKILL)
     named = [f for f in failures(api, job_id) if f.get("rank") == 3]
     assert named and named[0].get("node_id") == victim["node_id"] and "died" in named[0]["message"], failures(api, job_id)
     attempts = job["attempts"]
@@ -188,15 +194,7 @@ def test_kill_9_of_rank_3_mid_job_restarts_from_the_checkpoint(api):
 
 
 def test_sigstop_of_a_rank_is_caught_by_the_collective_timeout(api):
-    s = spec("sigstop", timeout=10)
-    job_id = submit(api, s)
-    wait_iteration(api, job_id, 3)
-    victim = rank_record(api, job_id, 1)
-    os.kill(victim["pid"], signal.SIGSTOP)
-    expected = undisturbed(s)
-    job = wait_for(api, job_id, DONE, timeout_s=300)
-    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
-    assert job["restarts"] >= 1 and close(job["losses"], expected)
+    job_id, job, victim = signal_drill(api, spec("sigstop", timeout=10), at=3, rank=1, sig=signal.SIGSTOP)
     hung = [f for f in failures(api, job_id) if f.get("code") == "rank_hung"]
     assert hung and hung[0]["rank"] == 1 and hung[0]["node_id"] == victim["node_id"], failures(api, job_id)
 
