@@ -22,10 +22,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from child import run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = """\
@@ -93,14 +94,7 @@ def child_ray_train(t_launch: float, workers: int) -> dict:
 
 
 def _launch(args: list[str], env: dict) -> dict:
-    t_launch = time.time()
-    proc = subprocess.run([sys.executable, __file__, "--child", *args, "--t-launch", repr(t_launch)],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"child {args[0]} failed with exit code {proc.returncode}")
-    return json.loads(lines[-1])
+    return run_child(__file__, [*args, "--t-launch", repr(time.time())], env)
 
 
 def main() -> None:

@@ -26,11 +26,12 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
+
+from child import run_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = {"name": "recovery", "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
@@ -144,13 +145,7 @@ def child_ray_train(workers: int) -> dict:
 
 
 def _launch(args: list[str], env: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", *args], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"child {args[0]} failed with exit code {proc.returncode}")
-    return json.loads(lines[-1])
+    return run_child(__file__, args, env)
 
 
 def main() -> None:
