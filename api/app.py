@@ -1,7 +1,7 @@
 """The REST API (ARCHITECTURE.md contract 4), built by :func:`create_app`; nothing happens at import.
 
 ``create_app(settings, store=..., launcher=..., cluster=...)`` wires the routes to one job store,
-one launcher and one cluster view. The app's lifespan starts the :class:`~service.scheduler.Scheduler`
+one launcher and one cluster view. The app's lifespan starts the :class:`~service.server.scheduler.Scheduler`
 (which first re-attaches to the jobs of an earlier server) and stops it on shutdown; running jobs
 keep running.
 """
@@ -18,9 +18,9 @@ from api import http_errors
 from api.deps import require_token
 from api.http_errors import error_response
 from api.routes import cluster as cluster_routes, console, health, jobs, plan, streams
-from service.launchers import JobLauncher
-from service.scheduler import ClusterView, Scheduler
-from service.store import JobStore
+from service.server.runners import JobLauncher
+from service.server.scheduler import ClusterView, Scheduler
+from service.server.store import JobStore
 
 API_PREFIX = "/api/v1"
 
@@ -82,7 +82,7 @@ def create_app(settings: Settings, *, store: JobStore, launcher: JobLauncher, cl
     Args:
         settings: the server's settings.
         store: the job store (the single record).
-        launcher: starts job runners (:class:`service.launchers.LocalProcessLauncher`, ...).
+        launcher: starts job runners (:class:`service.server.runners.LocalProcessLauncher`, ...).
         cluster: the nodes and GPU slots jobs are admitted against.
         scheduler: a ready scheduler (tests); default one over ``store``, ``launcher`` and ``cluster``.
     """

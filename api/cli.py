@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def grid_report(grid, gpus_per_node: int) -> dict:
     """The ``raytron grid --json`` object (contract 3)."""
-    from service.placement import plan_placement
+    from service.spec.placement import plan_placement
     from workers.grid import DECODER_KINDS, EXPERT_KINDS
 
     plan = plan_placement(grid, gpus_per_node)
@@ -137,7 +137,7 @@ def grid_report(grid, gpus_per_node: int) -> dict:
 
 def cmd_grid(args) -> int:
     from api.render import print_grid
-    from service.limits import check_world_size
+    from service.spec.limits import check_world_size
     from workers.grid import ParallelGrid
 
     try:

@@ -220,8 +220,8 @@ def cmd_plan(args) -> int:
         with _client(args) as client:
             plan = client.plan(spec)
     else:
-        from service.plan import plan_job
-        from service.spec_check import check_spec
+        from service.spec.plan import plan_job
+        from service.spec.check import check_spec
 
         check = check_spec(spec)
         if check.problems:

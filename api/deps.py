@@ -13,8 +13,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.auth import token_matches
 from api.http_errors import ApiError
-from service.scheduler import ClusterView, Scheduler
-from service.store import JobStore
+from service.server.scheduler import ClusterView, Scheduler
+from service.server.store import JobStore
 
 _bearer = HTTPBearer(auto_error=False, description="the token of RAYTRON_API_TOKEN or DATA_DIR/api_token")
 

@@ -14,8 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.scheduler import JobNotActive, NeverFits
-from service.store import UnknownJob
+from service.server.scheduler import JobNotActive, NeverFits
+from service.server.store import UnknownJob
 
 log = logging.getLogger("raytron.api")
 

@@ -1,4 +1,4 @@
-"""``raytron preprocess``: the argument parser and the command (the work is service.preprocess).
+"""``raytron preprocess``: the argument parser and the command (the work is workers.preprocess).
 
 Wired into ``api/cli.py`` with ``preprocess_cmd.add_parser(sub)``; ``run(args)`` returns the
 exit status: 0, or 2 with one line on stderr for bad input.
@@ -49,7 +49,7 @@ def run(args) -> int:
     """Run ``raytron preprocess``; 2 and one stderr line on bad input."""
     from tqdm import tqdm
 
-    from service.preprocess import HFTokenizer, preprocess
+    from workers.preprocess import HFTokenizer, preprocess
 
     bar = None
 

@@ -1,6 +1,6 @@
 """What ``raytron run`` and ``raytron grid`` show: tables, the progress bar, the final line.
 
-:class:`RunView` subscribes to a job's :class:`~service.events.JobEvent` stream; the controller
+:class:`RunView` subscribes to a job's :class:`~service.control.events.JobEvent` stream; the controller
 never calls it directly (STYLE.md rule 10). Tables and the bar go to stderr, so that stdout
 carries only the result (the final line, or the JSON object with ``--json``).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-from service.events import JobEvent, JobState
+from service.control.events import JobEvent, JobState
 
 
 def print_plan(grid, plan, out=None) -> None:

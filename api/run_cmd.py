@@ -1,4 +1,4 @@
-"""``raytron run``: validate, start the job through :func:`service.jobs.start_job`, render its
+"""``raytron run``: validate, start the job through :func:`service.control.jobs.start_job`, render its
 events, print the result, and turn SIGINT/SIGTERM into a cancel.
 
 Exit status: 0 SUCCEEDED, 1 FAILED, 2 invalid input (nothing started), 130 / 143 cancelled by
@@ -14,10 +14,10 @@ import time
 
 from api.errors import UsageError
 from api.render import RunView, final_line, print_plan, result_json
-from service.errors import JobError
-from service.jobs import new_job_id, prepare, start_job
-from service.placement import plan_placement
-from service.result import result_object
+from service.control.errors import JobError
+from service.control.jobs import new_job_id, prepare, start_job
+from service.spec.placement import plan_placement
+from service.control.result import result_object
 from workers.faults import Fault
 
 _EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -54,12 +54,12 @@ class _Signals:
 @contextlib.contextmanager
 def _launcher(args, job, notes):
     if args.launcher == "processes":
-        from service.process_launcher import ProcessLauncher
+        from service.ranks.process_launcher import ProcessLauncher
 
         yield ProcessLauncher()
         return
-    from service.ray_cluster import ray_session
-    from service.ray_launcher import RayLauncher
+    from service.ranks.ray_cluster import ray_session
+    from service.ranks.ray_launcher import RayLauncher
 
     with ray_session(args.simulate, default_shape=(job.num_nodes, job.gpus_per_node)) as session:
         for note in session.notes:
@@ -133,7 +133,7 @@ def _print_result(args, result: dict, t0: float, note: str = "") -> None:
 
 
 def _torchrun(args, job, grid, env, faults: list[Fault]) -> int:
-    from service.torchrun import run_torchrun_rank
+    from service.ranks.torchrun import run_torchrun_rank
 
     t0 = time.time()
     try:

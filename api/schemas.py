@@ -1,7 +1,7 @@
 """Response models of the REST API (contract 4): what clients may rely on, shown at /docs.
 
-The request side is the job spec (:class:`service.spec.JobSpec`, plus ``priority``), checked by
-:func:`service.spec_check.check_spec` so that a 422 lists one entry per problem.
+The request side is the job spec (:class:`service.spec.spec.JobSpec`, plus ``priority``), checked by
+:func:`service.spec.check.check_spec` so that a 422 lists one entry per problem.
 """
 
 from __future__ import annotations

@@ -74,8 +74,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def default_cluster(simulate: tuple[int, int] | None):
-    from service.ray_cluster import local_gpu_count
-    from service.scheduler import StaticCluster
+    from service.ranks.ray_cluster import local_gpu_count
+    from service.server.scheduler import StaticCluster
 
     if simulate is not None:
         return StaticCluster(*simulate)
@@ -92,12 +92,12 @@ def build_app(args, ray_session=None):
     """The app for parsed ``serve`` arguments (and the store, to close).
 
     Args:
-        ray_session: the :class:`service.ray_cluster.RaySession` jobs run on, for ``--launcher ray``.
+        ray_session: the :class:`service.ranks.ray_cluster.RaySession` jobs run on, for ``--launcher ray``.
     """
     from api.app import Settings, create_app
     from api.auth import load_or_create_token
-    from service.launchers import LocalProcessLauncher
-    from service.store import JobStore, sqlite_url
+    from service.server.runners import LocalProcessLauncher
+    from service.server.store import JobStore, sqlite_url
 
     data_dir = Path(args.data_dir or data_dir_default()).expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -109,7 +109,7 @@ def build_app(args, ray_session=None):
         launcher = LocalProcessLauncher(data_dir, database_url, faults=faults)
         cluster = default_cluster(args.simulate)
     else:
-        from service.ray_jobs import RayClusterView, RayJobsLauncher
+        from service.server.ray_jobs import RayClusterView, RayJobsLauncher
 
         if not ray_session.dashboard_url:
             raise ValueError(f"the Ray cluster at {ray_session.address} has no dashboard, which Ray Jobs need; "
@@ -123,7 +123,7 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if launcher_kind(args) == "processes":
         return _serve(args, None)
-    from service.ray_cluster import ray_session
+    from service.ranks.ray_cluster import ray_session
 
     # The cluster lives as long as the server when raytron starts it (--simulate, or embedded).
     with ray_session(args.simulate) as session:

@@ -79,7 +79,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from service.spec import parse_spec, to_job_config  # noqa: E402
+from service.spec.spec import parse_spec, to_job_config  # noqa: E402
 from workers.config import JobConfig  # noqa: E402
 from workers.grid import ParallelGrid  # noqa: E402
 from workers.parallel.pipeline import partition_layers  # noqa: E402

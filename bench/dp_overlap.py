@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from service.spec import parse_spec, to_job_config  # noqa: E402
+from service.spec.spec import parse_spec, to_job_config  # noqa: E402
 
 MODEL = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
          "ffn_hidden_size": 128, "vocab_size": 256, "seq_length": 32}

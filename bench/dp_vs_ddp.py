@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from service.spec import parse_spec, to_job_config  # noqa: E402
+from service.spec.spec import parse_spec, to_job_config  # noqa: E402
 from workers.config import JobConfig  # noqa: E402
 
 MODEL = {"num_layers": 2, "hidden_size": 256, "num_attention_heads": 8, "num_query_groups": 4,

@@ -118,7 +118,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_throughput: no CUDA device; nothing measured")
         return 0
-    from service.spec import parse_spec, to_job_config
+    from service.spec.spec import parse_spec, to_job_config
 
     job = to_job_config(parse_spec(model_spec(args)))
     matmul_params, fpt = flops_per_token(job.model)

@@ -6,7 +6,7 @@ coordinates and the placement plan, next to the ~1 s budget a CLI answer should 
 
 import time
 
-from service.placement import plan_placement
+from service.spec.placement import plan_placement
 from workers.grid import DECODER_KINDS, EXPERT_KINDS, ParallelGrid
 
 

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from service.spec import parse_spec, to_job_config  # noqa: E402
+from service.spec.spec import parse_spec, to_job_config  # noqa: E402
 
 MODEL = {"num_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "num_query_groups": 4,
          "ffn_hidden_size": 1024, "vocab_size": 65536, "seq_length": 64}

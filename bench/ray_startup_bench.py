@@ -40,9 +40,9 @@ resources: {num_nodes: 4, gpus_per_node: 2}
 
 def child_raytron(spec_path: str, t_launch: float) -> dict:
     """The `raytron run` path (prepare + start_job on Ray), noting when the first iteration ends."""
-    from service.jobs import prepare, start_job
-    from service.ray_cluster import ray_session
-    from service.ray_launcher import RayLauncher
+    from service.control.jobs import prepare, start_job
+    from service.ranks.ray_cluster import ray_session
+    from service.ranks.ray_launcher import RayLauncher
 
     job, grid = prepare(spec_path)
     marks = {"driver_ready_s": time.time()}
@@ -114,7 +114,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, ROOT)
-    from service.ray_cluster import simulated_cluster
+    from service.ranks.ray_cluster import simulated_cluster
 
     runs: dict[str, list[dict]] = {"raytron": [], "ray_train": []}
     with tempfile.TemporaryDirectory(prefix="raytron-bench-") as tmp:

@@ -35,7 +35,7 @@ MIB = 2**20
 
 
 def job(setting: str, tp: int, model: dict | None = None, training: dict | None = None):
-    from service.spec import parse_spec, to_job_config
+    from service.spec.spec import parse_spec, to_job_config
 
     spec = {"name": "recompute-bench", "model": {**(model or MODEL), **SETTINGS[setting]},
             "parallel": {"tensor_model_parallel_size": tp, "sequence_parallel": tp > 1},

@@ -10,7 +10,7 @@ On one simulated cluster of 4 nodes x 2 GPU slots (started here, shared by both)
   ranks placed, minus the checkpoint load), *restore* (the slowest rank's checkpoint load) and
   *first iteration* (placed -> the next iteration finished). Also the checkpoint's save seconds
   (rank 0, per save) and bytes per rank (its data file), and how many ranks the new attempt
-  started again in place (the survivors: see ``service/ray_launcher.py``).
+  started again in place (the survivors: see ``service/ranks/ray_launcher.py``).
 * **Ray Train**: ``TorchTrainer`` with 8 CPU workers and ``FailureConfig(max_failures=1)``; each
   step is a 1 MiB all-reduce; worker 3 is killed with SIGKILL after its third step. Measured:
   kill -> every restarted worker has finished its first all-reduce.
@@ -43,11 +43,11 @@ SPEC = {"name": "recovery", "model": {"num_layers": 2, "hidden_size": 64, "num_a
 
 
 def child_raytron(ckpt_dir: str) -> dict:
-    from service.events import JobState
-    from service.jobs import start_job
-    from service.ray_cluster import ray_session
-    from service.ray_launcher import RayLauncher
-    from service.spec import parse_spec, to_job_config
+    from service.control.events import JobState
+    from service.control.jobs import start_job
+    from service.ranks.ray_cluster import ray_session
+    from service.ranks.ray_launcher import RayLauncher
+    from service.spec.spec import parse_spec, to_job_config
 
     job = to_job_config(parse_spec({**SPEC, "checkpoint": {"save_interval": 1, "dir": ckpt_dir}}))
     marks: dict = {}
@@ -154,7 +154,7 @@ def main() -> None:
         out = child_raytron(sys.argv[3]) if sys.argv[2] == "raytron" else child_ray_train(int(sys.argv[3]))
         print(json.dumps(out))
         return
-    from service.ray_cluster import simulated_cluster
+    from service.ranks.ray_cluster import simulated_cluster
 
     with tempfile.TemporaryDirectory(prefix="raytron-bench-") as tmp, simulated_cluster(4, 2) as session:
         env = {**os.environ, "RAY_ADDRESS": session.address}

@@ -26,7 +26,7 @@ import json
 
 import numpy as np
 
-from service.spec import parse_spec, to_job_config
+from service.spec.spec import parse_spec, to_job_config
 
 ITERS = 3
 LOSS_RTOL = 1e-6

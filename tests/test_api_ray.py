@@ -8,11 +8,11 @@ import time
 import httpx
 import pytest
 
-from service.ray_cluster import simulated_cluster
-from service.ray_jobs import RayClusterView, RayJobsLauncher, submission_id
-from service.scheduler import Scheduler
-from service.spec import parse_spec
-from service.store import TERMINAL_STATES, JobStore, sqlite_url
+from service.ranks.ray_cluster import simulated_cluster
+from service.server.ray_jobs import RayClusterView, RayJobsLauncher, submission_id
+from service.server.scheduler import Scheduler
+from service.spec.spec import parse_spec
+from service.server.store import TERMINAL_STATES, JobStore, sqlite_url
 from test_api import tiny
 
 pytestmark = pytest.mark.ray

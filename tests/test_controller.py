@@ -9,11 +9,11 @@ import math
 
 import pytest
 
-from service.controller import JobController
-from service.errors import NonFiniteMetric, RankDied, RankHung, RankRaised, is_root_cause
-from service.events import JobEvent, JobState
-from service.policy import Decision, FailFast, RestartUpTo
-from service.spec import parse_spec, to_job_config
+from service.control.controller import JobController
+from service.control.errors import NonFiniteMetric, RankDied, RankHung, RankRaised, is_root_cause
+from service.control.events import JobEvent, JobState
+from service.control.policy import Decision, FailFast, RestartUpTo
+from service.spec.spec import parse_spec, to_job_config
 from workers.faults import Fault
 from workers.grid import ParallelGrid
 
@@ -184,7 +184,7 @@ def test_root_cause_is_the_rank_that_broke_not_its_peers():
 
 
 def test_result_object_has_no_bare_nan():
-    from service.result import result_object
+    from service.control.result import result_object
 
     job, grid = make_job()
     metrics = [{"loss": 2.0, "grad_norm": math.inf}, {"loss": math.nan, "grad_norm": 1.0}]

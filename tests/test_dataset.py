@@ -229,7 +229,7 @@ def test_data_errors_name_the_corpus_the_split_and_the_fix(tmp_path):
 
 # --- the spec fields --------------------------------------------------------------------------
 
-from service.spec import parse_spec, to_job_config  # noqa: E402
+from service.spec.spec import parse_spec, to_job_config  # noqa: E402
 
 
 def spec(**training):

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import yaml
 
-from service.spec import parse_spec, to_job_config
+from service.spec.spec import parse_spec, to_job_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

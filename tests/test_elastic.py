@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from service.controller import JobController
-from service.errors import RankDied
-from service.events import JobState
-from service.policy import ElasticDataParallel, batch_problem, resized
-from service.spec import parse_spec, to_job_config
+from service.control.controller import JobController
+from service.control.errors import RankDied
+from service.control.events import JobState
+from service.control.policy import ElasticDataParallel, batch_problem, resized
+from service.spec.spec import parse_spec, to_job_config
 from workers.grid import ParallelGrid
 
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=256, seq_length=32)
@@ -128,8 +128,8 @@ def test_no_valid_size_fails_with_the_reason():
 def test_the_store_records_resizes_and_attempts_from_the_controller_events(tmp_path):
     """The runner's recorder turns a resize into the job's sizes column and STARTING's
     from_checkpoint into the attempt row (what GET /api/v1/jobs/{id} shows)."""
-    from service.job_main import StoreRecorder
-    from service.store import JobStore, sqlite_url
+    from service.server.job_main import StoreRecorder
+    from service.server.store import JobStore, sqlite_url
 
     store = JobStore(sqlite_url(tmp_path))
     job = make_job()

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from service.events import JobState
-from service.spec import parse_spec, to_job_config
+from service.control.events import JobState
+from service.spec.spec import parse_spec, to_job_config
 from test_serve_faults import MODEL, _raylet_of, close, undisturbed
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -41,9 +41,9 @@ def _wait_dead(node_id: str, timeout_s: float = 30) -> None:
 def test_lost_node_shrinks_then_the_job_grows_back_when_a_node_joins(tmp_path):
     import ray
 
-    from service.jobs import start_job
-    from service.ray_cluster import simulated_cluster
-    from service.ray_launcher import RayLauncher
+    from service.control.jobs import start_job
+    from service.ranks.ray_cluster import simulated_cluster
+    from service.ranks.ray_launcher import RayLauncher
     from test_ray import leftovers
 
     job = to_job_config(parse_spec(SPEC))

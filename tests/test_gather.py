@@ -1,11 +1,11 @@
-"""The failure triage both launchers share (service/gather.py), against scripted answers."""
+"""The failure triage both launchers share (service/ranks/gather.py), against scripted answers."""
 
 from __future__ import annotations
 
 import pytest
 
-from service.errors import JobError, RankDied, RankHung, RankRaised
-from service.gather import collect, peer_summary
+from service.control.errors import JobError, RankDied, RankHung, RankRaised
+from service.ranks.gather import collect, peer_summary
 
 PEER = "RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"
 

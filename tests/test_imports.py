@@ -1,8 +1,11 @@
-"""Layers import one way: api -> service -> workers (STYLE.md rule 10).
+"""Rooms import one way, downward: api -> service/server -> service/ranks -> service/control
+-> service/spec -> workers.
 
 Every module's imports are read from its source (AST), including imports inside functions,
-so a backward edge cannot hide behind a lazy import. A backward edge (workers -> service or
-api, service -> api) or a cycle between modules fails the test, naming the modules.
+so a backward edge cannot hide behind a lazy import. An import from a lower room into a higher
+one (workers -> anything in service, service/spec -> service/control, service/ranks ->
+service/server, service -> api, ...) or a cycle between modules fails the test, naming the
+modules.
 """
 
 from __future__ import annotations
@@ -11,7 +14,19 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = {"api": 2, "service": 1, "workers": 0}
+# Each room and its height; a module may import only from its own room or lower ones.
+ROOMS = {"workers": 0, "service": 1, "service.spec": 1, "service.control": 2, "service.ranks": 3,
+         "service.server": 4, "api": 5}
+PACKAGES = ("api", "service", "workers")
+
+
+def room_of(module: str) -> int:
+    """The height of the innermost room holding ``module`` (``service.ranks.gather`` -> 3)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in ROOMS:
+            return ROOMS[".".join(parts[:n])]
+    raise KeyError(module)
 
 
 def module_name(path: Path) -> str:
@@ -20,7 +35,7 @@ def module_name(path: Path) -> str:
 
 
 def project_modules() -> dict[str, Path]:
-    return {module_name(p): p for layer in LAYERS for p in (ROOT / layer).rglob("*.py")}
+    return {module_name(p): p for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
@@ -48,8 +63,7 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def backward_edges(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
-    layer = lambda m: LAYERS[m.split(".")[0]]  # noqa: E731
-    return sorted((a, b) for a, targets in graph.items() for b in targets if layer(b) > layer(a))
+    return sorted((a, b) for a, targets in graph.items() for b in targets if room_of(b) > room_of(a))
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -84,10 +98,19 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_layers_import_one_way():
+def test_rooms_import_one_way():
     graph = import_graph()
-    assert {"api.cli", "service.controller", "workers.train"} <= set(graph)  # the walk found the code
+    assert {"api.cli", "service.control.controller", "service.spec.spec", "service.ranks.ray_launcher",
+            "service.server.scheduler", "workers.train"} <= set(graph)  # the walk found the code
     assert backward_edges(graph) == []
+
+
+def test_service_holds_only_its_rooms():
+    """Every module of service/ lives in one of its four rooms."""
+    loose = sorted(p.name for p in (ROOT / "service").glob("*.py") if p.name != "__init__.py")
+    assert loose == []
+    assert {p.name for p in (ROOT / "service").iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        "spec", "control", "ranks", "server"}
 
 
 # Cycles (each through a function-level import) in modules that other issues own, found when main
@@ -106,14 +129,18 @@ def test_the_checks_catch_what_they_claim():
     """The detectors themselves, on small graphs: a function-level backward import and a cycle."""
     assert backward_edges({"workers.x": {"service.y"}, "service.y": set()}) == [("workers.x", "service.y")]
     assert backward_edges({"service.y": {"api.z"}, "api.z": {"service.y"}}) == [("service.y", "api.z")]
+    assert backward_edges({"service.spec.a": {"service.control.b"}, "service.control.b": set()}) == [
+        ("service.spec.a", "service.control.b")]
+    assert backward_edges({"service.ranks.a": {"service.server.b"}, "service.server.b": {"service.ranks.a"}}) == [
+        ("service.ranks.a", "service.server.b")]
     assert cycles({"service.a": {"service.b"}, "service.b": {"service.a"}, "service.c": set()}) == [
         ["service.a", "service.b"]]
 
 
 def test_function_level_imports_count(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("def f():\n    from api.cli import main\n    import service.jobs\n")
-    assert imports_of(src, {"api.cli", "service.jobs", "api"}) == {"api.cli", "service.jobs"}
+    src.write_text("def f():\n    from api.cli import main\n    import service.control.jobs\n")
+    assert imports_of(src, {"api.cli", "service.control.jobs", "api"}) == {"api.cli", "service.control.jobs"}
 
 
 def test_service_never_prints():

@@ -1,6 +1,6 @@
 """Server-wide failure drills (`raytron serve --fault`) on their way to a job: serve's flags ->
-the launcher -> the runner's command line (:func:`service.launchers.runner_command`) -> the
-runner's parser (:mod:`service.job_main`) -> the job's controller. The Ray Jobs path end to end
+the launcher -> the runner's command line (:func:`service.server.runners.runner_command`) -> the
+runner's parser (:mod:`service.server.job_main`) -> the job's controller. The Ray Jobs path end to end
 is in test_serve_faults.py; here the plumbing, and one runner started with the command line a
 launcher writes (local rank processes, seconds).
 """
@@ -15,9 +15,9 @@ import pytest
 
 from api.cli import build_parser as cli_parser
 from api.serve_cmd import build_app
-from service.job_main import build_parser, drills_for
-from service.launchers import runner_command
-from service.store import JobStore, sqlite_url
+from service.server.job_main import build_parser, drills_for
+from service.server.runners import runner_command
+from service.server.store import JobStore, sqlite_url
 from workers.faults import KINDS, Fault
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ def test_a_fault_round_trips_through_its_text(kind):
 def test_runner_command_carries_the_drills_to_job_main():
     faults = [Fault(3, 6, "save"), Fault(0, 2), Fault(1, 4, "hang")]
     cmd = runner_command("job-1", "/data", "sqlite:////data/raytron.db", ranks="ray", faults=faults)
-    assert cmd[1:3] == ["-m", "service.job_main"]
+    assert cmd[1:3] == ["-m", "service.server.job_main"]
     args = build_parser().parse_args(cmd[3:])
     assert args.fault == faults and args.ranks == "ray" and args.job_id == "job-1"
     assert args.data_dir == "/data" and args.database_url == "sqlite:////data/raytron.db"

@@ -128,7 +128,7 @@ def test_iterations_are_one_based():
 
 # --- the spec fields --------------------------------------------------------------------------
 
-from service.spec import parse_spec, to_job_config  # noqa: E402
+from service.spec.spec import parse_spec, to_job_config  # noqa: E402
 
 
 def spec(**training):

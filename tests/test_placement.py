@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from service.placement import check_tp_in_node, plan_placement
+from service.spec.placement import check_tp_in_node, plan_placement
 from workers.grid import AXES, ParallelGrid
 
 ORDERS = ["-".join(p) for p in itertools.permutations(AXES)]

@@ -1,11 +1,11 @@
-"""`service.plan`: parameter counts against the real model's numel, memory and traffic by hand."""
+"""`service.spec.plan`: parameter counts against the real model's numel, memory and traffic by hand."""
 
 from __future__ import annotations
 
 import pytest
 
-from service.plan import BYTES, Shapes, plan_job, rank_parameters
-from service.spec import parse_spec, to_job_config
+from service.spec.plan import BYTES, Shapes, plan_job, rank_parameters
+from service.spec.spec import parse_spec, to_job_config
 from workers.grid import ParallelGrid
 
 

@@ -10,7 +10,7 @@ import pytest
 tokenizers = pytest.importorskip("tokenizers")
 
 from api import preprocess_cmd  # noqa: E402
-from service.preprocess import HFTokenizer, preprocess  # noqa: E402
+from workers.preprocess import HFTokenizer, preprocess  # noqa: E402
 from workers.dataset import GlobalSampler, load_tokens  # noqa: E402
 from workers.indexed_dataset import IndexedDataset  # noqa: E402
 

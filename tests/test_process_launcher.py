@@ -13,11 +13,11 @@ import threading
 
 import pytest
 
-from service.errors import RankDied, RankHung, RankRaised
-from service.events import JobState
-from service.jobs import start_job
-from service.process_launcher import ProcessLauncher
-from service.spec import parse_spec, to_job_config
+from service.control.errors import RankDied, RankHung, RankRaised
+from service.control.events import JobState
+from service.control.jobs import start_job
+from service.ranks.process_launcher import ProcessLauncher
+from service.spec.spec import parse_spec, to_job_config
 from workers.faults import Fault
 
 pytestmark = pytest.mark.procs

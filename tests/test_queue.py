@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from service.queue import QueuedJob, admit, can_ever_fit, place_gang, queue_order
+from service.server.queue import QueuedJob, admit, can_ever_fit, place_gang, queue_order
 
 
 def job(id: str, t: float, nodes: int = 1, gpus: int = 4, priority: int = 0) -> QueuedJob:

@@ -17,10 +17,10 @@ import time
 import pytest
 import yaml
 
-from service.errors import InsufficientResources, RankDied, RankHung, RankRaised
-from service.events import JobState
-from service.placement import check_tp_in_node
-from service.spec import parse_spec, to_job_config
+from service.control.errors import InsufficientResources, RankDied, RankHung, RankRaised
+from service.control.events import JobState
+from service.spec.placement import check_tp_in_node
+from service.spec.spec import parse_spec, to_job_config
 from workers.faults import Fault
 from workers.grid import ParallelGrid
 
@@ -48,7 +48,7 @@ def make_job(**kw):
 
 @pytest.fixture(scope="module")
 def cluster():
-    from service.ray_cluster import simulated_cluster
+    from service.ranks.ray_cluster import simulated_cluster
 
     with simulated_cluster(4, 2) as session:
         yield session
@@ -68,9 +68,9 @@ def leftovers() -> tuple[list, list]:
 
 def run_job(job, session, *, config=None, faults=(), on_event=None):
     """One job through the one orchestration path, on the module's Ray session."""
-    from service.rank_group import ControllerConfig
-    from service.jobs import start_job
-    from service.ray_launcher import RayLauncher
+    from service.control.rank_group import ControllerConfig
+    from service.control.jobs import start_job
+    from service.ranks.ray_launcher import RayLauncher
 
     launcher = RayLauncher(session, config or ControllerConfig(placement_timeout_s=30))
     ctrl = start_job(job, launcher=launcher, on_event=on_event, faults=list(faults), background=False)
@@ -109,8 +109,8 @@ def test_tp_groups_share_a_ray_node(ray_runs, order):
 
 
 def test_ray_and_process_launchers_give_the_same_losses(ray_runs):
-    from service.jobs import start_job
-    from service.process_launcher import ProcessLauncher
+    from service.control.jobs import start_job
+    from service.ranks.process_launcher import ProcessLauncher
 
     job, grid, on_ray = ray_runs["dp-tp-pp"]
     local = start_job(job, launcher=ProcessLauncher(), background=False).run()
@@ -121,7 +121,7 @@ def test_ray_and_process_launchers_give_the_same_losses(ray_runs):
 
 @pytest.mark.parametrize("static", [True, False])
 def test_job_that_cannot_fit_fails_with_the_numbers(cluster, static):
-    from service.rank_group import ControllerConfig
+    from service.control.rank_group import ControllerConfig
 
     job, grid = make_job(tp=2, pp=1, nodes=2, gpus=4, max_restarts=3)  # nodes here have 2 GPU slots
     events = []
@@ -166,7 +166,7 @@ def test_a_restart_starts_again_on_the_ranks_that_survived(cluster, kind):
     processes (reset, no new torch import), a new actor only for a dead rank, the same curve.
     tp 2 x dp 2: rank 2 waits in a dp all-reduce for rank 0, which failed in a tp all-reduce with
     rank 1; only rank 0 freeing its groups at once (not at the 300 s timeout) lets rank 2 go in time."""
-    from service.rank_group import ControllerConfig
+    from service.control.rank_group import ControllerConfig
 
     job, grid = make_job(tp=2, pp=1, nodes=2, gpus=2, iters=3, gbs=4, max_restarts=1)
     reference, _ = run_job(job, cluster)

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from service.scheduler import NeverFits, Scheduler, StaticCluster
-from service.spec import parse_spec
-from service.store import JobStore, sqlite_url
+from service.server.scheduler import NeverFits, Scheduler, StaticCluster
+from service.spec.spec import parse_spec
+from service.server.store import JobStore, sqlite_url
 
 
 class FakeLauncher:

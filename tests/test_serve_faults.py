@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from service.jobs import start_job
-from service.process_launcher import ProcessLauncher
-from service.spec import parse_spec, to_job_config
+from service.control.jobs import start_job
+from service.ranks.process_launcher import ProcessLauncher
+from service.spec.spec import parse_spec, to_job_config
 from test_api import Server, wait_for
 
 pytestmark = pytest.mark.ray

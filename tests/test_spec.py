@@ -6,7 +6,7 @@ import copy
 import pytest
 import yaml
 
-from service.spec import load_spec, parse_spec, to_job_config
+from service.spec.spec import load_spec, parse_spec, to_job_config
 
 
 def base(**sections):
@@ -153,7 +153,7 @@ def test_yaml_exponent_without_dot_is_a_number(tmp_path):
 
 
 def test_checkpoint_and_elastic_fields_reach_the_job_config():
-    from service.spec import to_job_config
+    from service.spec.spec import to_job_config
 
     job = to_job_config(parse_spec(base(
         checkpoint={"save_interval": 3, "dir": "/tmp/c", "keep_last": 4, "async_save": True, "load": "hf:/m"},

@@ -23,10 +23,10 @@ from glob import glob
 import pytest
 import sqlalchemy as sa
 
-import service.store as store_mod
-import service.store_schema as schema_mod
-from service.controller import JobEvent, JobState
-from service.store import InvalidTransition, JobStore, SchemaError, UnknownJob, sqlite_url
+import service.server.store as store_mod
+import service.server.store_schema as schema_mod
+from service.control.controller import JobEvent, JobState
+from service.server.store import InvalidTransition, JobStore, SchemaError, UnknownJob, sqlite_url
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -276,8 +276,8 @@ def test_an_older_schema_is_migrated_once(url, monkeypatch):
 
 
 def test_store_imports_no_controller_api_or_workers():
-    code = ("import sys, service.store; print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('api', 'workers', 'torch', 'ray') or m == 'service.controller'))")
+    code = ("import sys, service.server.store; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('api', 'workers', 'torch', 'ray') or m == 'service.control.controller'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -330,7 +330,7 @@ def test_threads_share_one_store(store):
 
 WRITER = """
 import os, sys, time
-from service.store import JobStore
+from service.server.store import JobStore
 url, job, tag, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 store = JobStore(url)
 while not os.path.exists(sys.argv[5]):

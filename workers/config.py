@@ -1,5 +1,5 @@
 """Frozen internal configs. The pydantic ``JobSpec`` (api/schemas.py) is parsed at the edge and
-turned into these by one function (``service.spec.to_job_config``); nothing inside reads YAML
+turned into these by one function (``service.spec.spec.to_job_config``); nothing inside reads YAML
 or environment variables.
 """
 

@@ -1,6 +1,6 @@
 """One rank of a job as a Ray actor.
 
-The controller (``service/controller.py``) creates one :class:`RankActor` per rank, named
+The controller (``service/control/controller.py``) creates one :class:`RankActor` per rank, named
 ``raytron:<job_id>:rank<r>`` so it shows in ``ray list actors`` and the dashboard, each in its
 node's placement-group bundle with one GPU. Its life:
 
@@ -18,7 +18,7 @@ node's placement-group bundle with one GPU. Its life:
    drill blocked in, or "" (the controller asks a rank that stopped answering).
 6. ``reset()``: after a failed attempt, a rank that survived it forgets the attempt (its trainer
    and process groups) but keeps its process, torch imported, so that the next attempt starts
-   it again with ``setup`` instead of a new actor (see ``service/ray_launcher.py``).
+   it again with ``setup`` instead of a new actor (see ``service/ranks/ray_launcher.py``).
 
 Nothing here imports torch or ray at module level: the driver imports this module only to name
 the class.

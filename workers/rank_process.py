@@ -1,6 +1,6 @@
 """One rank as a local process, driven over a command pipe (the ``--launcher processes`` back end).
 
-The launcher (``service/process_launcher.py``) starts one process per rank with
+The launcher (``service/ranks/process_launcher.py``) starts one process per rank with
 :func:`rank_process_main` and talks to it over a duplex pipe:
 
 ==================  ================================================================

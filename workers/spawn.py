@@ -1,7 +1,7 @@
 """Run a function on N local ranks, each a process with torch.distributed initialised.
 
 This is the harness of the multi-process tests and benchmarks (jobs themselves run through
-the job controller: ``service/process_launcher.py`` with ``workers/rank_process.py``), plus the
+the job controller: ``service/ranks/process_launcher.py`` with ``workers/rank_process.py``), plus the
 helpers every rank uses: :func:`init_distributed`, :func:`rank_device`, :func:`free_port`.
 Each rank process sets one intra-op thread (2 cores are shared by all ranks), joins a
 process group on a free loopback port (gloo on CPU, nccl when CUDA is present: the same

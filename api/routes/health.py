@@ -7,7 +7,7 @@ from fastapi.responses import Response
 
 from api.deps import SchedulerDep, StoreDep, require_token
 from api.schemas import Health
-from service.store import STATES, TERMINAL_STATES
+from service.server.store import STATES, TERMINAL_STATES
 
 router = APIRouter(tags=["health"])
 

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Query, Request
 from api.deps import SchedulerDep, StoreDep
 from api.http_errors import ApiError
 from api.schemas import ErrorBody, JobList, JobPublic, JobSummary, PlacementPublic
-from service.spec_check import check_spec
-from service.store import STATES, JobStore, UnknownJob
+from service.spec.check import check_spec
+from service.server.store import STATES, JobStore, UnknownJob
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -69,7 +69,7 @@ async def submit_job(request: Request, scheduler: SchedulerDep, store: StoreDep)
     """Store a job QUEUED; it starts when the cluster can hold all of its ranks at once."""
     from starlette.concurrency import run_in_threadpool
 
-    from service.placement import plan_placement
+    from service.spec.placement import plan_placement
     from workers.grid import ParallelGrid
 
     check = await read_spec(request)
@@ -120,8 +120,8 @@ def _with_slots(store: JobStore, job_id: str, ranks: list[dict]) -> list[dict]:
     """Fill in the planned node (the admitted node's id) and local slot of ranks that did not report one."""
     if not ranks or all("local" in r for r in ranks):
         return ranks
-    from service.placement import plan_placement
-    from service.spec import parse_spec
+    from service.spec.placement import plan_placement
+    from service.spec.spec import parse_spec
     from workers.grid import ParallelGrid
 
     row = get_row(store, job_id)

@@ -8,7 +8,7 @@ from starlette.concurrency import run_in_threadpool
 from api.http_errors import ApiError
 from api.routes.jobs import SPEC_BODY, read_spec
 from api.schemas import ErrorBody
-from service.plan import plan_job
+from service.spec.plan import plan_job
 
 router = APIRouter(tags=["plan"])
 

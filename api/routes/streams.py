@@ -20,8 +20,8 @@ from api.deps import SettingsDep, StoreDep
 from api.http_errors import ApiError
 from api.routes.jobs import _ERRORS, get_row
 from api.schemas import EventList
-from service.logs import log_path, read_log
-from service.store import TERMINAL_STATES, JobStore
+from service.server.logs import log_path, read_log
+from service.server.store import TERMINAL_STATES, JobStore
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 POLL_S = 0.2

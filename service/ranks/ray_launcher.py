@@ -1,6 +1,6 @@
 """``--launcher ray``: a job's ranks as Ray actors, driven by the job controller.
 
-:class:`RayLauncher` holds the process's one Ray connection (a :class:`~service.ray_cluster.RaySession`)
+:class:`RayLauncher` holds the process's one Ray connection (a :class:`~service.ranks.ray_cluster.RaySession`)
 and builds a :class:`RayRankGroup` per attempt, from a fresh placement plan (so a later attempt
 may have another size). One attempt:
 
@@ -12,7 +12,7 @@ may have another size). One attempt:
    created at once so that their torch imports overlap;
 3. rendezvous: rank 0 reports its node IP and a free port; every rank joins the process group
    and builds its trainer;
-4. ``run(n)`` on every rank, collected by :func:`service.gather.collect` (the same failure
+4. ``run(n)`` on every rank, collected by :func:`service.ranks.gather.collect` (the same failure
    triage as the process launcher: root cause first, a silent rank named as hung);
 5. shutdown: kill the actors, wait until Ray knows they are dead, remove the placement group.
 
@@ -31,12 +31,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from service.rank_group import ControllerConfig
-from service.errors import InsufficientResources, RankDied, RankRaised
-from service.gather import collect
-from service.placement import RankPlacement, plan_placement
-from service.ray_cluster import RaySession
-from service.ray_nodes import capacity_message, could_ever_fit, dead_nodes, node_totals
+from service.control.rank_group import ControllerConfig
+from service.control.errors import InsufficientResources, RankDied, RankRaised
+from service.ranks.gather import collect
+from service.spec.placement import RankPlacement, plan_placement
+from service.ranks.ray_cluster import RaySession
+from service.ranks.ray_nodes import capacity_message, could_ever_fit, dead_nodes, node_totals
 from workers.config import JobConfig
 from workers.faults import Fault
 from workers.grid import ParallelGrid
@@ -275,7 +275,7 @@ class RayLauncher:
     """Builds a :class:`RayRankGroup` per attempt over one Ray session (``start_job(launcher=...)``).
 
     Args:
-        session: the connected cluster (:func:`service.ray_cluster.ray_session`).
+        session: the connected cluster (:func:`service.ranks.ray_cluster.ray_session`).
         config: timeouts and resources; by default a short placement timeout on a cluster started
             here (nothing can join it later) and a long one on ``RAY_ADDRESS``.
     """

@@ -12,19 +12,19 @@ import uuid
 from dataclasses import replace
 from typing import Callable, Protocol
 
-from service.controller import JobController
-from service.rank_group import ControllerConfig, RankGroup
-from service.events import JobEvent
-from service.placement import plan_placement
-from service.policy import FailurePolicy
-from service.spec import load_spec, to_job_config
+from service.control.controller import JobController
+from service.control.rank_group import ControllerConfig, RankGroup
+from service.control.events import JobEvent
+from service.spec.placement import plan_placement
+from service.control.policy import FailurePolicy
+from service.spec.spec import load_spec, to_job_config
 from workers.config import JobConfig
 from workers.faults import Fault
 from workers.grid import ParallelGrid
 
 
 class Launcher(Protocol):
-    """Builds the rank group of each attempt (``service.process_launcher``, ``service.ray_launcher``)."""
+    """Builds the rank group of each attempt (``service.ranks.process_launcher``, ``service.ranks.ray_launcher``)."""
 
     name: str
     config: ControllerConfig

@@ -5,8 +5,8 @@ so there is no controller here: each process trains its rank, and rank 0 returns
 
 from __future__ import annotations
 
-from service.errors import RankRaised
-from service.result import result_object
+from service.control.errors import RankRaised
+from service.control.result import result_object
 from workers.config import JobConfig
 from workers.faults import Fault
 from workers.grid import ParallelGrid

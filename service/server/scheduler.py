@@ -4,7 +4,7 @@ A :class:`Scheduler` owns no job state of its own: the store is the record (jobs
 the runner each launcher starts writes the job's events there. The scheduler only
 
 * stores a submitted job QUEUED, refusing one that can never fit the cluster (:class:`NeverFits`);
-* in a background thread, admits queued jobs with :func:`service.queue.admit` against the free
+* in a background thread, admits queued jobs with :func:`service.server.queue.admit` against the free
   GPU slots (the cluster's slots minus those held by the jobs it launched), records the
   admission (an ``"admission"`` event naming the nodes, so a restarted server knows which slots
   are held) and asks the launcher to start the runner;
@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from service.launchers import JobLauncher
-from service.queue import QueuedJob, admit, can_ever_fit
-from service.spec import JobSpec
-from service.store import TERMINAL_STATES, InvalidTransition, JobStore, UnknownJob
+from service.server.runners import JobLauncher
+from service.server.queue import QueuedJob, admit, can_ever_fit
+from service.spec.spec import JobSpec
+from service.server.store import TERMINAL_STATES, InvalidTransition, JobStore, UnknownJob
 
 log = logging.getLogger("raytron.scheduler")
 ACTIVE_STATES = ("STARTING", "RUNNING", "RESTARTING")

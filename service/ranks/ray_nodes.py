@@ -3,7 +3,7 @@ why one does not (the numbers a user needs to fix the spec or the cluster). Need
 
 from __future__ import annotations
 
-from service.rank_group import ControllerConfig
+from service.control.rank_group import ControllerConfig
 from workers.config import JobConfig
 
 

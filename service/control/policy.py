@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from service.errors import JobError, RankError
+from service.control.errors import JobError, RankError
 from workers.config import JobConfig
 from workers.grid import ParallelGrid
 
@@ -87,7 +87,7 @@ class ElasticDataParallel(ScalingPolicy):
 
 
 def batch_problem(job: JobConfig, grid: ParallelGrid) -> str:
-    """The global-batch rules of the spec (service/spec.py) for one grid, or ""."""
+    """The global-batch rules of the spec (service/spec/spec.py) for one grid, or ""."""
     t = job.training
     per_step = t.micro_batch_size * grid.dp
     if t.global_batch_size % per_step:

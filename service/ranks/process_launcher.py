@@ -4,9 +4,9 @@
 each with a duplex command pipe, forked from a ``forkserver`` that has already imported torch
 (a rank costs a fork, not a 3-second import). Rendezvous is a free loopback port; a port taken
 between choosing and binding it is retried with a new one. Failures are typed exactly as on
-Ray: a process that exits is :class:`~service.errors.RankDied` (with its exit code), an
-exception is :class:`~service.errors.RankRaised`, and a rank that stops answering while its
-peers give up is :class:`~service.errors.RankHung` (:mod:`service.gather`).
+Ray: a process that exits is :class:`~service.control.errors.RankDied` (with its exit code), an
+exception is :class:`~service.control.errors.RankRaised`, and a rank that stops answering while its
+peers give up is :class:`~service.control.errors.RankHung` (:mod:`service.ranks.gather`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import signal
 import time
 from multiprocessing.connection import wait as wait_any
 
-from service.rank_group import ControllerConfig
-from service.errors import JobError, RankDied, RankRaised
-from service.gather import collect
-from service.placement import RankPlacement, plan_placement
+from service.control.rank_group import ControllerConfig
+from service.control.errors import JobError, RankDied, RankRaised
+from service.ranks.gather import collect
+from service.spec.placement import RankPlacement, plan_placement
 from workers.config import JobConfig
 from workers.faults import Fault
 from workers.grid import ParallelGrid
@@ -114,7 +114,7 @@ class ProcessRankGroup:
         self.procs, self.conns = [], []
 
     def _poll(self, expected: str):
-        """A ``poll(pending, timeout)`` for :func:`service.gather.collect` over pipes and process sentinels."""
+        """A ``poll(pending, timeout)`` for :func:`service.ranks.gather.collect` over pipes and process sentinels."""
         def poll(pending: set[int], timeout: float | None) -> list[tuple[int, object]]:
             handles = {}
             for r in pending:

@@ -1,6 +1,6 @@
 """Launchers: how an admitted job's runner process is started, stopped and found again.
 
-Every launcher starts the same entry point, ``python -m service.job_main JOB_ID --data-dir DIR
+Every launcher starts the same entry point, ``python -m service.server.job_main JOB_ID --data-dir DIR
 --database-url URL``, which reads the spec from the store, runs the job and appends its events
 to the store: the store is the single record, so the server never relays progress and a
 restarted server loses nothing. A launcher only keeps the runner alive or stops it.
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Protocol, Sequence
 
-from service.logs import job_dir, log_path, read_runner, write_runner
+from service.server.logs import job_dir, log_path, read_runner, write_runner
 from workers.faults import Fault
 
 
@@ -53,7 +53,7 @@ def runner_command(job_id: str, data_dir: str | Path, database_url: str, *, rank
             environment).
     """
     drills = [arg for f in faults for arg in ("--fault", str(f))]
-    return [sys.executable, "-m", "service.job_main", job_id, "--data-dir", str(data_dir),
+    return [sys.executable, "-m", "service.server.job_main", job_id, "--data-dir", str(data_dir),
             "--database-url", database_url, "--ranks", ranks, *drills]
 
 

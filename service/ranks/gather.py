@@ -19,7 +19,7 @@ import re
 import time
 from typing import Callable
 
-from service.errors import JobError, RankDied, RankError, RankHung, is_root_cause
+from service.control.errors import JobError, RankDied, RankError, RankHung, is_root_cause
 
 Poll = Callable[[set[int], float | None], list[tuple[int, object]]]
 

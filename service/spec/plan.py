@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.placement import plan_placement
-from service.spec import JobSpec
+from service.spec.placement import plan_placement
+from service.spec.spec import JobSpec
 from workers.grid import ParallelGrid
 
 BYTES = 4  # fp32 weights, gradients, activations
@@ -33,7 +33,7 @@ BYTES = 4  # fp32 weights, gradients, activations
 
 @dataclass(frozen=True)
 class Shapes:
-    """The model sizes the estimates use (defaults resolved as :func:`service.spec.to_job_config` does)."""
+    """The model sizes the estimates use (defaults resolved as :func:`service.spec.spec.to_job_config` does)."""
 
     layers: int
     hidden: int

@@ -1,6 +1,6 @@
 """How many nodes each attempt of a job runs on: the elastic part of the controller.
 
-A :class:`Sizer` applies the job's :class:`~service.policy.ScalingPolicy` to the nodes the cluster
+A :class:`Sizer` applies the job's :class:`~service.control.policy.ScalingPolicy` to the nodes the cluster
 offers (``nodes_available``, from the launcher): after a lost node that stays away
 ``fault_tolerance.node_grace_s`` the next attempt shrinks (never below ``resources.min_nodes``), and
 a shrunk job grows back right after a checkpoint once nodes return. A job without ``min_nodes``
@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from service.errors import InsufficientResources
-from service.policy import ScalingPolicy, resized
+from service.control.errors import InsufficientResources
+from service.control.policy import ScalingPolicy, resized
 from workers.config import JobConfig
 
 

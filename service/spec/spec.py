@@ -2,7 +2,7 @@
 
 Field names are Megatron-Core's. Unknown fields are refused (a typo must not be ignored), types
 are strict (``tp: "2"`` or ``tp: true`` is an error, not a 2 or a 1), numbers must be finite,
-and no field is accepted and ignored. The sections are :mod:`service.spec_sections`. Every cross-field rule is checked here, before anything starts, and each
+and no field is accepted and ignored. The sections are :mod:`service.spec.sections`. Every cross-field rule is checked here, before anything starts, and each
 message names the fields, the numbers and the fix. :func:`to_job_config` is the one place a
 spec becomes the internal :class:`workers.config.JobConfig`.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from service.limits import check_memory, check_world_size
-from service.spec_sections import (  # noqa: F401 (the sections are part of this module's interface)
+from service.spec.limits import check_memory, check_world_size
+from service.spec.sections import (  # noqa: F401 (the sections are part of this module's interface)
     STRICT, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
     training_problems)
 from workers.config import CheckpointConfig, JobConfig, ModelConfig, ParallelConfig, TrainingConfig

@@ -20,7 +20,7 @@ appending one brings the job's row in step in the same transaction, so a control
 * ``"iteration"``: the job's current iteration and that iteration's metrics row (the latest
   attempt's value wins after a restart).
 
-The schema (tables, version, migrations) is :mod:`service.store_schema`.
+The schema (tables, version, migrations) is :mod:`service.server.store_schema`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Iterator
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, make_url
 
-from service import store_schema
-from service.store_schema import SchemaError, attempts, events, jobs, metrics, sqlite_pragmas  # noqa: F401
+from service.server import store_schema
+from service.server.store_schema import SchemaError, attempts, events, jobs, metrics, sqlite_pragmas  # noqa: F401
 
 STATES = ("QUEUED", "STARTING", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "CANCELLED")
 TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})

@@ -9,19 +9,19 @@ The controller knows nothing of Ray or processes (as in Ray Train v2, where the 
 drives a worker group): an attempt asks a :class:`RankGroup` to start (place the ranks,
 rendezvous, build the trainers), then to run iterations a few at a time so that progress is
 visible between calls, and always to shut down (nothing leaked) before the next state is
-recorded. The launchers (``service/process_launcher.py``, ``service/ray_launcher.py``) build
+recorded. The launchers (``service/ranks/process_launcher.py``, ``service/ranks/ray_launcher.py``) build
 the groups; tests step the controller against a fake one.
 
-A rank failure arrives as a :class:`~service.errors.RankError` naming the rank, its node, pid
-and coordinates; the :class:`~service.policy.FailurePolicy` (by default
+A rank failure arrives as a :class:`~service.control.errors.RankError` naming the rank, its node, pid
+and coordinates; the :class:`~service.control.policy.FailurePolicy` (by default
 ``fault_tolerance.max_restarts``) decides between failing and a new attempt.
 
 Each attempt starts from the latest complete checkpoint under ``checkpoint.dir`` (else
 ``checkpoint.load``, else the seed): the controller names it in the attempt's STARTING event
 (``data["from_checkpoint"]``), its ranks load it, and the controller keeps the metrics of the
 iterations up to it, so ``losses`` stays the whole curve. Before an attempt a
-:class:`~service.sizing.Sizer` sizes it from the nodes the cluster offers
-(``nodes_available``) with the :class:`~service.policy.ScalingPolicy`: a lost node that does not come back within ``node_grace_s`` shrinks dp
+:class:`~service.control.sizing.Sizer` sizes it from the nodes the cluster offers
+(``nodes_available``) with the :class:`~service.control.policy.ScalingPolicy`: a lost node that does not come back within ``node_grace_s`` shrinks dp
 (a "resize" event), and a shrunk job grows back at its next checkpoint once nodes return.
 """
 
@@ -33,13 +33,13 @@ import threading
 from dataclasses import replace
 from typing import Callable
 
-from service.errors import InsufficientResources, JobCancelled, JobError, NonFiniteMetric
-from service.events import JobEvent, JobState
-from service.placement import check_tp_in_node
-from service.policy import Decision, ElasticDataParallel, FailurePolicy, RestartUpTo, ScalingPolicy
-from service.rank_group import RankGroup
-from service.result import result_object
-from service.sizing import Sizer
+from service.control.errors import InsufficientResources, JobCancelled, JobError, NonFiniteMetric
+from service.control.events import JobEvent, JobState
+from service.spec.placement import check_tp_in_node
+from service.control.policy import Decision, ElasticDataParallel, FailurePolicy, RestartUpTo, ScalingPolicy
+from service.control.rank_group import RankGroup
+from service.control.result import result_object
+from service.control.sizing import Sizer
 from workers.config import JobConfig
 from workers.faults import Fault
 from workers.grid import ParallelGrid

@@ -1,11 +1,11 @@
 """A job spec as the API receives it: one problem per entry, sizes bounded, priority split off.
 
-:func:`service.spec.parse_spec` raises one ``ValueError`` whose message joins every problem;
+:func:`service.spec.spec.parse_spec` raises one ``ValueError`` whose message joins every problem;
 the REST API answers 422 with one entry per problem (the field path, the message with its
 numbers and fix). This adapter gets there through the spec module's own pieces: each section
 is validated by its pydantic model (field errors, one per field), and only when all fields are
-valid are the cross-field rules of :func:`service.spec.spec_problems` run, each rule's message
-becoming one entry. Nothing here duplicates a rule of ``service/spec.py``.
+valid are the cross-field rules of :func:`service.spec.spec.spec_problems` run, each rule's message
+becoming one entry. Nothing here duplicates a rule of ``service/spec/spec.py``.
 
 Two things the spec module does not do (yet) live here:
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ValidationError
 
-from service.spec import (CheckpointSpec, FaultToleranceSpec, JobSpec, ModelSpec, ParallelSpec, ResourcesSpec,
+from service.spec.spec import (CheckpointSpec, FaultToleranceSpec, JobSpec, ModelSpec, ParallelSpec, ResourcesSpec,
                           TrainingSpec, parse_spec, spec_problems)
 
 SECTIONS: dict[str, type[BaseModel]] = {

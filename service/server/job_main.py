@@ -1,16 +1,16 @@
-"""One job's runner process: ``python -m service.job_main JOB_ID --data-dir DIR --database-url URL
+"""One job's runner process: ``python -m service.server.job_main JOB_ID --data-dir DIR --database-url URL
 [--ranks processes|ray] [--fault RANK@ITER:KIND]...``.
 
-Started by a launcher (:mod:`service.launchers`) once the queue admits the job. It loads the
-job's spec from the store, runs it and appends every :class:`~service.controller.JobEvent` to
+Started by a launcher (:mod:`service.server.runners`) once the queue admits the job. It loads the
+job's spec from the store, runs it and appends every :class:`~service.control.controller.JobEvent` to
 the store *before* going on (:class:`StoreRecorder`), so the store always holds the whole truth
 and a restarted server simply reads it. Its stdout and stderr are the job's log
-(``DATA_DIR/jobs/JOB_ID/driver.log``, see :mod:`service.logs`).
+(``DATA_DIR/jobs/JOB_ID/driver.log``, see :mod:`service.server.logs`).
 
 SIGTERM (the launcher's cancel) stops the job: it ends CANCELLED, with its ranks stopped.
 
 :func:`run_training` starts the ranks through the single orchestration path
-(:func:`service.jobs.start_job`): the same controller, failure policy, restarts and events as
+(:func:`service.control.jobs.start_job`): the same controller, failure policy, restarts and events as
 ``raytron run``, with the ranks as local processes or (``--ranks ray``, the Ray Jobs launcher)
 as actors on the cluster.
 
@@ -30,10 +30,10 @@ import sys
 import threading
 from typing import Callable
 
-from service.controller import JobEvent, JobState
-from service.jobs import start_job
-from service.spec import parse_spec, to_job_config
-from service.store import TERMINAL_STATES, JobStore
+from service.control.controller import JobEvent, JobState
+from service.control.jobs import start_job
+from service.spec.spec import parse_spec, to_job_config
+from service.server.store import TERMINAL_STATES, JobStore
 from workers.config import JobConfig
 from workers.faults import Fault
 from workers.grid import ParallelGrid
@@ -71,12 +71,12 @@ def _launcher(ranks: str, job: JobConfig):
     """The launcher of the job's ranks: local processes, or actors on the Ray cluster this runner
     is a Ray Job of (``RAY_ADDRESS`` is set for a Ray Job's entry point)."""
     if ranks == "processes":
-        from service.process_launcher import ProcessLauncher
+        from service.ranks.process_launcher import ProcessLauncher
 
         yield ProcessLauncher()
         return
-    from service.ray_cluster import ray_session
-    from service.ray_launcher import RayLauncher
+    from service.ranks.ray_cluster import ray_session
+    from service.ranks.ray_launcher import RayLauncher
 
     with ray_session(None, default_shape=(job.num_nodes, job.gpus_per_node)) as session:
         for note in session.notes:
@@ -87,7 +87,7 @@ def _launcher(ranks: str, job: JobConfig):
 def run_training(job_id: str, job: JobConfig, on_event: Callable[[JobEvent], None], *, ranks: str = "processes",
                  cancel_requested: threading.Event | None = None, checkpoint_root: str | None = None,
                  faults: list[Fault] | tuple = ()) -> str:
-    """Run the job through the single orchestration path (:func:`service.jobs.start_job`), handing
+    """Run the job through the single orchestration path (:func:`service.control.jobs.start_job`), handing
     every event to ``on_event``; returns the final state. Setting ``cancel_requested`` (from any
     thread or a signal handler) cancels the job: it ends CANCELLED with every rank stopped.
     ``faults``: failure drills, each inside the job's ranks (see :func:`drills_for`)."""
@@ -113,8 +113,8 @@ def drills_for(faults: list[Fault], world_size: int) -> tuple[list[Fault], list[
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The runner's command line (:func:`service.launchers.runner_command` writes it)."""
-    parser = argparse.ArgumentParser(prog="python -m service.job_main", description=__doc__.splitlines()[0])
+    """The runner's command line (:func:`service.server.runners.runner_command` writes it)."""
+    parser = argparse.ArgumentParser(prog="python -m service.server.job_main", description=__doc__.splitlines()[0])
     parser.add_argument("job_id")
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--database-url", required=True)

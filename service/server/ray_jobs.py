@@ -1,7 +1,7 @@
 """Jobs as Ray Jobs: the runner submitted through Ray's job submission API, and Ray's view of the nodes.
 
 :class:`RayJobsLauncher` submits the same entry point as the local launcher
-(``python -m service.job_main JOB_ID ...``, see :mod:`service.launchers`) as a Ray Job whose
+(``python -m service.server.job_main JOB_ID ...``, see :mod:`service.server.runners`) as a Ray Job whose
 submission id is ``raytron-JOB_ID``, so the job shows on the dashboard's Jobs page with its
 logs, and a restarted server finds it again by that id. The id is recorded as the job's
 ``ray_job_id``. The entry point's output is also appended to ``DATA_DIR/jobs/JOB_ID/driver.log``
@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from service.launchers import runner_command
-from service.logs import job_dir, log_path, write_runner
-from service.scheduler import NodeSlots
-from service.store import JobStore
+from service.server.runners import runner_command
+from service.server.logs import job_dir, log_path, write_runner
+from service.server.scheduler import NodeSlots
+from service.server.store import JobStore
 from workers.faults import Fault
 
 ALIVE = ("PENDING", "RUNNING")
@@ -46,7 +46,7 @@ class RayJobsLauncher:
         env: environment variables for the entry point (``runtime_env``).
         submit_timeout_s: how long to retry a submission the cluster is not ready for yet.
         faults: failure drills applied to every job (``raytron serve --fault``), passed on the
-            entry point's command line (see :func:`service.launchers.runner_command`).
+            entry point's command line (see :func:`service.server.runners.runner_command`).
     """
 
     def __init__(self, data_dir: str | Path, database_url: str, store: JobStore, dashboard_url: str, *,

@@ -13,7 +13,7 @@
 
 Nothing here prints: what a user should know (a flag ignored, a cluster simulated) is in
 :attr:`RaySession.notes`. An address that does not answer fails within
-``connect_timeout_s`` with :class:`~service.errors.ClusterUnreachable` instead of Ray's
+``connect_timeout_s`` with :class:`~service.control.errors.ClusterUnreachable` instead of Ray's
 minutes of retries.
 
 Two facts about Ray 2.60 on one machine shape this module (design/RAY_NOTES.md): Ray picks an
@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from service.errors import ClusterUnreachable
-from service.proc_tree import children as _children, descendants as _descendants, reap as _reap
+from service.control.errors import ClusterUnreachable
+from service.ranks.proc_tree import children as _children, descendants as _descendants, reap as _reap
 
 NAMESPACE = "raytron"
 _OBJECT_STORE_BYTES = 100 * 2**20  # per simulated node; rank actors pass almost nothing through it

@@ -2,7 +2,7 @@
 
 Ray Jobs has no queue (ray-project/ray#41241), so raytron keeps its own. A job's ranks are
 placed as one bundle of ``gpus_per_node`` GPU slots on each of ``num_nodes`` distinct nodes
-(a ``STRICT_SPREAD`` placement group; see :mod:`service.placement`), and a job starts only
+(a ``STRICT_SPREAD`` placement group; see :mod:`service.spec.placement`), and a job starts only
 when the cluster can hold *all* of them at once: a partial gang would hold slots while it
 waits for the rest, and two partial gangs can wait on each other forever.
 
