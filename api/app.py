@@ -1,7 +1,7 @@
 """The REST API (ARCHITECTURE.md contract 4), built by :func:`create_app`; nothing happens at import.
 
-``create_app(settings, store=..., launcher=..., cluster=...)`` wires the routes to one job store,
-one launcher and one cluster view. The app's lifespan starts the :class:`~service.server.scheduler.Scheduler`
+``create_app(settings, store=..., runners=..., cluster=...)`` wires the routes to one job store,
+one runner back end and one cluster view. The app's lifespan starts the :class:`~service.server.scheduler.Scheduler`
 (which first re-attaches to the jobs of an earlier server) and stops it on shutdown; running jobs
 keep running.
 """
@@ -18,7 +18,7 @@ from api import http_errors
 from api.deps import require_token
 from api.http_errors import error_response
 from api.routes import cluster as cluster_routes, console, health, jobs, plan, streams
-from service.server.runners import JobLauncher
+from service.server.runners import JobRunners
 from service.server.scheduler import ClusterView, Scheduler
 from service.server.store import JobStore
 
@@ -75,18 +75,18 @@ class _TooBig(Exception):
     pass
 
 
-def create_app(settings: Settings, *, store: JobStore, launcher: JobLauncher, cluster: ClusterView,
+def create_app(settings: Settings, *, store: JobStore, runners: JobRunners, cluster: ClusterView,
                scheduler: Scheduler | None = None) -> FastAPI:
     """The FastAPI app.
 
     Args:
         settings: the server's settings.
         store: the job store (the single record).
-        launcher: starts job runners (:class:`service.server.runners.LocalProcessLauncher`, ...).
+        runners: starts job runners (:class:`service.server.runners.LocalProcessRunners`, ...).
         cluster: the nodes and GPU slots jobs are admitted against.
-        scheduler: a ready scheduler (tests); default one over ``store``, ``launcher`` and ``cluster``.
+        scheduler: a ready scheduler (tests); default one over ``store``, ``runners`` and ``cluster``.
     """
-    scheduler = scheduler or Scheduler(store, launcher, cluster, poll_s=settings.poll_s)
+    scheduler = scheduler or Scheduler(store, runners, cluster, poll_s=settings.poll_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -100,7 +100,7 @@ def create_app(settings: Settings, *, store: JobStore, launcher: JobLauncher, cl
                   description="Megatron-style 5D-parallel training jobs on Ray. Every route but /healthz needs "
                               "`Authorization: Bearer <token>`.")
     app.state.settings, app.state.store, app.state.scheduler, app.state.cluster = settings, store, scheduler, cluster
-    app.state.launcher = launcher
+    app.state.runners = runners
     http_errors.install(app)
     api = [jobs.router, streams.router, plan.router, cluster_routes.router]
     for router in api:

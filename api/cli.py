@@ -12,6 +12,7 @@ import sys
 
 from api.arg_types import FAULT_METAVAR, fault
 from api.errors import UsageError
+from service.ranks.launcher import LAUNCHERS
 
 EXAMPLES = """\
 examples:
@@ -92,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         "processes they are local processes (no Ray).",
     )
     r.add_argument("spec", help="job spec file (YAML or JSON)")
-    r.add_argument("--launcher", choices=("ray", "processes"), default="ray",
-                   help="how ranks are started (default ray)")
+    r.add_argument("--launcher", choices=LAUNCHERS, default="ray",
+                   help="where the ranks run: local processes, or Ray actors (default ray)")
     r.add_argument("--simulate", type=_simulate, default=None, metavar="NODESxGPUS",
                    help="start a local simulated Ray cluster of NODES nodes with GPUS fake GPU slots each")
     r.add_argument("--fault", type=fault, action="append", metavar=FAULT_METAVAR,

@@ -7,7 +7,6 @@ SIGINT / SIGTERM (the job ends CANCELLED with every rank stopped, also during st
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import sys
 import time
@@ -18,6 +17,7 @@ from service.control.errors import JobError
 from service.control.jobs import new_job_id, prepare, start_job
 from service.spec.placement import plan_placement
 from service.control.result import result_object
+from service.ranks.launcher import open_launcher
 from workers.faults import Fault
 
 _EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -51,24 +51,6 @@ class _Signals:
             self.controller.cancel(f"cancelled by {self.received.name}")
 
 
-@contextlib.contextmanager
-def _launcher(args, job, notes):
-    if args.launcher == "processes":
-        from service.ranks.process_launcher import ProcessLauncher
-
-        yield ProcessLauncher()
-        return
-    from service.ranks.ray_cluster import ray_session
-    from service.ranks.ray_launcher import RayLauncher
-
-    with ray_session(args.simulate, default_shape=(job.num_nodes, job.gpus_per_node)) as session:
-        for note in session.notes:
-            notes(note)
-        if session.dashboard_url:
-            notes(f"Ray dashboard {session.dashboard_url}")
-        yield RayLauncher(session)
-
-
 def cmd_run(args) -> int:
     t0 = time.time()
     signals = _Signals()
@@ -97,7 +79,8 @@ def cmd_run(args) -> int:
     result = None
     try:
         if signals.received is None:  # a signal during validation: start nothing
-            with _launcher(args, job, lambda line: print(f"raytron: {line}", file=sys.stderr)) as launcher:
+            with open_launcher(args.launcher, shape=(job.num_nodes, job.gpus_per_node), simulate=args.simulate,
+                               note=lambda line: print(f"raytron: {line}", file=sys.stderr)) as launcher:
                 signals.install()  # again: starting Ray may have installed its own handlers
                 if signals.received is None:
                     controller = start_job(job, launcher=launcher, on_event=view, job_id=job_id, faults=faults)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from api.arg_types import FAULT_METAVAR, fault
+from service.ranks.launcher import LAUNCHERS
 
 DEFAULT_DATA_DIR = "~/.raytron"
 
@@ -52,10 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=None, help=f"logs, token, database (default $RAYTRON_DATA_DIR or "
                    f"{DEFAULT_DATA_DIR})")
     p.add_argument("--database-url", default=None, help="SQLAlchemy URL (default: SQLite in the data dir)")
-    p.add_argument("--launcher", choices=("processes", "ray"), default=None,
-                   help="how job runners start: local processes, or Ray Jobs on the Ray cluster (RAY_ADDRESS, "
-                        "a simulated one with --simulate, else an embedded one); default ray when RAY_ADDRESS "
-                        "or --simulate is given, else processes")
+    p.add_argument("--launcher", choices=LAUNCHERS, default=None,
+                   help="where jobs' ranks run, as with raytron run: local processes (each job's runner a child "
+                        "process of the server), or Ray actors (each job's runner a Ray Job) on the Ray cluster "
+                        "(RAY_ADDRESS, a simulated one with --simulate, else an embedded one); default ray when "
+                        "RAY_ADDRESS or --simulate is given, else processes")
     p.add_argument("--fault", type=fault, action="append", default=None, metavar=FAULT_METAVAR,
                    help="a failure drill applied to every job this server runs (for fault-tolerance drills; "
                         "repeatable; each fires once per job, in the first attempt that reaches that iteration), "
@@ -83,8 +85,8 @@ def default_cluster(simulate: tuple[int, int] | None):
 
 
 def launcher_kind(args) -> str:
-    """Ray Jobs on a Ray cluster when there is one to use (RAY_ADDRESS, or the simulated cluster of
-    ``--simulate``: the embedded default), else local runner processes."""
+    """Ray (runners as Ray Jobs, ranks as actors) when there is a cluster to use (RAY_ADDRESS, or the
+    simulated cluster of ``--simulate``: the embedded default), else local processes."""
     return args.launcher or ("ray" if os.environ.get("RAY_ADDRESS") or args.simulate else "processes")
 
 
@@ -96,7 +98,7 @@ def build_app(args, ray_session=None):
     """
     from api.app import Settings, create_app
     from api.auth import load_or_create_token
-    from service.server.runners import LocalProcessLauncher
+    from service.server.runners import LocalProcessRunners
     from service.server.store import JobStore, sqlite_url
 
     data_dir = Path(args.data_dir or data_dir_default()).expanduser().resolve()
@@ -106,17 +108,17 @@ def build_app(args, ray_session=None):
     settings = Settings(data_dir=data_dir, api_token=load_or_create_token(data_dir))
     faults = list(args.fault or [])  # drills for every job (--fault)
     if ray_session is None:
-        launcher = LocalProcessLauncher(data_dir, database_url, faults=faults)
+        runners = LocalProcessRunners(data_dir, database_url, faults=faults)
         cluster = default_cluster(args.simulate)
     else:
-        from service.server.ray_jobs import RayClusterView, RayJobsLauncher
+        from service.server.ray_jobs import RayClusterView, RayJobsRunners
 
         if not ray_session.dashboard_url:
             raise ValueError(f"the Ray cluster at {ray_session.address} has no dashboard, which Ray Jobs need; "
                              f"start it with the dashboard (ray[default]) or use --launcher processes")
-        launcher = RayJobsLauncher(data_dir, database_url, store, ray_session.dashboard_url, faults=faults)
+        runners = RayJobsRunners(data_dir, database_url, store, ray_session.dashboard_url, faults=faults)
         cluster = RayClusterView(ray_session.address, ray_session.dashboard_url)
-    return create_app(settings, store=store, launcher=launcher, cluster=cluster), store
+    return create_app(settings, store=store, runners=runners, cluster=cluster), store
 
 
 def cmd_serve(args) -> int:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from service.ranks.ray_cluster import simulated_cluster
-from service.server.ray_jobs import RayClusterView, RayJobsLauncher, submission_id
+from service.server.ray_jobs import RayClusterView, RayJobsRunners, submission_id
 from service.server.scheduler import Scheduler
 from service.spec.spec import parse_spec
 from service.server.store import TERMINAL_STATES, JobStore, sqlite_url
@@ -33,7 +33,7 @@ def test_jobs_run_as_ray_jobs(tmp_path):
     with simulated_cluster(1, 2) as session:
         view = RayClusterView(session.address, session.dashboard_url)
         assert [n.gpus for n in view.nodes()] == [2]
-        launcher = RayJobsLauncher(tmp_path, sqlite_url(tmp_path), store, session.dashboard_url)
+        launcher = RayJobsRunners(tmp_path, sqlite_url(tmp_path), store, session.dashboard_url)
         sched = Scheduler(store, launcher, view, poll_s=0.2)
         sched.start()
         try:

@@ -32,10 +32,10 @@ def test_a_fault_round_trips_through_its_text(kind):
 
 def test_runner_command_carries_the_drills_to_job_main():
     faults = [Fault(3, 6, "save"), Fault(0, 2), Fault(1, 4, "hang")]
-    cmd = runner_command("job-1", "/data", "sqlite:////data/raytron.db", ranks="ray", faults=faults)
+    cmd = runner_command("job-1", "/data", "sqlite:////data/raytron.db", launcher="ray", faults=faults)
     assert cmd[1:3] == ["-m", "service.server.job_main"]
     args = build_parser().parse_args(cmd[3:])
-    assert args.fault == faults and args.ranks == "ray" and args.job_id == "job-1"
+    assert args.fault == faults and args.launcher == "ray" and args.job_id == "job-1"
     assert args.data_dir == "/data" and args.database_url == "sqlite:////data/raytron.db"
     assert build_parser().parse_args(runner_command("job-1", "/data", "sqlite://")[3:]).fault == []
 
@@ -51,13 +51,13 @@ def test_serve_fault_flags_reach_the_launcher(tmp_path):
                                     "--fault", "3@6:save", "--fault", "1@2"])
     app, store = build_app(args)
     try:
-        assert app.state.launcher.faults == [Fault(3, 6, "save"), Fault(1, 2)]
+        assert app.state.runners.faults == [Fault(3, 6, "save"), Fault(1, 2)]
     finally:
         store.close()
     args = cli_parser().parse_args(["serve", "--data-dir", str(tmp_path), "--launcher", "processes"])
     app, store = build_app(args)
     store.close()
-    assert app.state.launcher.faults == []
+    assert app.state.runners.faults == []
 
 
 @pytest.mark.procs

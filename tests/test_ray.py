@@ -68,11 +68,11 @@ def leftovers() -> tuple[list, list]:
 
 def run_job(job, session, *, config=None, faults=(), on_event=None):
     """One job through the one orchestration path, on the module's Ray session."""
-    from service.control.rank_group import ControllerConfig
+    from service.control.rank_group import LauncherConfig
     from service.control.jobs import start_job
     from service.ranks.ray_launcher import RayLauncher
 
-    launcher = RayLauncher(session, config or ControllerConfig(placement_timeout_s=30))
+    launcher = RayLauncher(session, config or LauncherConfig(placement_timeout_s=30))
     ctrl = start_job(job, launcher=launcher, on_event=on_event, faults=list(faults), background=False)
     result = ctrl.run()
     assert leftovers() == ([], [])
@@ -121,11 +121,11 @@ def test_ray_and_process_launchers_give_the_same_losses(ray_runs):
 
 @pytest.mark.parametrize("static", [True, False])
 def test_job_that_cannot_fit_fails_with_the_numbers(cluster, static):
-    from service.control.rank_group import ControllerConfig
+    from service.control.rank_group import LauncherConfig
 
     job, grid = make_job(tp=2, pp=1, nodes=2, gpus=4, max_restarts=3)  # nodes here have 2 GPU slots
     events = []
-    config = ControllerConfig(placement_timeout_s=2, static_cluster=static)
+    config = LauncherConfig(placement_timeout_s=2, static_cluster=static)
     result, _ = run_job(job, cluster, config=config, on_event=events.append)
     assert result["state"] == "FAILED" and result["iterations"] == 0
     msg = result["error"]
@@ -166,14 +166,14 @@ def test_a_restart_starts_again_on_the_ranks_that_survived(cluster, kind):
     processes (reset, no new torch import), a new actor only for a dead rank, the same curve.
     tp 2 x dp 2: rank 2 waits in a dp all-reduce for rank 0, which failed in a tp all-reduce with
     rank 1; only rank 0 freeing its groups at once (not at the 300 s timeout) lets rank 2 go in time."""
-    from service.control.rank_group import ControllerConfig
+    from service.control.rank_group import LauncherConfig
 
     job, grid = make_job(tp=2, pp=1, nodes=2, gpus=2, iters=3, gbs=4, max_restarts=1)
     reference, _ = run_job(job, cluster)
     events = []
     # A wide reuse window (the cascade takes about a second) keeps the test deterministic on a
     # loaded machine; without the cascade rank 2 would wait for the 300 s collective timeout.
-    config = ControllerConfig(placement_timeout_s=30, reuse_wait_s=60)
+    config = LauncherConfig(placement_timeout_s=30, reuse_wait_s=60)
     result, _ = run_job(job, cluster, config=config, faults=[Fault(1, 2, kind)], on_event=events.append)
     assert result["state"] == "SUCCEEDED" and result["restarts"] == 1
     assert result["losses"] == reference["losses"]

@@ -11,7 +11,7 @@ from service.spec.spec import parse_spec
 from service.server.store import JobStore, sqlite_url
 
 
-class FakeLauncher:
+class FakeRunners:
     """Runners that live until the test ends them."""
 
     def __init__(self):
@@ -47,7 +47,7 @@ def spec(name, nodes=1, gpus=2):
 @pytest.fixture
 def env(tmp_path):
     store = JobStore(sqlite_url(tmp_path))
-    launcher = FakeLauncher()
+    launcher = FakeRunners()
     sched = Scheduler(store, launcher, StaticCluster(2, 2), vanish_grace_s=0.0)
     yield store, launcher, sched
     store.close()
@@ -137,7 +137,7 @@ def test_restart_reattaches_live_runners_and_fails_vanished_ones(env, tmp_path):
     store.append_event(unstarted, {"time": time.time(), "kind": "admission", "state": "QUEUED",
                                    "data": {"nodes": ["node-0"]}})  # the server died right after admitting it
     # A new server over the same store: only `live` still has a runner.
-    relaunch = FakeLauncher()
+    relaunch = FakeRunners()
     relaunch.known = {live}
     again = Scheduler(store, relaunch, StaticCluster(2, 2), vanish_grace_s=0.0)
     again.recover()

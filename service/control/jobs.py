@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Callable, Protocol
 
 from service.control.controller import JobController
-from service.control.rank_group import ControllerConfig, RankGroup
+from service.control.rank_group import LauncherConfig, RankGroup
 from service.control.events import JobEvent
 from service.spec.placement import plan_placement
 from service.control.policy import FailurePolicy
@@ -27,7 +27,7 @@ class Launcher(Protocol):
     """Builds the rank group of each attempt (``service.ranks.process_launcher``, ``service.ranks.ray_launcher``)."""
 
     name: str
-    config: ControllerConfig
+    config: LauncherConfig
 
     def make_group(self, job: JobConfig, grid: ParallelGrid, attempt: int, *, job_id: str) -> RankGroup:
         """The group of attempt ``attempt`` (0-based) for that attempt's job and grid (its size may

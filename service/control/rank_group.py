@@ -1,5 +1,5 @@
 """What a launcher's rank groups are to the job controller: the :class:`RankGroup` protocol (the
-ranks of one attempt, wherever they run) and the :class:`ControllerConfig` timeouts and resources
+ranks of one attempt, wherever they run) and the :class:`LauncherConfig` timeouts and resources
 the launchers read."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from workers.faults import Fault
 
 
 @dataclass(frozen=True, kw_only=True)
-class ControllerConfig:
+class LauncherConfig:
     placement_timeout_s: float = 120.0
     """How long to wait for the placement group (on a static cluster a job that does not fit
     now never will, so callers that own the cluster pass a short one)."""

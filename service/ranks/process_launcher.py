@@ -17,7 +17,7 @@ import signal
 import time
 from multiprocessing.connection import wait as wait_any
 
-from service.control.rank_group import ControllerConfig
+from service.control.rank_group import LauncherConfig
 from service.control.errors import JobError, RankDied, RankRaised
 from service.ranks.gather import collect
 from service.spec.placement import RankPlacement, plan_placement
@@ -37,7 +37,7 @@ class ProcessRankGroup:
     """The rank processes of one attempt (see the module docstring)."""
 
     def __init__(self, job: JobConfig, grid: ParallelGrid, plan: list[RankPlacement], *,
-                 config: ControllerConfig, start_method: str = "forkserver"):
+                 config: LauncherConfig, start_method: str = "forkserver"):
         self.job, self.grid, self.plan, self.config = job, grid, plan, config
         self.ctx = mp.get_context(start_method)
         if start_method == "forkserver":
@@ -176,8 +176,8 @@ class ProcessLauncher:
 
     name = "processes"
 
-    def __init__(self, config: ControllerConfig | None = None):
-        self.config = config or ControllerConfig()
+    def __init__(self, config: LauncherConfig | None = None):
+        self.config = config or LauncherConfig()
 
     def make_group(self, job: JobConfig, grid: ParallelGrid, attempt: int, *, job_id: str) -> ProcessRankGroup:
         plan = plan_placement(grid, job.gpus_per_node, job.num_nodes)

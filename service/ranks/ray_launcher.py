@@ -21,7 +21,7 @@ survived the attempt (their call returned or raised, their node is alive) ``rese
 process groups, free the trainer) and wait, with the placement group, in the launcher
 (:class:`WarmRanks`). The next attempt of the same size reuses them and creates actors only for
 the ranks that died, in their bundles: it pays one torch import instead of one per rank (the
-bulk of a restart). A rank that does not answer within ``ControllerConfig.reuse_wait_s`` (hung,
+bulk of a restart). A rank that does not answer within ``LauncherConfig.reuse_wait_s`` (hung,
 stopped) is killed like the dead ones; a lost node or a resize means a full teardown.
 """
 
@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from service.control.rank_group import ControllerConfig
+from service.control.rank_group import LauncherConfig
 from service.control.errors import InsufficientResources, RankDied, RankRaised
 from service.ranks.gather import collect
 from service.spec.placement import RankPlacement, plan_placement
@@ -71,7 +71,7 @@ class RayRankGroup:
     """
 
     def __init__(self, job: JobConfig, grid: ParallelGrid, plan: list[RankPlacement], *, job_id: str,
-                 config: ControllerConfig, warm: WarmRanks | None = None,
+                 config: LauncherConfig, warm: WarmRanks | None = None,
                  park: Callable[[WarmRanks], None] | None = None):
         if len(plan) != grid.world_size:
             raise ValueError(f"placement plan has {len(plan)} ranks but the grid has {grid.world_size}")
@@ -282,10 +282,10 @@ class RayLauncher:
 
     name = "ray"
 
-    def __init__(self, session: RaySession, config: ControllerConfig | None = None):
+    def __init__(self, session: RaySession, config: LauncherConfig | None = None):
         self.session = session
         self._warm: dict[str, WarmRanks] = {}  # job id -> ranks kept for its next attempt
-        self.config = config or ControllerConfig(
+        self.config = config or LauncherConfig(
             placement_timeout_s=15.0 if session.static else 300.0, static_cluster=session.static,
             strategy="PACK" if session.single_node else "STRICT_SPREAD")
 

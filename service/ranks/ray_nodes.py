@@ -3,7 +3,7 @@ why one does not (the numbers a user needs to fix the spec or the cluster). Need
 
 from __future__ import annotations
 
-from service.control.rank_group import ControllerConfig
+from service.control.rank_group import LauncherConfig
 from workers.config import JobConfig
 
 
@@ -35,7 +35,7 @@ def could_ever_fit(job: JobConfig, strategy: str, bundle: dict) -> bool:
     return sum(holds) >= job.num_nodes
 
 
-def capacity_message(job: JobConfig, cfg: ControllerConfig, bundle: dict, waited: bool = True) -> str:
+def capacity_message(job: JobConfig, cfg: LauncherConfig, bundle: dict, waited: bool = True) -> str:
     """Why a placement group does not fit: what the job needs next to what the cluster has."""
     import ray
 

@@ -1,18 +1,18 @@
 """One job's runner process: ``python -m service.server.job_main JOB_ID --data-dir DIR --database-url URL
-[--ranks processes|ray] [--fault RANK@ITER:KIND]...``.
+[--launcher processes|ray] [--fault RANK@ITER:KIND]...``.
 
-Started by a launcher (:mod:`service.server.runners`) once the queue admits the job. It loads the
+Started by a runner back end (:mod:`service.server.runners`) once the queue admits the job. It loads the
 job's spec from the store, runs it and appends every :class:`~service.control.controller.JobEvent` to
 the store *before* going on (:class:`StoreRecorder`), so the store always holds the whole truth
 and a restarted server simply reads it. Its stdout and stderr are the job's log
 (``DATA_DIR/jobs/JOB_ID/driver.log``, see :mod:`service.server.logs`).
 
-SIGTERM (the launcher's cancel) stops the job: it ends CANCELLED, with its ranks stopped.
+SIGTERM (the back end's cancel) stops the job: it ends CANCELLED, with its ranks stopped.
 
 :func:`run_training` starts the ranks through the single orchestration path
 (:func:`service.control.jobs.start_job`): the same controller, failure policy, restarts and events as
-``raytron run``, with the ranks as local processes or (``--ranks ray``, the Ray Jobs launcher)
-as actors on the cluster.
+``raytron run``, with the ranks as local processes or (``--launcher ray``, as the Ray Jobs back
+end starts it) as actors on the cluster.
 
 ``--fault`` (repeatable) carries the server's failure drills (``raytron serve --fault``): they
 apply to every job the server runs, so a drill whose rank is outside this job's ranks is left
@@ -22,7 +22,6 @@ out (logged), and a small job runs undisturbed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import signal
@@ -32,6 +31,7 @@ from typing import Callable
 
 from service.control.controller import JobEvent, JobState
 from service.control.jobs import start_job
+from service.ranks.launcher import LAUNCHERS, open_launcher
 from service.spec.spec import parse_spec, to_job_config
 from service.server.store import TERMINAL_STATES, JobStore
 from workers.config import JobConfig
@@ -66,38 +66,23 @@ class StoreRecorder:
             log.info("event %d %s %s %s", seq, d["kind"], d["state"], d["message"])
 
 
-@contextlib.contextmanager
-def _launcher(ranks: str, job: JobConfig):
-    """The launcher of the job's ranks: local processes, or actors on the Ray cluster this runner
-    is a Ray Job of (``RAY_ADDRESS`` is set for a Ray Job's entry point)."""
-    if ranks == "processes":
-        from service.ranks.process_launcher import ProcessLauncher
-
-        yield ProcessLauncher()
-        return
-    from service.ranks.ray_cluster import ray_session
-    from service.ranks.ray_launcher import RayLauncher
-
-    with ray_session(None, default_shape=(job.num_nodes, job.gpus_per_node)) as session:
-        for note in session.notes:
-            log.info("%s", note)
-        yield RayLauncher(session)
-
-
-def run_training(job_id: str, job: JobConfig, on_event: Callable[[JobEvent], None], *, ranks: str = "processes",
+def run_training(job_id: str, job: JobConfig, on_event: Callable[[JobEvent], None], *, launcher: str = "processes",
                  cancel_requested: threading.Event | None = None, checkpoint_root: str | None = None,
                  faults: list[Fault] | tuple = ()) -> str:
     """Run the job through the single orchestration path (:func:`service.control.jobs.start_job`), handing
     every event to ``on_event``; returns the final state. Setting ``cancel_requested`` (from any
     thread or a signal handler) cancels the job: it ends CANCELLED with every rank stopped.
+    ``launcher``: where the ranks run: local processes, or actors on the Ray cluster this runner is
+    a Ray Job of (``RAY_ADDRESS`` is set for a Ray Job's entry point).
     ``faults``: failure drills, each inside the job's ranks (see :func:`drills_for`)."""
     cancel_requested = cancel_requested or threading.Event()
-    with _launcher(ranks, job) as launcher:
+    with open_launcher(launcher, shape=(job.num_nodes, job.gpus_per_node), note=lambda line: log.info("%s", line)) \
+            as ranks:
         if cancel_requested.is_set():  # a cancel that arrived while the cluster connection came up
             on_event(JobEvent.now("state", JobState.CANCELLED, "cancelled by request",
                                   {"from": JobState.QUEUED.value}))
             return JobState.CANCELLED.value
-        controller = start_job(job, launcher=launcher, on_event=on_event, job_id=job_id,
+        controller = start_job(job, launcher=ranks, on_event=on_event, job_id=job_id,
                                checkpoint_root=checkpoint_root, faults=faults)
         while controller.wait(timeout=0.2) is None:
             if cancel_requested.is_set():
@@ -118,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("job_id")
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--database-url", required=True)
-    parser.add_argument("--ranks", choices=("processes", "ray"), default="processes",
-                        help="start the ranks as local processes or as actors on the Ray cluster")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="processes",
+                        help="where the ranks run: local processes, or actors on the Ray cluster")
     parser.add_argument("--fault", type=Fault.parse, action="append", default=[], metavar="RANK@ITER:KIND",
                         help="failure drill (repeatable); those outside the job's ranks are left out")
     return parser
@@ -157,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if outside:
             log.info("failure drills left out (rank outside the job's %d ranks): %s", grid.world_size,
                      " ".join(map(str, outside)))
-        final = run_training(args.job_id, job, recorder, ranks=args.ranks, cancel_requested=cancel_requested,
+        final = run_training(args.job_id, job, recorder, launcher=args.launcher, cancel_requested=cancel_requested,
                              checkpoint_root=os.path.join(args.data_dir, "checkpoints"), faults=faults)
         log.info("job %s %s", args.job_id, final)
         return 0 if final == JobState.SUCCEEDED.value else 1

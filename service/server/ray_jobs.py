@@ -1,6 +1,6 @@
 """Jobs as Ray Jobs: the runner submitted through Ray's job submission API, and Ray's view of the nodes.
 
-:class:`RayJobsLauncher` submits the same entry point as the local launcher
+:class:`RayJobsRunners` submits the same entry point as the local launcher
 (``python -m service.server.job_main JOB_ID ...``, see :mod:`service.server.runners`) as a Ray Job whose
 submission id is ``raytron-JOB_ID``, so the job shows on the dashboard's Jobs page with its
 logs, and a restarted server finds it again by that id. The id is recorded as the job's
@@ -35,7 +35,7 @@ def submission_id(job_id: str) -> str:
     return f"raytron-{job_id}"
 
 
-class RayJobsLauncher:
+class RayJobsRunners:
     """Runs each job as a Ray Job.
 
     Args:
@@ -62,7 +62,7 @@ class RayJobsLauncher:
     def launch(self, job: dict) -> str:
         job_dir(self.data_dir, job["id"]).mkdir(parents=True, exist_ok=True)
         command = " ".join(shlex.quote(x) for x in runner_command(job["id"], self.data_dir, self.database_url,
-                                                                 ranks="ray", faults=self.faults))
+                                                                 launcher="ray", faults=self.faults))
         log = shlex.quote(str(log_path(self.data_dir, job["id"])))
         # pipefail: the Ray job's status is the runner's, not tee's
         entrypoint = f"bash -o pipefail -c {shlex.quote(f'{command} 2>&1 | tee -a {log}')}"

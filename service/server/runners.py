@@ -1,13 +1,15 @@
-"""Launchers: how an admitted job's runner process is started, stopped and found again.
+"""Job runners: how an admitted job's runner process is started, stopped and found again.
 
-Every launcher starts the same entry point, ``python -m service.server.job_main JOB_ID --data-dir DIR
+Every runner back end starts the same entry point, ``python -m service.server.job_main JOB_ID --data-dir DIR
 --database-url URL``, which reads the spec from the store, runs the job and appends its events
 to the store: the store is the single record, so the server never relays progress and a
-restarted server loses nothing. A launcher only keeps the runner alive or stops it.
+restarted server loses nothing. A back end only keeps the runner alive or stops it. (Where the
+runner then starts the job's *ranks* is the launcher, ``--launcher processes|ray``: see
+:mod:`service.ranks.launcher`.)
 
-* :class:`LocalProcessLauncher`: the runner is a child process of the server, in its own
+* :class:`LocalProcessRunners`: the runner is a child process of the server, in its own
   session (a server killed with SIGKILL does not take it along), found again by pid + start time.
-* :class:`RayJobsLauncher`: the runner is a Ray Job submitted through Ray's job submission API
+* :class:`RayJobsRunners`: the runner is a Ray Job submitted through Ray's job submission API
   (it shows on the dashboard's Jobs page; ``ray_job_id`` is recorded on the job).
 """
 
@@ -25,7 +27,7 @@ from service.server.logs import job_dir, log_path, read_runner, write_runner
 from workers.faults import Fault
 
 
-class JobLauncher(Protocol):
+class JobRunners(Protocol):
     """Starts and stops job runners. ``job`` is the store's job row (a dict with ``id``, ``spec``...)."""
 
     def launch(self, job: dict) -> str:
@@ -41,20 +43,20 @@ class JobLauncher(Protocol):
         """After a server restart: find the job's runner again; False when it is gone."""
 
 
-def runner_command(job_id: str, data_dir: str | Path, database_url: str, *, ranks: str = "processes",
+def runner_command(job_id: str, data_dir: str | Path, database_url: str, *, launcher: str = "processes",
                    faults: Sequence[Fault] = ()) -> list[str]:
     """The runner's command line.
 
     Args:
-        ranks: how the runner starts the job's ranks (``processes`` on this machine, ``ray`` as
-            actors on the Ray cluster the runner is a job of).
+        launcher: where the runner starts the job's ranks (``processes`` on this machine, ``ray``
+            as actors on the Ray cluster the runner is a job of).
         faults: failure drills for the job (``raytron serve --fault``), one ``--fault RANK@ITER:KIND``
             each: the command line is what reaches a Ray Job's entry point (not the server's
             environment).
     """
     drills = [arg for f in faults for arg in ("--fault", str(f))]
     return [sys.executable, "-m", "service.server.job_main", job_id, "--data-dir", str(data_dir),
-            "--database-url", database_url, "--ranks", ranks, *drills]
+            "--database-url", database_url, "--launcher", launcher, *drills]
 
 
 def _start_time(pid: int) -> int | None:
@@ -67,7 +69,7 @@ def _start_time(pid: int) -> int | None:
     return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
-class LocalProcessLauncher:
+class LocalProcessRunners:
     """Runs each job as a separate OS process on this machine.
 
     Args:

@@ -1,13 +1,13 @@
 """The server loop: submit -> QUEUED; admit by gang; launch; watch the runners; recover after a restart.
 
 A :class:`Scheduler` owns no job state of its own: the store is the record (jobs, events) and
-the runner each launcher starts writes the job's events there. The scheduler only
+the runner each back end starts writes the job's events there. The scheduler only
 
 * stores a submitted job QUEUED, refusing one that can never fit the cluster (:class:`NeverFits`);
 * in a background thread, admits queued jobs with :func:`service.server.queue.admit` against the free
   GPU slots (the cluster's slots minus those held by the jobs it launched), records the
   admission (an ``"admission"`` event naming the nodes, so a restarted server knows which slots
-  are held) and asks the launcher to start the runner;
+  are held) and asks the runner back end to start the runner;
 * notices a runner that ended without a final state (killed, crashed) and records FAILED, or
   CANCELLED when a cancel was asked;
 * on start, re-attaches to the runners of jobs that were running when a previous server
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from service.server.runners import JobLauncher
+from service.server.runners import JobRunners
 from service.server.queue import QueuedJob, admit, can_ever_fit
 from service.spec.spec import JobSpec
 from service.server.store import TERMINAL_STATES, InvalidTransition, JobStore, UnknownJob
@@ -82,16 +82,16 @@ class Scheduler:
 
     Args:
         store: the job store.
-        launcher: starts and stops runners.
+        runners: starts and stops runners.
         cluster: the cluster's nodes and slots.
         poll_s: how often the loop looks at runners and the queue (a submit or cancel wakes it at once).
         vanish_grace_s: a runner that exited is given this long for its last events to land
             before the scheduler records a final state for it.
     """
 
-    def __init__(self, store: JobStore, launcher: JobLauncher, cluster: ClusterView, *, poll_s: float = 0.5,
+    def __init__(self, store: JobStore, runners: JobRunners, cluster: ClusterView, *, poll_s: float = 0.5,
                  vanish_grace_s: float = 2.0):
-        self.store, self.launcher, self.cluster = store, launcher, cluster
+        self.store, self.runners, self.cluster = store, runners, cluster
         self.poll_s, self.vanish_grace_s = poll_s, vanish_grace_s
         self._held: dict[str, tuple[tuple[str, ...], int]] = {}  # launched job -> (nodes, gpus per node)
         self._dead_since: dict[str, float] = {}
@@ -115,7 +115,7 @@ class Scheduler:
         return row
 
     def cancel(self, job_id: str) -> dict:
-        """Cancel a job: a queued one at once, a running one through its launcher (in the background)."""
+        """Cancel a job: a queued one at once, a running one through its runner back end (in the background)."""
         with self._lock:
             row = self.store.get_job(job_id)
             if row is None:
@@ -169,7 +169,7 @@ class Scheduler:
             if row["state"] == "QUEUED" and not admission:
                 continue  # never launched: it waits in the queue as before
             nodes = tuple(admission[-1]["data"].get("nodes", ())) if admission else ()
-            if self.launcher.reattach(row):
+            if self.runners.reattach(row):
                 log.info("re-attached to job %s (%s)", row["id"], row["state"])
                 with self._lock:
                     self._held[row["id"]] = (nodes, queued_job(row).gpus_per_node)
@@ -200,7 +200,7 @@ class Scheduler:
             launched = list(self._held)
         for job_id in launched:
             row = self.store.get_job(job_id)
-            alive = self.launcher.is_alive(job_id)
+            alive = self.runners.is_alive(job_id)
             if row is not None and row["state"] in TERMINAL_STATES and not alive:
                 self._release(job_id)
                 continue
@@ -239,7 +239,7 @@ class Scheduler:
         self._held[job.id] = (nodes, job.gpus_per_node)
         row = self.store.get_job(job.id)
         try:
-            handle = self.launcher.launch(row)
+            handle = self.runners.launch(row)
             log.info("launched job %s (%s)", job.id, handle)
         except Exception as exc:  # noqa: BLE001 - a launch failure fails the job, not the server
             log.exception("launching job %s failed", job.id)
@@ -248,7 +248,7 @@ class Scheduler:
 
     def _cancel_runner(self, job_id: str) -> None:
         try:
-            self.launcher.cancel(job_id)
+            self.runners.cancel(job_id)
         finally:
             self._wake.set()
 
@@ -257,7 +257,7 @@ class Scheduler:
             self._held.pop(job_id, None)
             self._dead_since.pop(job_id, None)
             self._cancelled.discard(job_id)
-        reap = getattr(self.launcher, "reap", None)
+        reap = getattr(self.runners, "reap", None)
         if reap is not None:
             reap(job_id)
         self._wake.set()  # its slots are free: the queue may move
