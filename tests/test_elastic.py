@@ -9,7 +9,8 @@ import pytest
 from service.control.controller import JobController
 from service.control.errors import RankDied
 from service.control.events import JobState
-from service.control.policy import ElasticDataParallel, batch_problem, resized
+from service.control.policy import ElasticDataParallel, resized
+from service.spec.spec import batch_problem
 from service.spec.spec import parse_spec, to_job_config
 from workers.grid import ParallelGrid
 
@@ -46,7 +47,7 @@ def test_scaling_policy_picks_the_largest_valid_size(kw, available, expected):
         assert "min_nodes" in decision.reason
     else:
         grid = ParallelGrid.from_config(job.parallel, expected * job.gpus_per_node)
-        assert decision.sizes == grid.sizes() and not batch_problem(job, grid)
+        assert decision.sizes == grid.sizes() and not batch_problem(job.training.global_batch_size, job.training.micro_batch_size, grid)
         small = resized(job, expected)
         assert (small.world_size, small.training.global_batch_size) == (grid.world_size, job.training.global_batch_size)
         assert (grid.tp, grid.pp, grid.cp, grid.ep) == (job.parallel.tensor_model_parallel_size,

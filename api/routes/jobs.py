@@ -70,15 +70,12 @@ async def submit_job(request: Request, scheduler: SchedulerDep, store: StoreDep)
     from starlette.concurrency import run_in_threadpool
 
     from service.spec.placement import plan_placement
-    from workers.grid import ParallelGrid
+    from service.spec.spec import grid_of
 
     check = await read_spec(request)
-    spec, p = check.spec, check.spec.parallel
+    spec = check.spec
     try:
-        grid = ParallelGrid(spec.world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                            cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
-                            etp=p.expert_tensor_parallel_size, vpp=p.virtual_pipeline_model_parallel_size,
-                            order=p.order)
+        grid = grid_of(spec)
         plan_placement(grid, spec.resources.gpus_per_node, spec.resources.num_nodes)
     except ValueError as e:
         raise ApiError(422, "invalid_spec", str(e), errors=[{"field": "resources", "message": str(e)}]) from None
@@ -121,17 +118,12 @@ def _with_slots(store: JobStore, job_id: str, ranks: list[dict]) -> list[dict]:
     if not ranks or all("local" in r for r in ranks):
         return ranks
     from service.spec.placement import plan_placement
-    from service.spec.spec import parse_spec
-    from workers.grid import ParallelGrid
+    from service.spec.spec import grid_of, parse_spec
 
     row = get_row(store, job_id)
     try:
         spec = parse_spec({k: v for k, v in row["spec"].items() if k != "priority"})
-        p = spec.parallel
-        grid = ParallelGrid(spec.world_size, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                            cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
-                            etp=p.expert_tensor_parallel_size, vpp=p.virtual_pipeline_model_parallel_size,
-                            order=p.order)
+        grid = grid_of(spec)
         plan = plan_placement(grid, spec.resources.gpus_per_node, spec.resources.num_nodes)
     except ValueError:
         return ranks

@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, replace
 
 from service.control.errors import JobError, RankError
+from service.spec.spec import batch_problem
 from workers.config import JobConfig
 from workers.grid import ParallelGrid
 
@@ -76,7 +77,7 @@ class ElasticDataParallel(ScalingPolicy):
             except ValueError as e:
                 problems.append(f"{n} node(s): {e}")
                 continue
-            problem = batch_problem(job, grid)
+            problem = batch_problem(job.training.global_batch_size, job.training.micro_batch_size, grid)
             if problem:
                 problems.append(f"{n} node(s): {problem}")
                 continue
@@ -84,19 +85,6 @@ class ElasticDataParallel(ScalingPolicy):
         why = f"; ".join(problems[-2:]) if problems else "no node count in range"
         return ScalingDecision(None, None, f"{available_nodes} node(s) of {job.gpus_per_node} GPU(s) available, "
                                            f"resources.min_nodes {floor}: no valid size ({why})")
-
-
-def batch_problem(job: JobConfig, grid: ParallelGrid) -> str:
-    """The global-batch rules of the spec (service/spec/spec.py) for one grid, or ""."""
-    t = job.training
-    per_step = t.micro_batch_size * grid.dp
-    if t.global_batch_size % per_step:
-        return (f"global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
-                f"{t.micro_batch_size} x dp {grid.dp}")
-    vpp = job.parallel.virtual_pipeline_model_parallel_size
-    if vpp and (t.global_batch_size // per_step) % grid.pp:
-        return f"{t.global_batch_size // per_step} microbatches are not a multiple of pp {grid.pp} (interleaved)"
-    return ""
 
 
 def resized(job: JobConfig, num_nodes: int) -> JobConfig:

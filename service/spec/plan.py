@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.spec.placement import plan_placement
-from service.spec.spec import JobSpec
+from service.spec.spec import JobSpec, grid_of
 from workers.grid import ParallelGrid
 
 BYTES = 4  # fp32 weights, gradients, activations
@@ -168,10 +168,7 @@ def traffic(s: Shapes, spec: JobSpec, grid: ParallelGrid, node_of: list[int]) ->
 def plan_job(spec: JobSpec) -> dict:
     """The whole plan of a valid spec: grid sizes, placement, memory per rank, traffic per iteration."""
     world = spec.world_size
-    p = spec.parallel
-    grid = ParallelGrid(world, tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                        cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
-                        etp=p.expert_tensor_parallel_size, vpp=p.virtual_pipeline_model_parallel_size, order=p.order)
+    grid = grid_of(spec)
     placement = plan_placement(grid, spec.resources.gpus_per_node, spec.resources.num_nodes)
     node_of = [pl.node for pl in placement]
     s = Shapes.of(spec)

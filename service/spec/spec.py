@@ -48,6 +48,26 @@ class JobSpec(BaseModel):
         return self
 
 
+def grid_of(spec: JobSpec, world_size: int | None = None) -> ParallelGrid:
+    """The rank grid of a spec's parallel section on its world size (or on ``world_size`` ranks).
+    Raises ValueError when the sizes do not fit the world."""
+    return ParallelGrid.from_config(spec.parallel, spec.world_size if world_size is None else world_size)
+
+
+def batch_problem(global_batch_size: int, micro_batch_size: int, grid: ParallelGrid) -> str:
+    """The global-batch rule for one grid, or "": the batch splits into whole microbatches of every
+    dp replica, and the interleaved schedule (``grid.vpp``) needs a multiple of pp of them. The one
+    rule both the spec's validation and the elastic policy (a resized dp) apply."""
+    per_step = micro_batch_size * grid.dp
+    if global_batch_size % per_step:
+        return (f"training.global_batch_size {global_batch_size} is not divisible by micro_batch_size "
+                f"{micro_batch_size} x dp {grid.dp} = {per_step}; use a multiple of {per_step}")
+    if grid.vpp and (global_batch_size // per_step) % grid.pp:
+        return (f"the interleaved schedule needs the number of microbatches ({global_batch_size // per_step}) "
+                f"to be a multiple of pipeline_model_parallel_size {grid.pp}")
+    return ""
+
+
 def spec_problems(spec: JobSpec) -> list[str]:
     """Every cross-field problem of a spec, each naming fields, numbers and the fix."""
     m, p, t, res = spec.model, spec.parallel, spec.training, spec.resources
@@ -63,7 +83,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
     except ValueError as e:
         return [str(e)]  # nothing below may enumerate a world that large
     try:
-        grid = ParallelGrid(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp, order=p.order)
+        grid = grid_of(spec)
     except ValueError as e:
         out.append(f"{e} (world_size = resources.num_nodes {res.num_nodes} x resources.gpus_per_node {res.gpus_per_node})")
         grid = None
@@ -110,14 +130,8 @@ def spec_problems(spec: JobSpec) -> list[str]:
                        f"(as in Megatron-Core)")
     elif ep > 1:
         out.append(f"expert_model_parallel_size {ep} needs model.num_moe_experts (a dense model has no experts)")
-    if grid is not None:
-        per_step = t.micro_batch_size * grid.dp
-        if t.global_batch_size % per_step:
-            out.append(f"training.global_batch_size {t.global_batch_size} is not divisible by micro_batch_size "
-                       f"{t.micro_batch_size} x dp {grid.dp} = {per_step}; use a multiple of {per_step}")
-        elif vpp and (t.global_batch_size // per_step) % pp:
-            out.append(f"the interleaved schedule needs the number of microbatches "
-                       f"({t.global_batch_size // per_step}) to be a multiple of pipeline_model_parallel_size {pp}")
+    if grid is not None and (problem := batch_problem(t.global_batch_size, t.micro_batch_size, grid)):
+        out.append(problem)
     out.extend(recompute_problems(m, pp))
     out.extend(training_problems(t))
     if res.min_nodes is not None and res.min_nodes > res.num_nodes:
