@@ -202,8 +202,7 @@ def test_append_event_is_idempotent_by_seq(store):
 
 def test_unknown_jobs(store):
     for call in (lambda: store.append_event("nope", ev("state", "RUNNING")), lambda: store.events("nope"),
-                 lambda: store.update_job("nope", state="CANCELLED"), lambda: store.last_seq("nope"),
-                 lambda: store.record_attempt("nope", 1), lambda: store.record_metrics("nope", 1, {})):
+                 lambda: store.update_job("nope", state="CANCELLED"), lambda: store.last_seq("nope")):
         with pytest.raises(UnknownJob, match="no job 'nope'"):
             call()
 
@@ -219,17 +218,23 @@ def test_jobs_in_states_in_submission_order(store):
         store.jobs_in_states("DONE")
 
 
-def test_record_attempt_and_metrics_upsert(store):
+def test_attempts_and_metrics_follow_the_events(store):
+    """Attempts and metrics are written by the events, as the job runner writes them: a STARTING
+    opens an attempt (with the checkpoint it starts from), a RESTARTING closes it with its reason,
+    and an iteration recorded again (after a restart from a checkpoint) replaces the first."""
     job = store.create_job({"name": "t"})["id"]
-    a = store.record_attempt(job, 1, started_at=10.0, from_checkpoint="/c/iter_5")
+    store.append_event(job, {"time": 10.0, "kind": "state", "state": "STARTING", "message": "",
+                             "data": {"from": "QUEUED", "from_checkpoint": "/c/iter_5"}})
+    a = store.attempts(job)[-1]
     assert (a["started_at"], a["ended_at"], a["from_checkpoint"]) == (10.0, None, "/c/iter_5")
-    a = store.record_attempt(job, 1, ended_at=12.0, reason="node lost")
-    assert (a["started_at"], a["ended_at"], a["reason"], a["from_checkpoint"]) == (10.0, 12.0, "node lost", "/c/iter_5")
+    store.append_event(job, {"time": 12.0, "kind": "state", "state": "RESTARTING", "message": "node lost",
+                             "data": {"from": "RUNNING"}})
+    a = store.attempts(job)[-1]
+    assert (a["started_at"], a["ended_at"], a["reason"], a["from_checkpoint"]) == (
+        10.0, 12.0, "RESTARTING: node lost", "/c/iter_5")
     assert [x["number"] for x in store.attempts(job)] == [1]
-    with pytest.raises(ValueError, match="start at 1"):
-        store.record_attempt(job, 0)
-    store.record_metrics(job, 3, {"loss": 2.0})
-    store.record_metrics(job, 3, {"loss": 1.5, "tokens_per_s": 9.0})
+    store.append_event(job, ev("iteration", "RUNNING", "", {"iteration": 3, "loss": 2.0}))
+    store.append_event(job, ev("iteration", "RUNNING", "", {"iteration": 3, "loss": 1.5, "tokens_per_s": 9.0}))
     assert store.metrics(job) == [{"iteration": 3, "loss": 1.5, "tokens_per_s": 9.0}]
 
 

@@ -1,7 +1,10 @@
-"""Job states and events: the one vocabulary of a job's progress (STYLE.md rule 12).
+"""Job states and events: the one vocabulary of a job's progress.
 
 A :class:`JobEvent` is what a job store writes, what an event stream sends, what the CLI
-renders and what a controller rebuilt after a restart replays.
+renders and what a controller rebuilt after a restart replays; there is no second vocabulary of
+progress. :class:`JobState` is the one list of states: the store, the scheduler, the REST API and
+(through the API) the console read it from here, as names (:data:`STATES`, ...) where they need
+strings.
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ class JobState(enum.Enum):
     def needs_new_attempt(self) -> bool:
         """The ranks are gone and the controller must start them again."""
         return self is JobState.RESTARTING
+
+
+STATES: tuple[str, ...] = tuple(s.value for s in JobState)
+"""Every state's name, in the order a job goes through them."""
+TERMINAL_STATES: frozenset[str] = frozenset(s.value for s in JobState if s.is_terminal)
+"""The final states: nothing changes a job in one."""
+ACTIVE_STATES: tuple[str, ...] = tuple(s.value for s in JobState if not s.is_terminal and s is not JobState.QUEUED)
+"""The states of a job whose runner is (or should be) running."""
 
 
 @dataclass(frozen=True)

@@ -25,13 +25,13 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from service.control.events import ACTIVE_STATES, TERMINAL_STATES, JobState
 from service.server.runners import JobRunners
 from service.server.queue import QueuedJob, admit, can_ever_fit
 from service.spec.spec import JobSpec
-from service.server.store import TERMINAL_STATES, InvalidTransition, JobStore, UnknownJob
+from service.server.store import InvalidTransition, JobStore, UnknownJob
 
 log = logging.getLogger("raytron.scheduler")
-ACTIVE_STATES = ("STARTING", "RUNNING", "RESTARTING")
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,9 @@ class Scheduler:
             self._cancelled.add(job_id)
             if job_id not in self._held:
                 try:
-                    return self.store.update_job(job_id, state="CANCELLED", message="cancelled while queued",
-                                                 error={"code": "cancelled", "message": "cancelled while queued"})
+                    return self.store.update_job(
+                        job_id, state=JobState.CANCELLED.value, message="cancelled while queued",
+                        error={"code": "cancelled", "message": "cancelled while queued"})
                 except InvalidTransition:
                     return self.store.get_job(job_id)
         threading.Thread(target=self._cancel_runner, args=(job_id,), daemon=True, name=f"cancel-{job_id}").start()
@@ -146,7 +147,7 @@ class Scheduler:
 
     def queue_length(self) -> int:
         with self._lock:
-            return sum(1 for r in self.store.jobs_in_states("QUEUED") if r["id"] not in self._held)
+            return sum(1 for r in self.store.jobs_in_states(JobState.QUEUED.value) if r["id"] not in self._held)
 
     # ---- the loop -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -164,21 +165,21 @@ class Scheduler:
 
     def recover(self) -> None:
         """Re-attach to the runners of jobs an earlier server launched; FAILED for vanished ones."""
-        for row in self.store.jobs_in_states("QUEUED", *ACTIVE_STATES):
+        for row in self.store.jobs_in_states(JobState.QUEUED.value, *ACTIVE_STATES):
             admission = self.store.events(row["id"], kind="admission")
-            if row["state"] == "QUEUED" and not admission:
+            if row["state"] == JobState.QUEUED.value and not admission:
                 continue  # never launched: it waits in the queue as before
             nodes = tuple(admission[-1]["data"].get("nodes", ())) if admission else ()
             if self.runners.reattach(row):
                 log.info("re-attached to job %s (%s)", row["id"], row["state"])
                 with self._lock:
                     self._held[row["id"]] = (nodes, queued_job(row).gpus_per_node)
-            elif row["state"] == "QUEUED":
+            elif row["state"] == JobState.QUEUED.value:
                 # Admitted, but its runner never recorded a thing (the server died around the launch):
                 # nothing ran, so it simply waits for admission again.
                 log.info("job %s was admitted but never started; it is queued again", row["id"])
             else:
-                self._finish(row["id"], "FAILED", "runner_vanished",
+                self._finish(row["id"], JobState.FAILED.value, "runner_vanished",
                              "the job's runner process was gone when the server restarted")
 
     def step(self) -> None:
@@ -211,15 +212,16 @@ class Scheduler:
             if time.monotonic() - since < self.vanish_grace_s:
                 continue  # its last events may still be landing
             if job_id in self._cancelled:
-                self._finish(job_id, "CANCELLED", "cancelled", "cancelled by request")
+                self._finish(job_id, JobState.CANCELLED.value, "cancelled", "cancelled by request")
             else:
-                self._finish(job_id, "FAILED", "runner_exited", "the job's runner process exited without "
+                self._finish(job_id, JobState.FAILED.value, "runner_exited", "the job's runner process exited without "
                              "recording a final state (see the job's logs)")
             self._release(job_id)
 
     def _admit(self) -> None:
         with self._lock:
-            queued = [queued_job(r) for r in self.store.jobs_in_states("QUEUED") if r["id"] not in self._held]
+            queued = [queued_job(r) for r in self.store.jobs_in_states(JobState.QUEUED.value)
+                      if r["id"] not in self._held]
             if not queued:
                 return
             total = self.total_slots()
@@ -227,14 +229,14 @@ class Scheduler:
             free = {node: max(0, n - used.get(node, 0)) for node, n in total.items()}
             plan = admit(free, queued, cluster_total=total)
             for job, refusal in plan.never_fit:
-                self._finish(job.id, "FAILED", "never_fits", refusal)
+                self._finish(job.id, JobState.FAILED.value, "never_fits", refusal)
             for admission in plan.start:
                 self._launch(admission.job, admission.nodes)
 
     def _launch(self, job: QueuedJob, nodes: tuple) -> None:
         nodes = tuple(str(n) for n in nodes)
         # Recorded before the runner starts: a server killed right after still knows the slots are held.
-        self.store.append_event(job.id, {"time": time.time(), "kind": "admission", "state": "QUEUED",
+        self.store.append_event(job.id, {"time": time.time(), "kind": "admission", "state": JobState.QUEUED.value,
                                          "message": f"admitted on {', '.join(nodes)}", "data": {"nodes": list(nodes)}})
         self._held[job.id] = (nodes, job.gpus_per_node)
         row = self.store.get_job(job.id)
@@ -243,7 +245,7 @@ class Scheduler:
             log.info("launched job %s (%s)", job.id, handle)
         except Exception as exc:  # noqa: BLE001 - a launch failure fails the job, not the server
             log.exception("launching job %s failed", job.id)
-            self._finish(job.id, "FAILED", "launch_failed", f"could not start the job's runner: {exc}")
+            self._finish(job.id, JobState.FAILED.value, "launch_failed", f"could not start the job's runner: {exc}")
             self._held.pop(job.id, None)
 
     def _cancel_runner(self, job_id: str) -> None:

@@ -34,11 +34,9 @@ from typing import Iterator
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, make_url
 
+from service.control.events import STATES, TERMINAL_STATES, JobState  # noqa: F401 (part of the store's interface)
 from service.server import store_schema
 from service.server.store_schema import SchemaError, attempts, events, jobs, metrics, sqlite_pragmas  # noqa: F401
-
-STATES = ("QUEUED", "STARTING", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "CANCELLED")
-TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
 
 
 class UnknownJob(LookupError):
@@ -97,9 +95,10 @@ class JobStore:
         now = time.time()
         try:
             with self._write() as conn:
-                conn.execute(jobs.insert().values(id=job_id, name=name, spec=spec, priority=priority, state="QUEUED",
+                queued = JobState.QUEUED.value
+                conn.execute(jobs.insert().values(id=job_id, name=name, spec=spec, priority=priority, state=queued,
                                                   submitted_at=now, updated_at=now, sizes=sizes, iteration=0))
-                conn.execute(events.insert().values(job_id=job_id, seq=1, time=now, kind="state", state="QUEUED",
+                conn.execute(events.insert().values(job_id=job_id, seq=1, time=now, kind="state", state=queued,
                                                     message="submitted", data={"priority": priority}))
                 return self._job(conn, job_id)
         except sa.exc.IntegrityError:
@@ -179,35 +178,11 @@ class JobStore:
             self._require(conn, job_id)
             return _last_seq(conn, job_id)
 
-    # ---- attempts and metrics ---------------------------------------------------------------
-    def record_attempt(self, job_id: str, number: int, *, started_at: float | None = None,
-                       ended_at: float | None = None, reason: str | None = None,
-                       from_checkpoint: str | None = None) -> dict:
-        """Create or update attempt ``number`` (1-based); fields left ``None`` keep their value."""
-        if number < 1:
-            raise ValueError(f"attempt numbers start at 1, got {number}")
-        given = {k: v for k, v in (("started_at", started_at), ("ended_at", ended_at), ("reason", reason),
-                                   ("from_checkpoint", from_checkpoint)) if v is not None}
-        key = (attempts.c.job_id == job_id) & (attempts.c.number == number)
-        with self._write() as conn:
-            self._lock(conn, job_id)
-            if conn.execute(sa.select(attempts.c.number).where(key)).first() is None:
-                conn.execute(attempts.insert().values(job_id=job_id, number=number,
-                                                      **{"started_at": time.time(), **given}))
-            elif given:
-                conn.execute(attempts.update().where(key).values(**given))
-            return _drop_job_id(conn.execute(sa.select(attempts).where(key)).mappings().one())
-
+    # ---- attempts and metrics (written by the events: see _append) ---------------------------------------------------------------
     def attempts(self, job_id: str) -> list[dict]:
         query = sa.select(attempts).where(attempts.c.job_id == job_id).order_by(attempts.c.number)
         with self.engine.connect() as conn:
             return [_drop_job_id(r) for r in conn.execute(query).mappings()]
-
-    def record_metrics(self, job_id: str, iteration: int, data: dict) -> None:
-        """Store (or replace) one iteration's metrics."""
-        with self._write() as conn:
-            self._lock(conn, job_id)
-            _put_metrics(conn, job_id, iteration, data)
 
     def metrics(self, job_id: str, after_iteration: int | None = None) -> list[dict]:
         """One dict per iteration, in order: the metrics plus ``"iteration"``."""
@@ -259,7 +234,7 @@ class JobStore:
                 raise InvalidTransition(f"job {job_id} is {current}, which is final; it cannot become {state}")
             values["state"] = state
             _apply_attempts(conn, job_id, state, event, data)
-            if state in ("FAILED", "CANCELLED"):
+            if state in (JobState.FAILED.value, JobState.CANCELLED.value):
                 values["error"] = data.get("error") or _last_failure(conn, job_id, state) or {
                     "code": state.lower(), "message": event.get("message", "")}
         elif kind == "iteration" and isinstance(data.get("iteration"), int):
@@ -286,7 +261,7 @@ def _last_seq(conn: Connection, job_id: str) -> int:
 
 
 def _last_failure(conn: Connection, job_id: str, state: str) -> dict | None:
-    if state != "FAILED":
+    if state != JobState.FAILED.value:
         return None
     query = (sa.select(events.c.data).where((events.c.job_id == job_id) & (events.c.kind == "failure"))
              .order_by(events.c.seq.desc()).limit(1))
@@ -295,10 +270,10 @@ def _last_failure(conn: Connection, job_id: str, state: str) -> dict | None:
 
 def _apply_attempts(conn: Connection, job_id: str, state: str, event: dict, data: dict) -> None:
     open_ = (attempts.c.job_id == job_id) & attempts.c.ended_at.is_(None)
-    if state == "RESTARTING" or state in TERMINAL_STATES or state == "STARTING":
+    if state in (JobState.RESTARTING.value, JobState.STARTING.value) or state in TERMINAL_STATES:
         reason = f"{state}: {event.get('message')}" if event.get("message") else state
         conn.execute(attempts.update().where(open_).values(ended_at=event["time"], reason=reason))
-    if state == "STARTING":
+    if state == JobState.STARTING.value:
         last = conn.execute(sa.select(sa.func.max(attempts.c.number)).where(attempts.c.job_id == job_id)).scalar()
         conn.execute(attempts.insert().values(job_id=job_id, number=(last or 0) + 1, started_at=event["time"],
                                               from_checkpoint=data.get("from_checkpoint")))
