@@ -89,3 +89,67 @@ def test_a_runner_fires_the_drills_inside_its_job_and_leaves_out_the_others(tmp_
         assert froms[0] is None and froms[1].endswith("iter_0000001"), froms  # 2 was never committed
     finally:
         store.close()
+
+
+def _runner_spec(name: str) -> dict:
+    return {"name": name,
+            "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
+                      "ffn_hidden_size": 64, "vocab_size": 256, "seq_length": 16},
+            "training": {"train_iters": 10, "global_batch_size": 4, "micro_batch_size": 1, "lr": 3e-3, "seed": 7},
+            "checkpoint": {"save_interval": 2, "keep_last": 3},
+            "resources": {"num_nodes": 1, "gpus_per_node": 1},
+            "fault_tolerance": {"max_restarts": 1, "collective_timeout_s": 30}}
+
+
+def _run_runner(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.procs
+def test_a_runner_started_again_goes_on_from_the_jobs_record(tmp_path):
+    """The job's runner is killed (SIGKILL of its whole process group) mid-job; a runner started
+    again for the job replays the store's events into its controller: one restart, resumed from
+    the last checkpoint the record holds, the curve whole and equal to an undisturbed run's, every
+    iteration recorded once. Fails if the runner ignores the record (it would start over at QUEUED
+    from iteration 0 with restarts 0, or refuse to run a job that is not QUEUED)."""
+    import signal
+    import time
+
+    url = sqlite_url(tmp_path)
+    store = JobStore(url)
+    try:
+        store.create_job(_runner_spec("whole"), job_id="whole-1")
+        p = _run_runner(runner_command("whole-1", tmp_path, url))
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+        reference = [m["loss"] for m in store.metrics("whole-1")]
+        assert len(reference) == 10
+
+        store.create_job(_runner_spec("killed"), job_id="killed-1")
+        first = subprocess.Popen(runner_command("killed-1", tmp_path, url), cwd=ROOT, start_new_session=True,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 240
+        while store.get_job("killed-1")["iteration"] < 5 and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        assert first.poll() is None, "the first runner ended before it could be killed"
+        os.killpg(first.pid, signal.SIGKILL)  # the runner and its ranks, as a lost machine would
+        first.wait(timeout=30)
+        killed_at = store.get_job("killed-1")["iteration"]
+        assert 5 <= killed_at < 10 and store.get_job("killed-1")["state"] == "RUNNING"
+
+        p = _run_runner(runner_command("killed-1", tmp_path, url))
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+        assert "going on from its" in p.stdout
+        job = store.get_job("killed-1")
+        assert job["state"] == "SUCCEEDED", job
+        metrics = store.metrics("killed-1")
+        assert [m["iteration"] for m in metrics] == list(range(1, 11))
+        assert max(abs(m["loss"] - r) for m, r in zip(metrics, reference)) <= 1e-6, (metrics, reference)
+        restarting = [e for e in store.events("killed-1") if e["kind"] == "state" and e["state"] == "RESTARTING"]
+        assert len(restarting) == 1 and "the controller was restarted" in restarting[0]["message"]
+        froms = [a["from_checkpoint"] for a in store.attempts("killed-1")]
+        assert len(froms) == 2 and froms[0] is None and froms[1].endswith(f"iter_{killed_at // 2 * 2:07d}"), froms
+        seqs = [e["seq"] for e in store.events("killed-1")]
+        assert seqs == list(range(1, len(seqs) + 1))  # every event once, in order
+    finally:
+        store.close()

@@ -7,6 +7,12 @@ the store *before* going on (:class:`StoreRecorder`), so the store always holds 
 and a restarted server simply reads it. Its stdout and stderr are the job's log
 (``DATA_DIR/jobs/JOB_ID/driver.log``, see :mod:`service.server.logs`).
 
+A runner started for a job that an earlier runner of it had already started (that runner is
+gone: killed, or lost with its node) goes on from the job's record: the store's events are
+replayed into the controller (``start_job(history=...)``), which counts the lost attempt as a
+restart and resumes from the latest checkpoint whose iterations the record holds, so the curve
+stays whole and no event is written twice.
+
 SIGTERM (the back end's cancel) stops the job: it ends CANCELLED, with its ranks stopped.
 
 :func:`run_training` starts the ranks through the single orchestration path
@@ -68,13 +74,14 @@ class StoreRecorder:
 
 def run_training(job_id: str, job: JobConfig, on_event: Callable[[JobEvent], None], *, launcher: str = "processes",
                  cancel_requested: threading.Event | None = None, checkpoint_root: str | None = None,
-                 faults: list[Fault] | tuple = ()) -> str:
+                 faults: list[Fault] | tuple = (), history: list[JobEvent] | None = None) -> str:
     """Run the job through the single orchestration path (:func:`service.control.jobs.start_job`), handing
     every event to ``on_event``; returns the final state. Setting ``cancel_requested`` (from any
     thread or a signal handler) cancels the job: it ends CANCELLED with every rank stopped.
     ``launcher``: where the ranks run: local processes, or actors on the Ray cluster this runner is
     a Ray Job of (``RAY_ADDRESS`` is set for a Ray Job's entry point).
-    ``faults``: failure drills, each inside the job's ranks (see :func:`drills_for`)."""
+    ``faults``: failure drills, each inside the job's ranks (see :func:`drills_for`).
+    ``history``: the job's recorded events, when an earlier runner of it started it (see :func:`history_of`)."""
     cancel_requested = cancel_requested or threading.Event()
     with open_launcher(launcher, shape=(job.num_nodes, job.gpus_per_node), note=lambda line: log.info("%s", line)) \
             as ranks:
@@ -83,12 +90,20 @@ def run_training(job_id: str, job: JobConfig, on_event: Callable[[JobEvent], Non
                                   {"from": JobState.QUEUED.value}))
             return JobState.CANCELLED.value
         controller = start_job(job, launcher=ranks, on_event=on_event, job_id=job_id,
-                               checkpoint_root=checkpoint_root, faults=faults)
+                               checkpoint_root=checkpoint_root, faults=faults, history=history)
         while controller.wait(timeout=0.2) is None:
             if cancel_requested.is_set():
                 controller.cancel("cancelled by request")
                 cancel_requested.clear()
         return controller.state.value
+
+
+def history_of(store: JobStore, job_id: str, state: str) -> list[JobEvent] | None:
+    """The job's recorded events when an earlier runner of it got past QUEUED (that runner is gone),
+    for its controller to replay; None for a job that starts now for the first time."""
+    if state == JobState.QUEUED.value:
+        return None
+    return [JobEvent.from_dict(e) for e in store.events(job_id)]
 
 
 def drills_for(faults: list[Fault], world_size: int) -> tuple[list[Fault], list[Fault]]:
@@ -142,8 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         if outside:
             log.info("failure drills left out (rank outside the job's %d ranks): %s", grid.world_size,
                      " ".join(map(str, outside)))
+        history = history_of(store, args.job_id, row["state"])
+        if history:
+            log.info("job %s was %s under an earlier runner: going on from its %d recorded events",
+                     args.job_id, row["state"], len(history))
         final = run_training(args.job_id, job, recorder, launcher=args.launcher, cancel_requested=cancel_requested,
-                             checkpoint_root=os.path.join(args.data_dir, "checkpoints"), faults=faults)
+                             checkpoint_root=os.path.join(args.data_dir, "checkpoints"), faults=faults,
+                             history=history)
         log.info("job %s %s", args.job_id, final)
         return 0 if final == JobState.SUCCEEDED.value else 1
     finally:
