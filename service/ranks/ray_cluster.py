@@ -16,7 +16,7 @@ Nothing here prints: what a user should know (a flag ignored, a cluster simulate
 ``connect_timeout_s`` with :class:`~service.control.errors.ClusterUnreachable` instead of Ray's
 minutes of retries.
 
-Two facts about Ray 2.60 on one machine shape this module (design/RAY_NOTES.md): Ray picks an
+Two facts about Ray 2.60 on one machine shape this module (measured on these machines): Ray picks an
 address it cannot reach unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is in the environment of
 the process that starts it, and a plain local start turns token auth on and writes a token into
 the home directory. Every cluster started here gets both variables and its own temporary folder,

@@ -9,7 +9,8 @@ SQLite, starts with ``BEGIN IMMEDIATE`` so that writers queue on the file lock f
 mode never wait for a writer. WAL needs the processes on one machine with the file on a local
 disk (not NFS): writers on other machines need PostgreSQL.
 
-Events are the record (ARCHITECTURE.md, rule 12). An event is the dict of
+Events are the record: the one history of a job, which the REST API, its event stream and a
+restarted server all read. An event is the dict of
 ``JobEvent.to_dict()`` (time, kind, state, message, data), numbered 1, 2, ... per job, and
 appending one brings the job's row in step in the same transaction, so a controller whose
 ``on_event`` appends each event before acting on it leaves the whole truth here:

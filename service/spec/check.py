@@ -7,12 +7,12 @@ is validated by its pydantic model (field errors, one per field), and only when 
 valid are the cross-field rules of :func:`service.spec.spec.spec_problems` run, each rule's message
 becoming one entry. Nothing here duplicates a rule of ``service/spec/spec.py``.
 
-Two things the spec module does not do (yet) live here:
+Two things this adapter adds for requests from outside:
 
-* ``priority`` (contract 1, queue order in ``raytron serve``) is not a ``JobSpec`` field on
-  main: it is taken out of the body before validation and returned separately.
-* Sizes are bounded before any rank math runs, so that a request cannot make the server build
-  10^9-rank grids or plan 10^12-element tensors.
+* ``priority`` (the queue order in ``raytron serve``) is checked here and returned beside the
+  spec, for the scheduler; the spec that is stored and run is parsed without it.
+* Sizes are bounded (:mod:`service.spec.limits`) before any rank math runs, so that a request
+  cannot make the server build 10^9-rank grids or plan 10^12-element tensors.
 """
 
 from __future__ import annotations
@@ -22,19 +22,17 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ValidationError
 
+from service.spec.limits import MAX_PRIORITY, MAX_WORLD_SIZE
 from service.spec.spec import (CheckpointSpec, FaultToleranceSpec, JobSpec, ModelSpec, ParallelSpec, ResourcesSpec,
-                          TrainingSpec, parse_spec, spec_problems)
+                               TrainingSpec, parse_spec, spec_problems)
 
 SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelSpec, "parallel": ParallelSpec, "training": TrainingSpec, "checkpoint": CheckpointSpec,
     "resources": ResourcesSpec, "fault_tolerance": FaultToleranceSpec,
 }
-MAX_WORLD_SIZE = 65536
-"""Ranks a job may have: the rank math is tested to tens of thousands."""
 MAX_TENSOR_ELEMENTS = 10**11
 """Elements of the largest single (unsharded) parameter tensor."""
 MAX_TRAIN_ITERS = 10**9
-MAX_PRIORITY = 10**6
 
 _PATH = re.compile(r"\b((?:model|parallel|training|checkpoint|resources|fault_tolerance)\.[a-z_]+)")
 _WORD = re.compile(r"\b([a-z][a-z_]+)\b")

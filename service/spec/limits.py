@@ -12,6 +12,9 @@ from workers.config import JobConfig
 MAX_WORLD_SIZE = 65536
 """Ranks a job (or ``raytron grid``) may have; more than the largest clusters trained on."""
 
+MAX_PRIORITY = 10**6
+"""The largest queue priority, either way (``priority`` in a job spec)."""
+
 MAX_RANK_STATE_GIB = 192.0
 """Per-rank bytes for parameters + gradients + Adam state that no accelerator holds more of."""
 

@@ -1,4 +1,4 @@
-"""The sections of a job spec (ARCHITECTURE.md contract 1): model, parallel, training,
+"""The sections of a job spec: model, parallel, training,
 checkpoint, resources, fault_tolerance, as strict pydantic models with Megatron-Core's field
 names, and the training section's own cross-field rules. :mod:`service.spec.spec` assembles them
 into the whole :class:`~service.spec.spec.JobSpec`.

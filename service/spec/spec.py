@@ -1,10 +1,11 @@
-"""The job spec (ARCHITECTURE.md contract 1): pydantic at the edge, frozen configs inside.
+"""The job spec: pydantic at the edge, frozen configs inside (``examples/tiny-5d.yaml`` shows every field).
 
 Field names are Megatron-Core's. Unknown fields are refused (a typo must not be ignored), types
 are strict (``tp: "2"`` or ``tp: true`` is an error, not a 2 or a 1), numbers must be finite,
-and no field is accepted and ignored. The sections are :mod:`service.spec.sections`. Every cross-field rule is checked here, before anything starts, and each
-message names the fields, the numbers and the fix. :func:`to_job_config` is the one place a
-spec becomes the internal :class:`workers.config.JobConfig`.
+and no field is accepted and ignored. The sections are :mod:`service.spec.sections`. Every
+cross-field rule is checked here, before anything starts, and each message names the fields,
+the numbers and the fix. :func:`grid_of` is the one place a spec becomes a rank grid, and
+:func:`to_job_config` the one place it becomes the internal :class:`workers.config.JobConfig`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from service.spec.limits import check_memory, check_world_size
+from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.sections import (  # noqa: F401 (the sections are part of this module's interface)
     STRICT, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
     training_problems)
@@ -27,7 +28,7 @@ class JobSpec(BaseModel):
 
     model_config = STRICT
     name: str = Field("job", min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    priority: int = Field(0, ge=-10**6, le=10**6, description="queue order in `raytron serve`: higher first, "
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="queue order in `raytron serve`: higher first, "
                           "then submission time (`raytron run` starts at once)")
     model: ModelSpec = ModelSpec()
     parallel: ParallelSpec = ParallelSpec()
