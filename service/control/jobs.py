@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import replace
-from typing import Callable, Protocol
+from typing import Callable
 
 from service.control.controller import JobController
-from service.control.rank_group import LauncherConfig, RankGroup
+from service.control.rank_group import Launcher
 from service.control.events import JobEvent
 from service.spec.placement import plan_placement
 from service.control.policy import FailurePolicy
@@ -21,23 +21,6 @@ from service.spec.spec import load_spec, to_job_config
 from workers.config import JobConfig
 from workers.faults import Fault
 from workers.grid import ParallelGrid
-
-
-class Launcher(Protocol):
-    """Builds the rank group of each attempt (``service.ranks.process_launcher``, ``service.ranks.ray_launcher``)."""
-
-    name: str
-    config: LauncherConfig
-
-    def make_group(self, job: JobConfig, grid: ParallelGrid, attempt: int, *, job_id: str) -> RankGroup:
-        """The group of attempt ``attempt`` (0-based) for that attempt's job and grid (its size may
-        differ after a resize; ``job.checkpoint.resume_from`` is what its ranks load)."""
-
-    def nodes_available(self, gpus_per_node: int) -> int | None:
-        """Alive nodes with at least ``gpus_per_node`` GPUs (None: not knowable)."""
-
-    # Optional: ``release(job_id)``, called once the job is terminal, frees what the launcher kept
-    # between its attempts (``RankGroup.shutdown(keep_warm=True)``).
 
 
 def prepare(spec_path: str) -> tuple[JobConfig, ParallelGrid]:

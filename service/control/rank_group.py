@@ -1,17 +1,22 @@
-"""What a launcher's rank groups are to the job controller: the :class:`RankGroup` protocol (the
-ranks of one attempt, wherever they run) and the :class:`LauncherConfig` timeouts and resources
-the launchers read."""
+"""What the job controller drives: the :class:`Launcher` protocol (where a job's ranks run; it
+builds one rank group per attempt), the :class:`RankGroup` protocol (the ranks of one attempt,
+wherever they run) and :class:`LauncherConfig`, the timeouts and resources a launcher works with."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
 
+from workers.config import JobConfig
 from workers.faults import Fault
+from workers.grid import ParallelGrid
 
 
 @dataclass(frozen=True, kw_only=True)
 class LauncherConfig:
+    """What a launcher works with: its placement and start-up timeouts, the iterations per call,
+    the resources each rank asks for, and how its failures are triaged."""
+
     placement_timeout_s: float = 120.0
     """How long to wait for the placement group (on a static cluster a job that does not fit
     now never will, so callers that own the cluster pass a short one)."""
@@ -51,3 +56,20 @@ class RankGroup(Protocol):
 
     def kill(self) -> None:
         """Stop every rank now, from any thread (interrupts a running call)."""
+
+
+class Launcher(Protocol):
+    """Builds the rank group of each attempt (``service.ranks.process_launcher``, ``service.ranks.ray_launcher``)."""
+
+    name: str
+    config: LauncherConfig
+
+    def make_group(self, job: JobConfig, grid: ParallelGrid, attempt: int, *, job_id: str) -> RankGroup:
+        """The group of attempt ``attempt`` (0-based) for that attempt's job and grid (its size may
+        differ after a resize; ``job.checkpoint.resume_from`` is what its ranks load)."""
+
+    def nodes_available(self, gpus_per_node: int) -> int | None:
+        """Alive nodes with at least ``gpus_per_node`` GPUs (None: not knowable)."""
+
+    # Optional: ``release(job_id)``, called once the job is terminal, frees what the launcher kept
+    # between its attempts (``RankGroup.shutdown(keep_warm=True)``).
