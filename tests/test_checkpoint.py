@@ -9,6 +9,8 @@ import pytest
 
 from parity import job_of, tiny_spec
 
+pytestmark = pytest.mark.slow
+
 SMALL = {"num_layers": 2}
 
 

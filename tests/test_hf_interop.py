@@ -11,6 +11,8 @@ import torch
 
 from parity import job_of, tiny_spec
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 LOGITS_RTOL = 1e-5
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}

@@ -5,6 +5,8 @@ import pytest
 
 from parity import check_layout, job_of, reference, run_trainer, tiny_spec
 
+pytestmark = pytest.mark.slow
+
 MB2 = {"micro_batch_size": 2}
 
 DENSE_LAYOUTS = {

@@ -8,6 +8,8 @@ import pytest
 
 from parity import check_layout, tiny_spec
 
+pytestmark = pytest.mark.slow
+
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
 
 LAYOUTS = {
