@@ -1,10 +1,4 @@
-import os
-import sys
-
 import torch
-
-# The parity helpers live beside the tests.
-sys.path.insert(0, os.path.dirname(__file__))
 
 # Ranks run one intra-op thread each on these 2-core machines; the reference runs in this
 # process, where a second OpenMP thread only spins against the rank processes.

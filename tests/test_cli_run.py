@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from parity import tiny_spec
+from tests.parity import tiny_spec
 
 pytestmark = pytest.mark.procs
 

@@ -6,7 +6,7 @@ its gradient, must not depend on how the tokens of a microbatch are sharded over
 
 import pytest
 
-from parity import check_layout, tiny_spec
+from tests.parity import check_layout, tiny_spec
 
 pytestmark = pytest.mark.slow
 
