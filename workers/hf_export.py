@@ -43,8 +43,9 @@ def export_hf(checkpoint: str, out_dir: str) -> dict:
 
 
 def _own(t: torch.Tensor, storages: set[int]) -> torch.Tensor:
-    """``t`` contiguous on the CPU in memory of its own: ``save_file`` refuses tensors that share
-    memory (the halves of gate_up and the experts are views of one logical tensor)."""
+    """``t`` contiguous on the CPU in memory of its own (a clone unless it already is), so that
+    ``save_file`` takes every tensor whatever it is a view of: it refuses non-contiguous tensors
+    and tensors whose memory overlaps (gate_up's halves and the experts are views of one tensor)."""
     t = t.detach().cpu().contiguous()
     storage = t.untyped_storage()
     whole = t.storage_offset() == 0 and t.numel() * t.element_size() == storage.nbytes()
