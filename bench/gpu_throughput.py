@@ -23,7 +23,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
@@ -84,7 +83,7 @@ def run_mode(job, mode: str, warmup: int, iters: int) -> dict:
 
 def nccl_world_of_one_check() -> str:
     """A one-rank job through run_ranks: init_process_group('nccl'), groups, collectives."""
-    from parity import ITERS, assert_same_curve, job_of, reference, tiny_spec
+    from tests.parity import ITERS, assert_same_curve, job_of, reference, tiny_spec
     from workers.spawn import run_ranks
 
     import gpu_ranks

@@ -11,7 +11,7 @@ import pytest
 
 import yaml
 
-from test_api import ROOT, TOKEN, server, tiny  # noqa: F401 - `server` is the module's fixture
+from tests.test_api import ROOT, TOKEN, server, tiny  # noqa: F401 - `server` is the module's fixture
 
 pytestmark = pytest.mark.procs  # a real server process (and its job runners)
 

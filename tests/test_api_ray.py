@@ -13,7 +13,7 @@ from service.server.ray_jobs import RayClusterView, RayJobsRunners, submission_i
 from service.server.scheduler import Scheduler
 from service.spec.spec import parse_spec
 from service.server.store import TERMINAL_STATES, JobStore, sqlite_url
-from test_api import tiny
+from tests.test_api import tiny
 
 pytestmark = pytest.mark.ray
 

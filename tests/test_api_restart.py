@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from test_api import Server, pid_alive, tiny, wait_for
+from tests.test_api import Server, pid_alive, tiny, wait_for
 
 pytestmark = pytest.mark.procs  # a real server process (and its job runners)
 

@@ -73,6 +73,7 @@ def test_analytic_minimum_hand_computed():
     assert analytic_bytes(job, 0)["pp"] == 6 * 128 and analytic_bytes(job, 1)["pp"] == 6 * 128
 
 
+@pytest.mark.slow
 def test_tp2_measurement_runs():
     job, rows, results = comm_bench.run_layout(Layout("tp2", {"tensor_model_parallel_size": 2}), 2,
                                                model=TINY, training=ONE_SAMPLE)
@@ -82,6 +83,7 @@ def test_tp2_measurement_runs():
     assert all(math.isfinite(r.ratio) for r in rows)
 
 
+@pytest.mark.slow
 def test_sp_saves_half_the_layer_activations_at_tp2():
     from bench import sp_memory
 
@@ -91,6 +93,7 @@ def test_sp_saves_half_the_layer_activations_at_tp2():
     assert tp2["layers"] / tp1["layers"] <= 0.52
 
 
+@pytest.mark.slow
 def test_every_bucket_launches_during_backward_with_interleaving():
     from bench import dp_overlap
 

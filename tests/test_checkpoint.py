@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from parity import job_of, tiny_spec
+from tests.parity import job_of, tiny_spec
+
+pytestmark = pytest.mark.slow
 
 SMALL = {"num_layers": 2}
 

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from parity import assert_same_curve, job_of, run_trainer, tiny_spec
+from tests.parity import assert_same_curve, job_of, run_trainer, tiny_spec
 
 pytestmark = pytest.mark.slow
 

@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
-from parity import tiny_spec
+from tests.parity import tiny_spec
+
+pytestmark = pytest.mark.procs
 
 BIN = Path(sys.executable).parent
 RAYTRON = str(BIN / "raytron")

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from parity import CLIP, metric, reference
+from tests.parity import CLIP, metric, reference
 from workers.parallel.clip import counted_on_this_tp_rank, global_grad_norm
 from workers.parallel.optimizer import build_optimizer
 

@@ -12,7 +12,7 @@ import zipfile
 import httpx
 import pytest
 
-from test_api import ROOT, TOKEN, Server
+from tests.test_api import ROOT, TOKEN, Server
 
 STATIC = ["index.html", "console.css", "console.js", "api.js", "plot.js", "placement.js"]
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from test_api import ROOT, TOKEN, Server, tiny, wait_for
+from tests.test_api import ROOT, TOKEN, Server, tiny, wait_for
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
 from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402

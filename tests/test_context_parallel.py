@@ -17,6 +17,8 @@ from workers.parallel.context import (
 )
 from workers.spawn import run_ranks
 
+pytestmark = pytest.mark.slow
+
 SEQ, BATCH, DIM = 16, 2, 8
 HEAD_CONFIGS = [(4, 2), (4, 4)]  # (num_heads, num_kv_heads): GQA and plain MHA
 SCALE = 0.3

@@ -198,7 +198,7 @@ def test_a_restart_resumes_from_the_last_checkpoint_whose_iterations_it_recorded
     resuming from k would leave k out of the curve, so the restart takes the checkpoint before."""
     from dataclasses import replace
 
-    from test_checkpoint import checkpointer, trained
+    from tests.test_checkpoint import checkpointer, trained
 
     ck = checkpointer(tmp_path, keep_last=2)
     t = trained(2)

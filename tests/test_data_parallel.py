@@ -15,6 +15,8 @@ from workers.parallel.data import DataParallelGrads
 from workers.parallel.optimizer import DistributedOptimizer, ReplicatedOptimizer, build_optimizer
 from workers.spawn import run_ranks
 
+pytestmark = pytest.mark.slow
+
 GLOBAL_BATCH = 8
 NUM_MICRO = 2
 

@@ -15,7 +15,7 @@ import pytest
 
 from service.control.events import JobState
 from service.spec.spec import parse_spec, to_job_config
-from test_serve_faults import MODEL, _raylet_of, close, undisturbed
+from tests.test_serve_faults import MODEL, _raylet_of, close, undisturbed
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -44,7 +44,7 @@ def test_lost_node_shrinks_then_the_job_grows_back_when_a_node_joins(tmp_path):
     from service.control.jobs import start_job
     from service.ranks.ray_cluster import simulated_cluster
     from service.ranks.ray_launcher import RayLauncher
-    from test_ray import leftovers
+    from tests.test_ray import leftovers
 
     job = to_job_config(parse_spec(SPEC))
     events, lost, added, sizes = [], [], [], []

@@ -14,6 +14,8 @@ from workers.parallel.expert import MoELayer, SwiGLUExperts, TopKRouter
 from workers.parallel.moe_dispatch import AllToAllDispatcher
 from workers.spawn import run_ranks
 
+pytestmark = pytest.mark.slow
+
 E, H, FFN, TOPK, DEAD = 4, 6, 8, 2, 3  # expert DEAD never receives a token (crafted router)
 
 

@@ -9,7 +9,9 @@ import json
 import pytest
 import torch
 
-from parity import job_of, tiny_spec
+from tests.parity import job_of, tiny_spec
+
+pytestmark = pytest.mark.slow
 
 pytest.importorskip("transformers")
 LOGITS_RTOL = 1e-5
@@ -147,7 +149,7 @@ def test_hf_import_refuses_another_model(hf_dir):
 def test_hf_import_into_tp2_sp_pp2_gives_the_single_process_loss(llama_dir):
     """hf:DIR at tp2 x sp x pp2 (4 ranks): the first iterations' losses are those of one
     process that imported the same directory."""
-    from test_checkpoint_reshard import run
+    from tests.test_checkpoint_reshard import run
     from workers.checkpoint_reader import load_checkpoint
 
     _, path = llama_dir

@@ -5,7 +5,7 @@ the fp32 main params and the scaler."""
 import pytest
 import torch
 
-from parity import check_layout, job_of, metric, reference, run_trainer, tiny_spec
+from tests.parity import check_layout, job_of, metric, reference, run_trainer, tiny_spec
 from workers.mixed_precision import DynamicGradScaler
 
 BF16 = {"bf16": True}
@@ -167,8 +167,8 @@ def test_bf16_and_fp16_are_exclusive_and_the_fields_are_accepted():
 
 def _parity_layouts() -> dict:
     """Every layout of the fp32 parity suites as (moe, world, parallel, model, training)."""
-    from test_model_parity import DENSE_LAYOUTS
-    from test_model_parity_5d import LAYOUTS
+    from tests.test_model_parity import DENSE_LAYOUTS
+    from tests.test_model_parity_5d import LAYOUTS
 
     out = {}
     for name, v in DENSE_LAYOUTS.items():

@@ -3,7 +3,9 @@ losses to 1e-6, iteration-0 gradients to 1e-5, replicas bit-equal)."""
 
 import pytest
 
-from parity import check_layout, job_of, reference, run_trainer, tiny_spec
+from tests.parity import check_layout, job_of, reference, run_trainer, tiny_spec
+
+pytestmark = pytest.mark.slow
 
 MB2 = {"micro_batch_size": 2}
 

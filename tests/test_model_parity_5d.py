@@ -6,7 +6,9 @@ its gradient, must not depend on how the tokens of a microbatch are sharded over
 
 import pytest
 
-from parity import check_layout, tiny_spec
+from tests.parity import check_layout, tiny_spec
+
+pytestmark = pytest.mark.slow
 
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
 

@@ -5,7 +5,7 @@ all-gathers, CP ring, MoE all-to-all), and it does save activations."""
 import numpy as np
 import pytest
 
-from parity import check_layout, job_of, metric, reference, run_trainer, tiny_spec
+from tests.parity import check_layout, job_of, metric, reference, run_trainer, tiny_spec
 
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
 SETTINGS = {

@@ -19,7 +19,7 @@ import pytest
 from service.control.jobs import start_job
 from service.ranks.process_launcher import ProcessLauncher
 from service.spec.spec import parse_spec, to_job_config
-from test_api import Server, wait_for
+from tests.test_api import Server, wait_for
 
 pytestmark = pytest.mark.ray
 

@@ -9,6 +9,8 @@ import torch.distributed as dist
 import workers.spawn as spawn
 from workers.spawn import RankFailure, run_ranks
 
+pytestmark = pytest.mark.procs
+
 
 def _sum_ranks(rank, world_size):
     t = torch.tensor([float(rank)])

@@ -349,6 +349,7 @@ print("ok")
 """
 
 
+@pytest.mark.procs
 def test_two_processes_write_one_database(url, tmp_path):
     """A controller process and a server process append to the same job at the same time."""
     store = JobStore(url)

@@ -30,6 +30,8 @@ from workers.parallel.tensor import (
 )
 from workers.spawn import run_ranks
 
+pytestmark = pytest.mark.slow
+
 S, B, H, FF, V = 8, 2, 8, 16, 16  # all divisible by tp in {2, 4}
 TOL = dict(atol=1e-5, rtol=1e-5)
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from parity import job_of, tiny_spec
+from tests.parity import job_of, tiny_spec
 
 KEYS = {"iteration", "loss", "moe_aux_loss", "lr", "grad_norm", "loss_scale", "skipped", "val_loss", "tokens_per_s",
         "step_time_s", "peak_mem_mb"}

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
 from workers.checkpoint_layout import Box
 from workers.checkpoint_reader import CheckpointReader
 from workers.hf_interop import hf_config, logical_shapes, to_hf
-from workers.safetensors_io import save_file
 
 
 def export_hf(checkpoint: str, out_dir: str) -> dict:
@@ -26,13 +28,28 @@ def export_hf(checkpoint: str, out_dir: str) -> dict:
     reader = CheckpointReader.open(checkpoint)
     reader.verify()  # every byte against the manifest before it leaves raytron
     m = reader.model
-    tensors = {}
+    tensors, storages = {}, set()
     for name, shape in logical_shapes(m).items():
         full = reader.read(f"model/{name}", Box((0,) * len(shape), shape))
-        tensors.update({k: v.contiguous() for k, v in to_hf(name, full, m).items()})
+        tensors.update({k: _own(v, storages) for k, v in to_hf(name, full, m).items()})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    size = save_file(tensors, out / "model.safetensors", {"raytron_iteration": str(reader.iteration)})
+    path = out / "model.safetensors"
+    save_file(tensors, path, {"format": "pt", "raytron_iteration": str(reader.iteration)})
+    size = path.stat().st_size
     config = hf_config(m)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {"iteration": reader.iteration, "architecture": config["architectures"][0], "bytes": size, "path": str(out)}
+
+
+def _own(t: torch.Tensor, storages: set[int]) -> torch.Tensor:
+    """``t`` contiguous on the CPU in memory of its own (a clone unless it already is), so that
+    ``save_file`` takes every tensor whatever it is a view of: it refuses non-contiguous tensors
+    and tensors whose memory overlaps (gate_up's halves and the experts are views of one tensor)."""
+    t = t.detach().cpu().contiguous()
+    storage = t.untyped_storage()
+    whole = t.storage_offset() == 0 and t.numel() * t.element_size() == storage.nbytes()
+    if not whole or storage.data_ptr() in storages:
+        t = t.clone()
+    storages.add(t.untyped_storage().data_ptr())
+    return t

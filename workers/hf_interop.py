@@ -31,9 +31,9 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from workers.checkpoint_layout import Box
-from workers.safetensors_io import SafetensorsDir
 
 
 def logical_shapes(m: dict) -> dict[str, tuple[int, ...]]:
@@ -140,6 +140,27 @@ def to_hf(name: str, t: torch.Tensor, m: dict) -> dict[str, torch.Tensor]:
     return {f"{p}.block_sparse_moe.experts.{e}.{w}.weight": t[e] for e in range(t.shape[0])}
 
 
+def tensor_files(directory: Path) -> dict[str, Path]:
+    """Which file holds each tensor of a model directory: one ``model.safetensors`` or the
+    shards named by ``model.safetensors.index.json``."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        for f in sorted(set(weight_map.values())):
+            with safe_open(directory / f, framework="pt"):  # every shard is there and has a header
+                pass
+        return {name: directory / f for name, f in weight_map.items()}
+    paths = sorted(directory.glob("*.safetensors"))
+    if not paths:
+        raise ValueError(f"{directory} has no *.safetensors files; save the model with "
+                         f"save_pretrained(..., safe_serialization=True)")
+    where = {}
+    for path in paths:
+        with safe_open(path, framework="pt") as f:  # the header only
+            where.update(dict.fromkeys(f.keys(), path))
+    return where
+
+
 class HFReader:
     """A Hugging Face Llama/Mixtral directory as a checkpoint source (weights only: no
     optimizer state, no trainer state, so training starts at iteration 0)."""
@@ -152,7 +173,7 @@ class HFReader:
         if not config.exists():
             raise ValueError(f"hf:{directory}: no config.json; point checkpoint.load at a Hugging Face model directory")
         self.model = model_from_hf_config(json.loads(config.read_text()))
-        self.files = SafetensorsDir(self.path)
+        self.files = tensor_files(self.path)
         self.shapes = logical_shapes(self.model)
         self._cache: tuple[str, torch.Tensor] | None = None
 
@@ -172,7 +193,8 @@ class HFReader:
     def _get(self, hf_name: str) -> torch.Tensor:
         if hf_name not in self.files:
             raise ValueError(f"hf:{self.path}: tensor {hf_name} is missing")
-        return self.files.get(hf_name).float()
+        with safe_open(self.files[hf_name], framework="pt") as f:  # this one tensor, not the file
+            return f.get_tensor(hf_name).float()
 
     def _full(self, name: str) -> torch.Tensor:
         """The logical tensor ``name``, assembled from the Hugging Face tensors."""
