@@ -28,10 +28,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from test_api import Server, tiny, wait_for  # noqa: E402
+from tests.test_api import Server, tiny, wait_for  # noqa: E402
 
 
 async def _get_latencies(url: str, token: str, job_id: str, clients: int, requests: int) -> tuple[list[float], float]:
