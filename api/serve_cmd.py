@@ -62,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the REST API, the job queue and the job runners",
-                       description="Serve the REST API (/api/v1, described at /docs) with a persistent job store and a gang queue. "
+                       description="Serve the REST API (/api/v1, described at /docs) with a persistent job store "
+                                   "and a gang queue. "
                                    "Every request but /healthz needs the token of RAYTRON_API_TOKEN or "
                                    "DATA_DIR/api_token (created on first start).")
     add_arguments(p)
