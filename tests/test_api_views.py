@@ -70,7 +70,9 @@ def test_a_resized_job_counts_its_restarts_as_the_controller_does(store):
     result = run_recorded(store, "el-1", shrink_then_grow(nodes, reached), nodes)
     assert result["state"] == "SUCCEEDED" and result["restarts"] == 1, result
     job = get_job("el-1", store)
-    assert len(job["attempts"]) == 3  # an attempt per size: 4, 2, 4 nodes
+    assert [a["number"] for a in job["attempts"]] == [1, 2, 3]  # an attempt per size: 4, 2, 4 nodes
+    starts = [e["message"] for e in store.events("el-1", kind="state") if e["state"] == "STARTING"]
+    assert "(attempt 2)" in starts[1] and "(attempt 3)" in starts[2], starts  # the controller numbers them alike
     assert job["restarts"] == result["restarts"]  # mutation: restarts = attempts - 1 -> 2
     assert list_jobs(store, limit=100, state=None)["jobs"][0].restarts == result["restarts"]
     text = metrics(store, SimpleNamespace(queue_length=lambda: 0)).body.decode()

@@ -190,7 +190,8 @@ class JobController:
         self.current, self.grid = job, grid
         source = self._resume_source()
         job = replace(job, checkpoint=replace(job.checkpoint, resume_from=source))
-        attempt = f" (attempt {self.restarts + 1})" if self.restarts else ""
+        number = 1 + sum(1 for e in self.events if e.kind == "state" and e.state is JobState.STARTING)
+        attempt = f" (attempt {number})" if number > 1 else ""  # numbered as the job store numbers attempts
         self._transition(JobState.STARTING, "placing ranks" + attempt + (f" from {source}" if source else ""),
                          {"from_checkpoint": source, "num_nodes": job.num_nodes, "sizes": grid.sizes()})
         self._group = self._make_group(self.restarts, job, grid)
