@@ -1,4 +1,4 @@
-"""The REST API (ARCHITECTURE.md contract 4), built by :func:`create_app`; nothing happens at import.
+"""The REST API (``/api/v1``, described at ``/docs``), built by :func:`create_app`; nothing happens at import.
 
 ``create_app(settings, store=..., runners=..., cluster=...)`` wires the routes to one job store,
 one runner back end and one cluster view. The app's lifespan starts the :class:`~service.server.scheduler.Scheduler`
@@ -102,7 +102,7 @@ def create_app(settings: Settings, *, store: JobStore, runners: JobRunners, clus
     app.state.settings, app.state.store, app.state.scheduler, app.state.cluster = settings, store, scheduler, cluster
     app.state.runners = runners
     http_errors.install(app)
-    api = [jobs.router, streams.router, plan.router, cluster_routes.router]
+    api = [jobs.router, jobs.states_router, streams.router, plan.router, cluster_routes.router]
     for router in api:
         app.include_router(router, prefix=API_PREFIX, dependencies=[Depends(require_token)])
     app.include_router(health.router)

@@ -1,4 +1,5 @@
-"""The ``raytron`` command line (ARCHITECTURE.md contract 3).
+"""The ``raytron`` command line: ``grid``, ``run``, ``serve``, the client of ``serve`` (``submit``,
+``status``, ``logs``, ``cancel``, ``plan``), ``export`` and ``preprocess`` (README.md shows each).
 
 Invalid input exits with status 2 and one clear line on stderr. Heavy imports (torch, ray)
 happen only inside the sub-commands that need them, so ``raytron grid`` answers at once.
@@ -115,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def grid_report(grid, gpus_per_node: int) -> dict:
-    """The ``raytron grid --json`` object (contract 3)."""
+    """The ``raytron grid --json`` object: the sizes, every process group and each rank's
+    coordinates, node and local slot (``--gpus-per-node`` per node)."""
     from service.spec.placement import plan_placement
     from workers.grid import DECODER_KINDS, EXPERT_KINDS
 

@@ -1,4 +1,4 @@
-"""A small HTTP client of the REST API (contract 4), used by ``raytron submit/status/logs/cancel``.
+"""A small HTTP client of the REST API (``/api/v1``), used by ``raytron submit/status/logs/cancel``.
 
 The token comes from the argument, else ``RAYTRON_API_TOKEN``, else the ``api_token`` file in the
 data dir (``--data-dir``, ``$RAYTRON_DATA_DIR`` or ``~/.raytron``) that ``raytron serve`` wrote.
@@ -14,6 +14,7 @@ from typing import Iterator
 import httpx
 
 from api.auth import read_token
+from api.data_dir import data_dir_default
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 
@@ -41,8 +42,6 @@ class RaytronClient:
 
     def __init__(self, server: str | None = None, *, token: str | None = None, data_dir: str | None = None,
                  timeout_s: float = 30.0):
-        from api.serve_cmd import data_dir_default
-
         self.server = (server or os.environ.get("RAYTRON_SERVER") or DEFAULT_SERVER).rstrip("/")
         token = token or read_token(os.path.expanduser(data_dir or data_dir_default()))
         headers = {"Authorization": f"Bearer {token}"} if token else {}

@@ -13,7 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+from service.control.events import JobState
+
+TERMINAL = frozenset(s.value for s in JobState if s.is_terminal)
 
 
 class BadInput(Exception):
@@ -152,10 +154,9 @@ def cmd_status(args) -> int:
         if job.get("error"):
             print(f"error: {job['error'].get('message')}")
         if placement["ranks"]:
-            print(f"{'rank':>6}  {'node_id':<20}{'pid':>8}{'tp':>4}{'cp':>4}{'dp':>4}{'pp':>4}{'ep':>4}")
-            for p in placement["ranks"]:
-                print(f"{p['rank']:>6}  {str(p.get('node_id'))[:18]:<20}{p.get('pid') or '':>8}" +
-                      "".join(f"{p.get(k, ''):>4}" for k in ("tp", "cp", "dp", "pp", "ep")))
+            from api.placement_view import print_placement
+
+            print_placement(placement["ranks"], sys.stdout)
         return 0
 
 

@@ -1,8 +1,10 @@
 """What ``raytron run`` and ``raytron grid`` show: tables, the progress bar, the final line.
 
 :class:`RunView` subscribes to a job's :class:`~service.control.events.JobEvent` stream; the controller
-never calls it directly (STYLE.md rule 10). Tables and the bar go to stderr, so that stdout
-carries only the result (the final line, or the JSON object with ``--json``).
+never calls it directly (it only emits events, and any number of views may follow them). Tables
+and the bar go to stderr, so that stdout carries only the result (the final line, or the JSON
+object with ``--json``). The placement table is :func:`api.placement_view.print_placement`, the
+one ``raytron status JOB`` prints too.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
+from api.placement_view import print_placement
 from service.control.events import JobEvent, JobState
 
 
@@ -22,14 +25,6 @@ def print_plan(grid, plan, out=None) -> None:
         c = grid.coords(p.rank)
         print(f"{p.rank:>6}{p.node:>6}{p.local:>6}{c['tp']:>4}{c['cp']:>4}{c['dp']:>4}{c['pp']:>4}{c['ep']:>4}",
               file=out)
-
-
-def print_placement(placement: list[dict], out=None) -> None:
-    out = out or sys.stderr
-    print(f"{'rank':>6}  {'node_id':<20}{'pid':>8}{'tp':>4}{'cp':>4}{'dp':>4}{'pp':>4}{'ep':>4}", file=out)
-    for p in placement:
-        print(f"{p['rank']:>6}  {str(p['node_id'])[:18]:<20}{p['pid']:>8}{p['tp']:>4}{p['cp']:>4}{p['dp']:>4}"
-              f"{p['pp']:>4}{p['ep']:>4}", file=out)
 
 
 class RunView:

@@ -1,4 +1,4 @@
-"""Response models of the REST API (contract 4): what clients may rely on, shown at /docs.
+"""Response models of the REST API (``/api/v1``): what clients may rely on, shown at /docs.
 
 The request side is the job spec (:class:`service.spec.spec.JobSpec`, plus ``priority``), checked by
 :func:`service.spec.check.check_spec` so that a 422 lists one entry per problem.
@@ -31,15 +31,20 @@ class Attempt(BaseModel):
 
 
 class JobSummary(BaseModel):
+    """A job in the list: what the console's jobs page shows of it (the page needs nothing else)."""
+
     id: str
     name: str
     state: str
     priority: int
     submitted_at: float
     updated_at: float
-    iteration: int
+    iteration: int = Field(description="the latest iteration")
     train_iters: int
     world_size: int
+    sizes: dict[str, int] | None = Field(None, description="the parallel sizes it runs at now (tp, pp, dp, ...)")
+    loss: float | None = Field(None, description="the LM loss of the latest iteration")
+    restarts: int = Field(description="restarts after a failure; a resize starts an attempt but is no restart")
     ray_job_id: str | None = None
     error: dict | None = None
 
@@ -47,9 +52,7 @@ class JobSummary(BaseModel):
 class JobPublic(JobSummary):
     losses: list[float] = Field(description="the LM loss of every iteration so far")
     tokens_per_s: float | None = Field(None, description="of the latest iteration")
-    restarts: int
-    attempts: list[Attempt]
-    sizes: dict[str, int] | None = None
+    attempts: list[Attempt] = Field(description="one per start: the first, each restart and each resize")
     spec: dict[str, Any]
 
 
@@ -73,9 +76,13 @@ class EventList(BaseModel):
 
 
 class RankPlacement(BaseModel, extra="allow"):
+    """One rank: its placement record as it reported it, completed from the plan (api/placement_view.py)."""
+
     rank: int
-    node_id: str | None = Field(None, description="the node the rank reported (hostname or Ray node id)")
-    node: str | int | None = Field(None, description="the cluster node admitted for the rank's bundle")
+    node: str | int | None = Field(None, description="the node the rank is drawn in: the launcher's node index "
+                                   "(local processes), else node_id, else hostname, else the planned node")
+    node_id: str | None = Field(None, description="the Ray node the rank reported (none for a local process)")
+    hostname: str | None = Field(None, description="the machine the rank reported")
     local: int | None = Field(None, description="the rank's slot (GPU index) on its node")
     pid: int | None = None
     tp: int | None = None
@@ -83,13 +90,21 @@ class RankPlacement(BaseModel, extra="allow"):
     dp: int | None = None
     pp: int | None = None
     ep: int | None = None
+    etp: int | None = Field(None, description="expert tensor-parallel rank")
+    expert_dp: int | None = Field(None, description="expert data-parallel rank")
 
 
 class PlacementPublic(BaseModel):
     job_id: str
     attempt: int = Field(description="the attempt these ranks belong to (1-based; 0 before any started)")
     reported_at: float | None = None
+    gpus_per_node: int | None = Field(None, description="GPU slots per node (the map draws the free ones too)")
     ranks: list[RankPlacement]
+
+
+class JobStates(BaseModel):
+    states: list[str] = Field(description="every job state, in the order a job goes through them")
+    terminal: list[str] = Field(description="the final ones: a job in one never changes again")
 
 
 class NodePublic(BaseModel):

@@ -14,13 +14,8 @@ import sys
 from pathlib import Path
 
 from api.arg_types import FAULT_METAVAR, fault
+from api.data_dir import DEFAULT_DATA_DIR, data_dir_default
 from service.ranks.launcher import LAUNCHERS
-
-DEFAULT_DATA_DIR = "~/.raytron"
-
-
-def data_dir_default() -> str:
-    return os.environ.get("RAYTRON_DATA_DIR") or DEFAULT_DATA_DIR
 
 
 def shape(text: str) -> tuple[int, int]:
@@ -67,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the REST API, the job queue and the job runners",
-                       description="Serve the REST API (contract 4) with a persistent job store and a gang queue. "
+                       description="Serve the REST API (/api/v1, described at /docs) with a persistent job store "
+                                   "and a gang queue. "
                                    "Every request but /healthz needs the token of RAYTRON_API_TOKEN or "
                                    "DATA_DIR/api_token (created on first start).")
     add_arguments(p)

@@ -134,7 +134,8 @@ def api(server):
 def test_token_required_everywhere_but_healthz(server):
     assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
     for method, path in [("GET", "/api/v1/jobs"), ("POST", "/api/v1/jobs"), ("GET", "/api/v1/jobs/x"),
-                         ("GET", "/api/v1/cluster"), ("POST", "/api/v1/plan"), ("GET", "/metrics")]:
+                         ("GET", "/api/v1/cluster"), ("POST", "/api/v1/plan"), ("GET", "/api/v1/job-states"),
+                         ("GET", "/metrics")]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
             r = httpx.request(method, server.url + path, headers=headers, json={})
             assert r.status_code == 401, (method, path, headers)  # mutation: auth dependency dropped
@@ -288,6 +289,12 @@ def test_submit_runs_to_succeeded_with_the_cli_losses(server, api, tmp_path):
 
     listed = api.get("/jobs").json()["jobs"]
     assert listed[0]["id"] == job_id and "losses" not in listed[0]
+    # what the console's jobs page shows of a job, in the list itself (no request per job)
+    assert (listed[0]["iteration"], listed[0]["loss"], listed[0]["restarts"], listed[0]["sizes"]) == (
+        3, job["losses"][-1], 0, job["sizes"]) and listed[0]["sizes"]["tp"] == 2
+    assert api.get("/job-states").json() == {
+        "states": ["QUEUED", "STARTING", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "CANCELLED"],
+        "terminal": ["SUCCEEDED", "FAILED", "CANCELLED"]}
     metrics = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert 'raytron_jobs{state="SUCCEEDED"}' in metrics and "raytron_queue_length 0.0" in metrics
     assert f'raytron_job_loss{{job_id="{job_id}",name="parity"}} {job["losses"][-1]}' in metrics

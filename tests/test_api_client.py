@@ -87,3 +87,12 @@ def test_plan_here_and_on_the_server_agree(server, tmp_path):
     table = subprocess.run([sys.executable, "-m", "api.client_cmds", "plan", path], capture_output=True, text=True,
                            cwd=ROOT, timeout=60).stdout
     assert "traffic/iteration" in table and "w/ dist-opt" in table
+
+
+def test_the_client_does_not_import_the_server_command():
+    """``raytron submit/status/...`` load the HTTP client only: the data dir default it shares with
+    ``raytron serve`` lives in api/data_dir.py, not in the serve command."""
+    p = subprocess.run([sys.executable, "-c", "import sys, api.client, api.client_cmds; "
+                        "print(sorted(m for m in sys.modules if m in ('api.serve_cmd', 'api.app', 'uvicorn')))"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr  # mutation: client imports serve_cmd again

@@ -159,6 +159,12 @@ def test_a_bad_spec_shows_the_422_field_errors(server, browser, api, artifacts):
     assert api.get("/jobs").json()["count"] == 0  # nothing was stored
 
 
+def fetched(driver, part: str) -> list[str]:
+    """The URLs the page has fetched (since the last performance.clearResourceTimings()) that hold ``part``."""
+    return driver.execute_script("return performance.getEntriesByType('resource').map(e => e.name)"
+                                 ".filter(u => u.includes(arguments[0]))", part)
+
+
 def tp_groups_by_node_box(driver, container: str) -> dict[tuple, set[str]]:
     """Every TP group (ranks sharing pp, dp, cp) -> the node boxes its slots are drawn in."""
     slots = driver.execute_script(
@@ -273,6 +279,10 @@ def test_cancel_a_second_job_from_the_list(server, browser, api, artifacts):
          and d.find_element(By.CSS_SELECTOR, row).get_attribute("data-state") == "RUNNING", 300, "RUNNING")
     wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, f"{row} td.iter").text.split(" /")[0] not in ("", "0"),
          120, "iterations counting up in the list")
+    # the page asks for the list alone: its summaries carry every cell (no GET /jobs/{id} per row)
+    browser.execute_script("performance.clearResourceTimings()")
+    wait(browser, lambda d: len(fetched(d, "/api/v1/jobs?")) >= 2, 30, "two refreshes of the list")
+    assert fetched(browser, "/api/v1/jobs/") == []  # mutation: a request per job again
     browser.find_element(By.CSS_SELECTOR, f"{row} button.cancel").click()
     wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, row).get_attribute("data-state") == "CANCELLED", 120,
          "CANCELLED in the list")

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
 from api.deps import SchedulerDep, StoreDep, require_token
+from api.routes.jobs import job_restarts, latest_metrics
 from api.schemas import Health
 from service.server.store import STATES, TERMINAL_STATES
 
@@ -45,13 +46,13 @@ def metrics(store: StoreDep, scheduler: SchedulerDep) -> Response:
     for r in shown:
         labels = [r["id"], r["name"]]
         it.add_metric(labels, r["iteration"])
-        last = store.metrics(r["id"], after_iteration=r["iteration"] - 1) if r["iteration"] else []
+        last = latest_metrics(store, r)
         if last:
-            if last[-1].get("loss") is not None:
-                loss.add_metric(labels, last[-1]["loss"])
-            if last[-1].get("tokens_per_s") is not None:
-                tps.add_metric(labels, last[-1]["tokens_per_s"])
-        restarts.add_metric(labels, max(0, len(store.attempts(r["id"])) - 1))
+            if last.get("loss") is not None:
+                loss.add_metric(labels, last["loss"])
+            if last.get("tokens_per_s") is not None:
+                tps.add_metric(labels, last["tokens_per_s"])
+        restarts.add_metric(labels, job_restarts(store, r["id"]))
     families += [it, loss, tps, restarts]
 
     class _Collector:

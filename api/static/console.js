@@ -7,9 +7,16 @@ import { drawChart } from "./plot.js";
 import { colourChoices, drawPlacement } from "./placement.js";
 
 const $ = (sel, root = document) => root.querySelector(sel);
-const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
 const POLL_MS = 1500;
 let view = null;  // the live view's AbortController: leaving a page stops its streams and polls
+let terminal = null;  // the final job states (a Set), from GET /api/v1/job-states: asked once per page load
+
+/** The final job states, as the API names them (a job in one cannot be cancelled). */
+function terminalStates() {
+  terminal ??= getJSON(`${API}/job-states`).then((s) => new Set(s.terminal))
+    .catch((err) => { terminal = null; throw err; });  // asked again next time (e.g. after the login)
+  return terminal;
+}
 
 // ---- small helpers -------------------------------------------------------------------------------
 
@@ -78,25 +85,18 @@ setOnUnauthorized(() => { token.clear(); showLogin("The server refused the token
 
 // ---- jobs page -----------------------------------------------------------------------------------
 
-const details = new Map();  // job id -> its JobPublic, refetched when its summary changes
-
+// One request per refresh: the list's summaries carry all a row shows (state, sizes, iteration,
+// latest loss, restarts).
 async function refreshJobs() {
-  const { jobs } = await getJSON(`${API}/jobs?limit=100`);
-  await Promise.all(jobs.map(async (j) => {
-    const known = details.get(j.id);
-    if (!known || known.updated_at !== j.updated_at || known.iteration !== j.iteration || known.state !== j.state) {
-      details.set(j.id, await getJSON(`${API}/jobs/${j.id}`));
-    }
-  }));
+  const [{ jobs }, final] = await Promise.all([getJSON(`${API}/jobs?limit=100`), terminalStates()]);
   const now = Date.now() / 1000;
   const body = $("#jobs tbody");
   const rows = new Map([...body.rows].map((r) => [r.dataset.jobId, r]));
   // Rows are kept and only redrawn when their job changed: a button must not vanish under a click.
   const shown = jobs.map((j) => {
-    const d = details.get(j.id) || j;
     const row = rows.get(j.id) || document.createElement("tr");
-    const sig = JSON.stringify([d.state, d.iteration, d.losses?.at(-1), d.restarts, d.sizes]);
-    if (row.dataset.sig !== sig) fillJobRow(row, j, d, sig);
+    const sig = JSON.stringify([j.state, j.iteration, j.loss, j.restarts, j.sizes]);
+    if (row.dataset.sig !== sig) fillJobRow(row, j, sig, final);
     row.cells[7].textContent = age(now - j.submitted_at);
     return row;
   });
@@ -107,7 +107,7 @@ async function refreshJobs() {
 const COLUMNS = ["state-cell", "name", "id muted", "sizes", "num iter", "num loss", "num restarts", "num age", "actions"];
 
 /** Fill a job's row in place: its cells, link and button are made once and then only updated. */
-function fillJobRow(row, j, d, sig) {
+function fillJobRow(row, j, sig, final) {
   if (!row.cells.length) {
     for (const cls of COLUMNS) cell(row, "", cls);
     row.cells[0].append(document.createElement("span"));
@@ -118,14 +118,14 @@ function fillJobRow(row, j, d, sig) {
     button.addEventListener("click", () => cancel(j.id).then(refreshJobs).catch(alertError));
     row.cells[8].append(button);
   }
-  Object.assign(row.dataset, { jobId: j.id, state: d.state, sig });
-  stateBadge(row.cells[0].firstChild, d.state);
-  row.cells[1].firstChild.textContent = d.name;
-  row.cells[3].textContent = sizesText(d.sizes);
-  row.cells[4].textContent = `${d.iteration} / ${d.train_iters}`;
-  row.cells[5].textContent = lossText(d.losses?.at(-1));
-  row.cells[6].textContent = String(d.restarts ?? 0);
-  row.cells[8].firstChild.hidden = TERMINAL.has(d.state);
+  Object.assign(row.dataset, { jobId: j.id, state: j.state, sig });
+  stateBadge(row.cells[0].firstChild, j.state);
+  row.cells[1].firstChild.textContent = j.name;
+  row.cells[3].textContent = sizesText(j.sizes);
+  row.cells[4].textContent = `${j.iteration} / ${j.train_iters}`;
+  row.cells[5].textContent = lossText(j.loss);
+  row.cells[6].textContent = String(j.restarts);
+  row.cells[8].firstChild.hidden = final.has(j.state);
 }
 
 function alertError(err) {
@@ -261,9 +261,8 @@ async function showJob(jobId, signal) {
   $("#events").replaceChildren();
   $("#logs").textContent = "";
   $("#placement-map").replaceChildren();
-  const job = await getJSON(`${API}/jobs/${jobId}`);
+  const [job, final] = await Promise.all([getJSON(`${API}/jobs/${jobId}`), terminalStates()]);
   const metrics = new Map();  // iteration -> that iteration's metrics (the latest attempt's wins)
-  let planned = null;         // the plan's coordinates per rank (etp, expert_dp) and slots
   let placedAt = null;
 
   const render = (j) => {
@@ -271,10 +270,10 @@ async function showJob(jobId, signal) {
     $("#job-id").textContent = j.id;
     stateBadge($("#job-state"), j.state);
     $("#job-iter").textContent = `${j.iteration} / ${j.train_iters}`;
-    $("#job-restarts").textContent = String(j.restarts ?? 0);
+    $("#job-restarts").textContent = String(j.restarts);
     $("#job-sizes").textContent = sizesText(j.sizes);
     $("#job-error").textContent = j.error ? `${j.error.code || "error"}: ${j.error.message || ""}` : "";
-    $("#job-cancel").hidden = TERMINAL.has(j.state);
+    $("#job-cancel").hidden = final.has(j.state);
     $("#job-cancel").onclick = () => cancel(j.id).catch((err) => { $("#job-error").textContent = err.message; });
   };
   render(job);
@@ -298,17 +297,12 @@ async function showJob(jobId, signal) {
   };
   drawCharts();
 
+  // The server puts the view together (each rank's node, slot and coordinates); it is drawn as it comes.
   const drawMap = async () => {
     const placement = await getJSON(`${API}/jobs/${jobId}/placement`);
-    if (planned === null) {
-      // The plan adds what ranks do not report (the expert grid's etp and expert_dp, the planned slot).
-      try { planned = (await postJSON(`${API}/plan`, job.spec)).placement; } catch { planned = []; }
-    }
-    const byRank = new Map(planned.map((p) => [p.rank, p]));
-    const ranks = placement.ranks.map((r) => ({ ...byRank.get(r.rank), ...r, node: r.node ?? r.node_id }));
-    $("#placement-note").textContent = ranks.length
+    $("#placement-note").textContent = placement.ranks.length
       ? `attempt ${placement.attempt}, as the ranks reported it` : "not placed yet";
-    setupMap($("#job-view .colour-by"), $("#placement-map"), ranks, job.spec?.resources?.gpus_per_node);
+    setupMap($("#job-view .colour-by"), $("#placement-map"), placement.ranks, placement.gpus_per_node);
     $("#placement-map").dataset.attempt = placement.attempt;
   };
   drawMap().catch(() => {});

@@ -31,7 +31,7 @@ import enum
 import math
 import threading
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Iterable
 
 from service.control.errors import InsufficientResources, JobCancelled, JobError, NonFiniteMetric
 from service.control.events import JobEvent, JobState
@@ -45,6 +45,21 @@ from workers.faults import Fault
 from workers.grid import ParallelGrid
 
 CHECKED_METRICS = ("loss", "grad_norm")  # a non-finite value of either fails the job at that iteration
+
+
+def is_restart(event: JobEvent) -> bool:
+    """Whether ``event`` counts as a restart: a RESTARTING transition that recovers the job (after
+    a failure the policy restarts, or a controller rebuilt after its ranks were lost), not one that
+    only resizes it (``data["resize"]``: a shrink while an attempt waited for nodes, a grow back at
+    a checkpoint). Every ``restarts`` (the controller's, so ``raytron run --json``'s and the failure
+    policy's; the REST API's; /metrics') is the number of these events; a job has one attempt per
+    STARTING, so after a resize it has more attempts than restarts + 1."""
+    return event.kind == "state" and event.state is JobState.RESTARTING and not event.data.get("resize")
+
+
+def count_restarts(events: Iterable[JobEvent]) -> int:
+    """The restarts in a job's events (:func:`is_restart`)."""
+    return sum(1 for e in events if is_restart(e))
 
 
 class Outcome(enum.Enum):
@@ -101,7 +116,7 @@ class JobController:
         self.iteration = 0  # the last finished iteration
         self.attempts = 0  # attempts started by this controller
         self.placement: list[dict] = []
-        self.restarts = 0
+        self.restarts = 0  # the events so far that count as one (is_restart), kept by _emit and _replay
         self.error: JobError | None = None
         self._cancel = threading.Event()
         self._cancel_reason = "cancelled"
@@ -175,7 +190,8 @@ class JobController:
         self.current, self.grid = job, grid
         source = self._resume_source()
         job = replace(job, checkpoint=replace(job.checkpoint, resume_from=source))
-        attempt = f" (attempt {self.restarts + 1})" if self.restarts else ""
+        number = 1 + sum(1 for e in self.events if e.kind == "state" and e.state is JobState.STARTING)
+        attempt = f" (attempt {number})" if number > 1 else ""  # numbered as the job store numbers attempts
         self._transition(JobState.STARTING, "placing ranks" + attempt + (f" from {source}" if source else ""),
                          {"from_checkpoint": source, "num_nodes": job.num_nodes, "sizes": grid.sizes()})
         self._group = self._make_group(self.restarts, job, grid)
@@ -242,8 +258,7 @@ class JobController:
         self.faults = [f for f in self.faults if f.iteration > reached]
         self._emit(JobEvent.now("failure", self.state, str(error), error.to_dict()))
         if outcome is Outcome.RESTART:
-            self.restarts += 1
-            self._transition(JobState.RESTARTING, f"restart {self.restarts} after: {error}")
+            self._transition(JobState.RESTARTING, f"restart {self.restarts + 1} after: {error}")
             return
         self.error = error
         self._transition(JobState.FAILED, str(error))
@@ -263,6 +278,7 @@ class JobController:
         self.events.append(event)
         if self._on_event is not None:
             self._on_event(event)
+        self.restarts += is_restart(event)
 
     def _replay(self, history: list[JobEvent]) -> None:
         """Take the state, metrics, placement and restarts the recorded events end with.
@@ -270,12 +286,11 @@ class JobController:
         A job that was STARTING or RUNNING when its events stopped has lost its ranks; its
         next :meth:`run` starts a new attempt from its latest checkpoint.
         """
+        self.restarts = count_restarts(history)
         for event in history:
             self.events.append(event)
             if event.kind == "state":
                 self.state = event.state
-                if event.state is JobState.RESTARTING and not event.data.get("resize"):
-                    self.restarts += 1
             elif event.kind == "iteration":
                 it = event.data.get("iteration")
                 if isinstance(it, int) and 1 <= it <= len(self.metrics):
@@ -290,7 +305,7 @@ class JobController:
             last = history[-1]
             self.error = JobError(last.message)
         if self.state in (JobState.STARTING, JobState.RUNNING):
-            self.restarts += 1  # a new attempt, counted like any other (replaying this event counts it too)
+            # a restart like any other: _emit counts it (and so does a later replay of it)
             self._transition(JobState.RESTARTING, "the controller was restarted; the ranks are gone")
 
     # -- checkpoints ------------------------------------------------------------------------
