@@ -15,7 +15,7 @@ from service.control.events import JobState
 from service.server.job_main import StoreRecorder
 from service.server.store import JobStore, sqlite_url
 from service.spec.spec import parse_spec, to_job_config
-from test_elastic import MODEL, ResumingGroup
+from tests.test_elastic import MODEL, ResumingGroup
 from workers.grid import ParallelGrid
 
 
