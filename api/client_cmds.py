@@ -154,7 +154,7 @@ def cmd_status(args) -> int:
         if placement["ranks"]:
             print(f"{'rank':>6}  {'node_id':<20}{'pid':>8}{'tp':>4}{'cp':>4}{'dp':>4}{'pp':>4}{'ep':>4}")
             for p in placement["ranks"]:
-                print(f"{p['rank']:>6}  {str(p.get('node_id'))[:18]:<20}{p.get('pid') or '':>8}" +
+                print(f"{p['rank']:>6}  {str(p.get('node_id') or p.get('hostname'))[:18]:<20}{p.get('pid') or '':>8}" +
                       "".join(f"{p.get(k, ''):>4}" for k in ("tp", "cp", "dp", "pp", "ep")))
         return 0
 

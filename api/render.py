@@ -28,7 +28,7 @@ def print_placement(placement: list[dict], out=None) -> None:
     out = out or sys.stderr
     print(f"{'rank':>6}  {'node_id':<20}{'pid':>8}{'tp':>4}{'cp':>4}{'dp':>4}{'pp':>4}{'ep':>4}", file=out)
     for p in placement:
-        print(f"{p['rank']:>6}  {str(p['node_id'])[:18]:<20}{p['pid']:>8}{p['tp']:>4}{p['cp']:>4}{p['dp']:>4}"
+        print(f"{p['rank']:>6}  {str(p.get('node_id') or p.get('hostname'))[:18]:<20}{p['pid']:>8}{p['tp']:>4}{p['cp']:>4}{p['dp']:>4}"
               f"{p['pp']:>4}{p['ep']:>4}", file=out)
 
 

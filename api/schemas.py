@@ -74,7 +74,8 @@ class EventList(BaseModel):
 
 class RankPlacement(BaseModel, extra="allow"):
     rank: int
-    node_id: str | None = Field(None, description="the node the rank reported (hostname or Ray node id)")
+    node_id: str | None = Field(None, description="the Ray node the rank ran on (null for local processes)")
+    hostname: str | None = Field(None, description="the machine the rank ran on")
     node: str | int | None = Field(None, description="the cluster node admitted for the rank's bundle")
     local: int | None = Field(None, description="the rank's slot (GPU index) on its node")
     pid: int | None = None

@@ -45,6 +45,7 @@ import torch
 from workers.checkpoint_layout import ParamView, param_views
 from workers.checkpoint_storage import (FORMAT, MANIFEST, VERSION, Storage, checkpoint_name, crc32, prune,
                                         wait_for_files)
+from workers.grid import COORDS
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ class Checkpointer:
         # The snapshot: a CPU copy of what this rank writes, so training can go on at once.
         mine = [(piece, data.detach().to("cpu", copy=True)) for piece, data in pieces if piece in self._owned]
         meta = {"iteration": trainer.iteration, "model": asdict(trainer.job.model),
-                "layout": {**{k: getattr(trainer.grid, k) for k in ("tp", "pp", "cp", "ep", "dp")},
+                "layout": {**{k: getattr(trainer.grid, k) for k in COORDS},
                            "etp": trainer.grid.etp, "vpp": trainer.vpp, "world_size": self.world_size,
                            "use_distributed_optimizer": trainer.job.parallel.use_distributed_optimizer},
                 "trainer_state": trainer.state_for_checkpoint(), "rng": rng_state()}
@@ -280,9 +281,4 @@ class Checkpointer:
         prune(self.root, self.keep_last, meta["iteration"])
 
 
-def save_checkpoint(trainer, uri: str, *, keep_last: int = 2) -> None:
-    """One synchronous save of ``trainer`` under ``uri`` (every rank calls it)."""
-    Checkpointer(uri, keep_last=keep_last).save(trainer)
-
-
-__all__ = ["Checkpointer", "Piece", "ParamView", "local_pieces", "save_checkpoint", "set_rng_state"]
+__all__ = ["Checkpointer", "Piece", "ParamView", "local_pieces", "set_rng_state"]

@@ -27,13 +27,14 @@ the class.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 from workers.config import JobConfig
 from workers.faults import Fault
+from workers.grid import COORDS
+from workers.placement_record import PlacementRecord
 
-METRIC_TAGS = ("job_id", "rank", "tp", "pp", "dp", "cp", "ep")
+METRIC_TAGS = ("job_id", "rank", *COORDS)
 
 
 def actor_name(job_id: str, rank: int) -> str:
@@ -73,7 +74,7 @@ class RankActor:
         return ip, free_port(ip)
 
     def setup(self, job: JobConfig, master_addr: str, master_port: int, world_size: int, local_rank: int,
-              collective_timeout_s: float, faults: tuple[Fault, ...] = ()) -> dict:
+              collective_timeout_s: float, faults: tuple[Fault, ...] = ()) -> PlacementRecord:
         """Join the process group and build the trainer of ``job`` (this attempt's: its size and the
         checkpoint to resume from); returns this rank's placement record."""
         import ray
@@ -89,17 +90,12 @@ class RankActor:
             raise RuntimeError(f"rank {self.rank}: setup() twice without reset()")
         self.runner = RankRunner(job, self.rank, world_size, device=device, faults=faults,
                                  on_stall=self._stalled)
-        c = self.runner.trainer.coords
+        self._make_gauges(self.runner.trainer.coords)
         ctx = ray.get_runtime_context()
-        self._make_gauges(c)
-        return {
-            "rank": self.rank, "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
-            "hostname": socket.gethostname(), "pid": os.getpid(), "actor_id": ctx.get_actor_id(),
-            "device": str(device), "backend": backend, "world_size": dist.get_world_size(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "local": local_rank,
-            **{k: c[k] for k in ("tp", "pp", "dp", "cp", "ep", "etp", "expert_dp")},
-            **self.runner.resume_info(),
-        }
+        return self.runner.placement(
+            node_id=ctx.get_node_id(), node_ip=ray.util.get_node_ip_address(), actor_id=ctx.get_actor_id(),
+            backend=backend, world_size=dist.get_world_size(), gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+            local=local_rank)
 
     def run(self, iterations: int) -> list[dict]:
         """Train ``iterations`` iterations; returns each one's metrics (the loss is global).
@@ -157,7 +153,7 @@ class RankActor:
         from ray.util.metrics import Gauge
 
         tags = {"job_id": self.job_id, "rank": str(self.rank),
-                **{k: str(coords[k]) for k in ("tp", "pp", "dp", "cp", "ep")}}
+                **{k: str(coords[k]) for k in COORDS}}
         if self._gauges:  # a reused rank: same metrics, this attempt's coordinates
             for gauge in self._gauges.values():
                 gauge.set_default_tags(tags)
