@@ -1,8 +1,8 @@
 """One rank of a job as a Ray actor.
 
-The controller (``service/control/controller.py``) creates one :class:`RankActor` per rank, named
-``raytron:<job_id>:rank<r>`` so it shows in ``ray list actors`` and the dashboard, each in its
-node's placement-group bundle with one GPU. Its life:
+The Ray launcher (``service/ranks/ray_launcher.py``, one ``RayRankGroup`` per attempt) creates one
+:class:`RankActor` per rank, named ``raytron:<job_id>:rank<r>`` so it shows in ``ray list actors``
+and the dashboard, each in its node's placement-group bundle with one GPU. Its life:
 
 1. ``__init__`` imports torch and the training stack at once. Every actor's constructor runs
    concurrently as soon as it is scheduled, so the dominant start-up cost (the torch import,
@@ -10,8 +10,9 @@ node's placement-group bundle with one GPU. Its life:
 2. ``rendezvous_address()`` (rank 0 only): this node's IP and a free port for the TCP store.
 3. ``setup(job, ...)``: joins the process group (gloo on CPU, nccl on GPU, with a collective
    timeout so that a silent peer becomes an error), builds the :class:`~workers.train.Trainer` of
-   this attempt's job (the checkpoint it resumes from), and reports where it runs (Ray node id,
-   pid, device, grid coordinates).
+   this attempt's job (the checkpoint it resumes from), and returns its placement record
+   (:class:`~workers.placement_record.PlacementRecord`: Ray node id, hostname, pid, device, grid
+   coordinates, the checkpoint it resumed from).
 4. ``run(n)``: ``n`` iterations (through :class:`~workers.rank_main.RankRunner`, which also fires
    failure drills); returns their metrics and exports each as Ray metrics.
 5. ``stall()``: answered from a second thread while ``run`` is blocked: the group kind a hang

@@ -6,7 +6,8 @@ runs iterations, saves a checkpoint every ``checkpoint.save_interval`` iteration
 at the same iteration, through one :class:`~workers.checkpoint.Checkpointer`), fires failure
 drills (:mod:`workers.faults`) at the right iteration, and when anything raises it tears down
 this rank's process groups at once, so that peers blocked in a collective with it see
-"connection closed" now instead of waiting for their timeout.
+"connection closed" now instead of waiting for their timeout. :meth:`RankRunner.placement` is
+the rank's placement record (:mod:`workers.placement_record`), whoever started it.
 :func:`torchrun_env` reads the standard torchrun variables so that ``torchrun
 --nproc-per-node N $(which raytron) run SPEC --launcher processes`` runs the same code.
 """
