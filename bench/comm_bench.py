@@ -103,7 +103,7 @@ _SOURCES = {
 }
 TRAFFIC = ("tp", "cp", "pp", "ep", "etp", "grads:dense", "grads:sp", "grads:expert", "loss:dp-cp", "loss:pp",
            "loss:world", "grad-norm")
-# The ProcessGroups attribute each traffic runs on.
+# The ProcessGroups kind each traffic runs on (ProcessGroups.group(kind) is its handle).
 GROUP_OF = {"tp": "tp", "cp": "cp", "pp": "pp", "ep": "ep", "etp": "etp", "grads:dense": "dp_cp",
             "grads:sp": "tp_dp_cp", "grads:expert": "expert_dp", "loss:dp-cp": "dp_cp", "loss:pp": "pp",
             "loss:world": None, "grad-norm": None}
@@ -285,9 +285,9 @@ def _traffic_of(frame, group, trainer) -> str:
     source = _SOURCES.get(module, module)
     g = trainer.groups
     if source == "moe":
-        return "ep" if group is g.ep else "etp"
+        return "ep" if group is g.ep_group else "etp"
     if source == "loss":
-        return "loss:dp-cp" if group is g.dp_cp else "loss:pp" if group is g.pp else "loss:world"
+        return "loss:dp-cp" if group is g.dp_cp_group else "loss:pp" if group is g.pp_group else "loss:world"
     if source == "grads":
         from workers.parallel.data import GradBuffer
 
@@ -346,7 +346,7 @@ def measure_trainer(trainer, iters: int = 2) -> dict:
     traffic.clear()
     routes.zero_()
     metrics = trainer.train_step()
-    handles = {k: getattr(trainer.groups, GROUP_OF[k]) for k in TRAFFIC if GROUP_OF[k]}
+    handles = {k: trainer.groups.group(GROUP_OF[k]) for k in TRAFFIC if GROUP_OF[k]}
     labels = {k: comm.group_label(h) for k, h in handles.items() if h is not None}
     return {"stats": comm.stats(), "traffic": dict(traffic), "labels": labels, "routes": routes.tolist(),
             "loss": metrics["loss"], "step_time_s": metrics["step_time_s"]}

@@ -87,7 +87,7 @@ def saved_activation_bytes(trainer) -> dict[str, int]:
         tokens, labels = trainer._microbatch(0)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits = chunk(tokens)
-            loss = vocab_parallel_cross_entropy(logits, labels, trainer.groups.tp).sum()
+            loss = vocab_parallel_cross_entropy(logits, labels, trainer.groups.tp_group).sum()
         del logits, loss  # drop the graph (and what it saved) without a backward
     finally:
         model_module.context_parallel_attention = original

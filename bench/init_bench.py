@@ -47,7 +47,7 @@ def _rank(rank: int, world_size: int, job_config) -> dict:
     torch.set_num_threads(1)
     grid = ParallelGrid.from_config(job_config.parallel, world_size)
     groups = build_process_groups(grid, rank)
-    ctx = ShardContext(tp_group=groups.tp, sequence_parallel=job_config.parallel.sequence_parallel,
+    ctx = ShardContext(tp_group=groups.tp_group, sequence_parallel=job_config.parallel.sequence_parallel,
                        seed=job_config.training.seed)
     NormalInit(0, "warm-up", (4, 4), 1.0).materialize()  # first-use costs out of the timing
     t0 = time.process_time()

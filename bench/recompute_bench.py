@@ -74,7 +74,7 @@ def saved_bytes(trainer) -> int:
     try:
         tokens, labels = trainer._microbatch(0)
         with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
-            loss = vocab_parallel_cross_entropy(trainer.chunks[0](tokens).float(), labels, trainer.groups.tp).sum()
+            loss = vocab_parallel_cross_entropy(trainer.chunks[0](tokens).float(), labels, trainer.groups.tp_group).sum()
         del loss
     finally:
         recompute.checkpoint = original

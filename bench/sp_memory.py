@@ -66,7 +66,7 @@ def saved_bytes(trainer) -> dict[str, int]:
     try:
         tokens, labels = trainer._microbatch(0)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = vocab_parallel_cross_entropy(chunk(tokens), labels, trainer.groups.tp).sum()
+            loss = vocab_parallel_cross_entropy(chunk(tokens), labels, trainer.groups.tp_group).sum()
         del loss
     finally:
         model_module.DecoderLayer.forward = original

@@ -271,7 +271,7 @@ def test_submit_runs_to_succeeded_with_the_cli_losses(server, api, tmp_path):
     placement = api.get(f"/jobs/{job_id}/placement").json()
     ranks = placement["ranks"]
     assert [p["rank"] for p in ranks] == [0, 1] and {p["tp"] for p in ranks} == {0, 1}
-    assert len({p["pid"] for p in ranks}) == 2 and all(p["node_id"] for p in ranks) and placement["attempt"] == 1
+    assert len({p["pid"] for p in ranks}) == 2 and all(p["hostname"] for p in ranks) and placement["attempt"] == 1
     # as the ranks report it: node index in the attempt's plan, local slot on that node
     assert [(p["node"], p["local"]) for p in ranks] == [(0, 0), (0, 1)]
 

@@ -21,7 +21,7 @@ def _group_timeouts(rank, world_size, explicit):
     grid = ParallelGrid(world_size, tp=2, pp=2)
     groups = build_process_groups(grid, rank, timeout=timedelta(seconds=explicit) if explicit else None)
     seconds = {name: h._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-               for name, h in groups.handles.items() if h is not None}
+               for name, h in groups.handles().items() if h is not None}
     return world_timeout().total_seconds(), seconds
 
 

@@ -5,9 +5,9 @@ with the box each piece holds (:mod:`workers.checkpoint_layout`), so a checkpoin
 one layout loads into any other valid layout of the same model: tp, pp, vpp, cp, ep, etp,
 dp, and the distributed optimizer on or off. A copy held by several ranks (TP-replicated
 norms, DP replicas) is written once, by one owner chosen at the first save so that the bytes
-spread evenly over the ranks. Beside the tensors: the trainer state (data position, optimizer
-step, room for the LR schedule and loss scale: :meth:`Trainer.state_for_checkpoint`) and
-each rank's RNG states.
+spread evenly over the ranks. Beside the tensors: the trainer state (data position, successful
+updates, the LR schedule's position, skipped steps, the fp16 loss scaler:
+:meth:`Trainer.state_for_checkpoint`) and each rank's RNG states.
 
 Files of ``iter_0000010/``: ``rank_00003.bin`` (the rank's pieces, raw, back to back),
 ``rank_00003.json`` (what they are, their CRC-32s, the rank's RNG), ``index.json`` (every
@@ -18,8 +18,7 @@ CRC-32, the model config, the layout, the trainer state). Atomicity and discover
 The fp32 parameters are the optimizer's master copy (the distributed optimizer re-reads its
 master from them), so they are stored once, as the model; a bf16/fp16 model (its params are
 the rounded copy) adds its fp32 main params under ``optim/master/``, laid out as the moments
-(param boxes, or the distributed optimizer's flat ranges). The loss scaler and the LR
-schedule's position are in the trainer state.
+(param boxes, or the distributed optimizer's flat ranges).
 
 Async saves (``async_save=True``): :meth:`Checkpointer.save` copies this rank's pieces (on
 the CPU) and returns; a background thread writes them, and on rank 0 then waits for every
@@ -45,6 +44,7 @@ import torch
 from workers.checkpoint_layout import ParamView, param_views
 from workers.checkpoint_storage import (FORMAT, MANIFEST, VERSION, Storage, checkpoint_name, crc32, prune,
                                         wait_for_files)
+from workers.grid import COORDS
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ class Checkpointer:
         # The snapshot: a CPU copy of what this rank writes, so training can go on at once.
         mine = [(piece, data.detach().to("cpu", copy=True)) for piece, data in pieces if piece in self._owned]
         meta = {"iteration": trainer.iteration, "model": asdict(trainer.job.model),
-                "layout": {**{k: getattr(trainer.grid, k) for k in ("tp", "pp", "cp", "ep", "dp")},
+                "layout": {**{k: getattr(trainer.grid, k) for k in COORDS},
                            "etp": trainer.grid.etp, "vpp": trainer.vpp, "world_size": self.world_size,
                            "use_distributed_optimizer": trainer.job.parallel.use_distributed_optimizer},
                 "trainer_state": trainer.state_for_checkpoint(), "rng": rng_state()}
@@ -280,9 +280,4 @@ class Checkpointer:
         prune(self.root, self.keep_last, meta["iteration"])
 
 
-def save_checkpoint(trainer, uri: str, *, keep_last: int = 2) -> None:
-    """One synchronous save of ``trainer`` under ``uri`` (every rank calls it)."""
-    Checkpointer(uri, keep_last=keep_last).save(trainer)
-
-
-__all__ = ["Checkpointer", "Piece", "ParamView", "local_pieces", "save_checkpoint", "set_rng_state"]
+__all__ = ["Checkpointer", "Piece", "ParamView", "local_pieces", "set_rng_state"]

@@ -22,6 +22,7 @@ import torch
 from workers.checkpoint import set_rng_state
 from workers.checkpoint_layout import Box, fill, param_views
 from workers.checkpoint_storage import MANIFEST, Storage, crc32, latest_checkpoint, read_manifest
+from workers.grid import COORDS
 from workers.hf_interop import HFReader
 
 # ModelConfig fields that must agree between a checkpoint and the job that loads it: the
@@ -228,5 +229,5 @@ def _load_rng(trainer, source) -> None:
     keyed by sample index, so the loss curve does not depend on it)."""
     layout = source.manifest.get("layout", {})
     same = layout.get("world_size") == trainer.grid.world_size and all(
-        layout.get(k) == getattr(trainer.grid, k) for k in ("tp", "pp", "cp", "ep", "dp"))
+        layout.get(k) == getattr(trainer.grid, k) for k in COORDS)
     set_rng_state(source.rank_state(trainer.rank if same else 0)["rng"])

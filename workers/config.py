@@ -1,6 +1,12 @@
-"""Frozen internal configs. The pydantic ``JobSpec`` (api/schemas.py) is parsed at the edge and
-turned into these by one function (``service.spec.spec.to_job_config``); nothing inside reads YAML
-or environment variables.
+"""The frozen configs a job runs from (model, parallel layout, training, checkpoints), and the
+per-parameter seeding every layout shares.
+
+The pydantic ``JobSpec`` (``service/spec/spec.py``) is parsed at the edge and turned into these
+by one function (``service.spec.spec.to_job_config``); nothing in ``workers/`` reads YAML, and no
+setting comes from an environment variable (torchrun's rendezvous variables, read by
+``workers.rank_main.torchrun_env``, say where a rank is, not how the job runs).
+:func:`stable_seed` and :func:`init_full` make a parameter's initial value a function of
+(seed, name, shape) alone.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ from math import prod
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+# A rank's coordinates as the job reports them (placement records, metric tags, failures,
+# a checkpoint's layout), in this order.
+COORDS = ("tp", "pp", "dp", "cp", "ep")
 
 DECODER_KINDS = ("tp", "pp", "dp", "cp", "dp-cp", "tp-pp", "tp-cp", "tp-dp", "tp-dp-cp")
 EXPERT_KINDS = ("tp", "ep", "tp-ep", "tp-ep-pp", "dp", "pp")

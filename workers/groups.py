@@ -14,38 +14,72 @@ group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
-from workers.grid import DECODER_KINDS, EXPERT_KINDS, ParallelGrid
+from workers.grid import DECODER_KINDS, ParallelGrid
+
+# The kinds of group a rank belongs to, by attribute-style name: the decoder view's, the expert
+# view's (its tp, dp are etp, expert_dp) and the embedding group (first and last pp stage).
+DECODER_GROUPS = tuple(k.replace("-", "_") for k in DECODER_KINDS)
+EXPERT_GROUPS = ("etp", "ep", "tp_ep", "tp_ep_pp", "expert_dp")
+GROUP_KINDS = DECODER_GROUPS + EXPERT_GROUPS + ("embedding",)
+# Expert-view group kind (workers.grid.EXPERT_KINDS) -> its name here; its pp groups are the decoder's.
+_EXPERT_NAMES = {"tp": "etp", "ep": "ep", "tp-ep": "tp_ep", "tp-ep-pp": "tp_ep_pp", "dp": "expert_dp"}
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ProcessGroups:
-    """The groups one rank belongs to, plus their member lists (global ranks, group order).
+    """The groups one rank belongs to (Megatron-Core's ``ProcessGroupCollection``), one field
+    per kind, plus their member lists.
 
-    Attributes are named by kind: ``tp``, ``pp``, ``dp``, ``cp``, ``dp_cp``, ``tp_pp``,
-    ``tp_cp``, ``tp_dp``, ``tp_dp_cp`` (decoder view), ``etp``, ``ep``, ``tp_ep``,
-    ``tp_ep_pp``, ``expert_dp`` (expert view) and ``embedding``.
+    A handle is ``None`` for a group of one rank (and for every group of a world of one), and
+    ``embedding_group`` is ``None`` on a rank outside the first and last pipeline stage.
+    Frozen: a misspelt name is an error where it is written (``AttributeError`` on a read,
+    ``FrozenInstanceError`` on an assignment).
     """
 
     grid: ParallelGrid
     rank: int
-    handles: dict[str, object] = field(default_factory=dict)
-    members: dict[str, list[int]] = field(default_factory=dict)
-
-    def __getattr__(self, name: str):
-        handles = self.__dict__.get("handles", {})
-        if name in handles:
-            return handles[name]
-        raise AttributeError(name)
+    # decoder view
+    tp_group: object = None
+    pp_group: object = None
+    dp_group: object = None
+    cp_group: object = None
+    dp_cp_group: object = None
+    tp_pp_group: object = None
+    tp_cp_group: object = None
+    tp_dp_group: object = None
+    tp_dp_cp_group: object = None
+    # expert view
+    etp_group: object = None
+    ep_group: object = None
+    tp_ep_group: object = None
+    tp_ep_pp_group: object = None
+    expert_dp_group: object = None
+    # tied embeddings: first and last pipeline stage
+    embedding_group: object = None
+    members: dict[str, tuple[int, ...]]
+    """kind (one of :data:`GROUP_KINDS`) -> global ranks of this rank's group of that kind, in
+    group order; empty for ``embedding`` on a rank outside it. Read it with :meth:`ranks`."""
 
     def ranks(self, kind: str) -> list[int]:
-        """Global ranks of this rank's group of ``kind`` (attribute-style name, e.g. ``dp_cp``)."""
-        return self.members[kind]
+        """Global ranks of this rank's group of ``kind`` (one of :data:`GROUP_KINDS`, e.g. ``"dp_cp"``)."""
+        return list(self.members[_known(kind)])
+
+    def group(self, kind: str):
+        """The handle of this rank's group of ``kind`` (one of :data:`GROUP_KINDS`)."""
+        return getattr(self, f"{_known(kind)}_group")
+
+    def handles(self) -> dict[str, object]:
+        """kind -> handle, for every kind in :data:`GROUP_KINDS`."""
+        return {kind: getattr(self, f"{kind}_group") for kind in GROUP_KINDS}
 
 
-_EXPERT_NAMES = {"tp": "etp", "ep": "ep", "tp-ep": "tp_ep", "tp-ep-pp": "tp_ep_pp", "dp": "expert_dp", "pp": None}
+def _known(kind: str) -> str:
+    if kind not in GROUP_KINDS:
+        raise ValueError(f"unknown process-group kind {kind!r}; one of {', '.join(GROUP_KINDS)}")
+    return kind
 
 
 def world_timeout() -> timedelta | None:
@@ -75,9 +109,8 @@ def build_process_groups(grid: ParallelGrid, rank: int, *, backend: str | None =
     """
     from workers.parallel import comm
 
-    pg = ProcessGroups(grid=grid, rank=rank)
     plan: list[tuple[str, list[list[int]]]] = [(k.replace("-", "_"), grid.groups(k)) for k in DECODER_KINDS]
-    plan += [(name, grid.groups(k, expert=True)) for k, name in _EXPERT_NAMES.items() if name]
+    plan += [(name, grid.groups(k, expert=True)) for k, name in _EXPERT_NAMES.items()]
     plan.append(("embedding", grid.embedding_groups()))
     single = grid.world_size == 1
     if not single:
@@ -85,21 +118,21 @@ def build_process_groups(grid: ParallelGrid, rank: int, *, backend: str | None =
 
         timeout = timeout or world_timeout()
     cache: dict[tuple[int, ...], object] = {}
+    handles: dict[str, object] = {}
+    members: dict[str, tuple[int, ...]] = {kind: () for kind in GROUP_KINDS}
     for name, groups in plan:
-        for members in groups:
-            key = tuple(members)
-            if rank in members:
-                pg.members[name] = list(members)
-            if single or len(members) == 1:
+        for group in groups:
+            key = tuple(group)
+            if single or len(group) == 1:
                 handle = None  # size-1 groups need no communicator
             elif key in cache:
                 handle = cache[key]  # the same rank set under another name: reuse it
             else:
-                handle = dist.new_group(list(members), backend=backend, timeout=timeout)
+                handle = dist.new_group(list(group), backend=backend, timeout=timeout)
                 cache[key] = handle
                 # One communicator serves every kind with the same ranks; it keeps the first
                 # (most specific) name, e.g. "tp" rather than "tp-ep-pp", in the byte counters.
                 comm.label_group(handle, name.replace("_", "-"))
-            if rank in members:
-                pg.handles[name] = handle
-    return pg
+            if rank in group:
+                members[name], handles[f"{name}_group"] = key, handle
+    return ProcessGroups(grid=grid, rank=rank, members=members, **handles)

@@ -49,21 +49,25 @@ class ShardContext:
     seed: int = 1234
 
     @property
-    def tp(self) -> int:
+    def tp_size(self) -> int:
         return comm.world_size(self.tp_group)
 
     @property
-    def cp(self) -> int:
+    def tp_rank(self) -> int:
+        return comm.rank(self.tp_group)
+
+    @property
+    def cp_size(self) -> int:
         return comm.world_size(self.cp_group)
 
     @property
     def token_group(self):
         """The ranks whose tokens together make one microbatch: TP x CP with SP, else CP."""
-        return self.tp_cp_group if self.sequence_parallel and self.tp > 1 else self.cp_group
+        return self.tp_cp_group if self.sequence_parallel and self.tp_size > 1 else self.cp_group
 
 
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    return -(-vocab_size // tp) * tp
+def padded_vocab(vocab_size: int, tp_size: int) -> int:
+    return -(-vocab_size // tp_size) * tp_size
 
 
 class RMSNorm(nn.Module):
@@ -127,7 +131,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
         cfg, d = self.cfg, self.cfg.head_dim
-        groups = cfg.num_query_groups // self.ctx.tp
+        groups = cfg.num_query_groups // self.ctx.tp_size
         per_group = cfg.num_attention_heads // cfg.num_query_groups
         qkv = self.qkv(x)  # [s, b, groups * (per_group + 2) * d]
         s, b = qkv.shape[:2]
@@ -153,11 +157,12 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: ShardContext, prefix: str):
         super().__init__()
-        h, f, std, sp, tp = cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_method_std, ctx.sequence_parallel, ctx.tp
+        h, f, std, sp, tp_size = cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_method_std, ctx.sequence_parallel, ctx.tp_size
         gate = NormalInit(ctx.seed, f"{prefix}.gate", (f, h), std)
         up = NormalInit(ctx.seed, f"{prefix}.up", (f, h), std)
-        per = f // tp
-        gate_up = Cat([part for r in range(tp) for part in (gate.narrow(0, r * per, per), up.narrow(0, r * per, per))])
+        per = f // tp_size
+        gate_up = Cat([part for r in range(tp_size)
+                       for part in (gate.narrow(0, r * per, per), up.narrow(0, r * per, per))])
         self.gate_up = ColumnParallelLinear(gate_up, ctx.tp_group, sequence_parallel=sp)
         self.down = RowParallelLinear(NormalInit(ctx.seed, f"{prefix}.down", (h, f), std), ctx.tp_group,
                                       sequence_parallel=sp)
@@ -243,7 +248,7 @@ class ModelChunk(nn.Module):
         self.cfg, self.ctx = cfg, ctx
         self.pre_process, self.post_process = pre_process, post_process
         self.register_buffer("rotary", rotary_tables(positions, cfg.head_dim, cfg.rotary_base), persistent=False)
-        vocab = padded_vocab(cfg.vocab_size, ctx.tp)
+        vocab = padded_vocab(cfg.vocab_size, ctx.tp_size)
         if pre_process:
             emb = _padded_table(ctx.seed, "embedding", cfg, vocab)
             self.embedding = VocabParallelEmbedding(emb, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
@@ -252,8 +257,8 @@ class ModelChunk(nn.Module):
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
             out = _padded_table(ctx.seed, "output", cfg, vocab)
             self.output = ColumnParallelLinear(out, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
-            per = vocab // ctx.tp
-            start = comm.rank(ctx.tp_group) * per
+            per = vocab // ctx.tp_size
+            start = ctx.tp_rank * per
             pad = torch.arange(start, start + per) >= cfg.vocab_size
             self.register_buffer("vocab_pad_mask", pad, persistent=False)
             self.has_vocab_pad = bool(pad.any())  # known at build time: no per-step check
@@ -276,19 +281,20 @@ class ModelChunk(nn.Module):
         ``dim`` (empty for a replicated param). The vocab-parallel tables include the vocab
         padding rows; ``mlp.gate_up`` is laid out ``[gate_r; up_r]`` per TP rank.
         """
-        tp = (comm.rank(self.ctx.tp_group), self.ctx.tp)
-        ep = (comm.rank(self.ctx.ep_group), comm.world_size(self.ctx.ep_group))
-        etp = (comm.rank(self.ctx.etp_group), comm.world_size(self.ctx.etp_group))
+        # (rank, size) in each group a parameter may be sliced over
+        tp_slice = (self.ctx.tp_rank, self.ctx.tp_size)
+        ep_slice = (comm.rank(self.ctx.ep_group), comm.world_size(self.ctx.ep_group))
+        etp_slice = (comm.rank(self.ctx.etp_group), comm.world_size(self.ctx.etp_group))
         for name, p in self.named_parameters():
             if name.startswith("layers."):
                 _, local, rest = name.split(".", 2)
                 name = f"layers.{self.layers[int(local)].index}.{rest}"
             shards = []
-            if getattr(p, "tensor_model_parallel", False) and tp[1] > 1:
-                shards.append((p.partition_dim, *tp))
+            if getattr(p, "tensor_model_parallel", False) and tp_slice[1] > 1:
+                shards.append((p.partition_dim, *tp_slice))
             if getattr(p, "is_expert", False):
-                shards += [(dim, *where) for dim, where in ((p.ep_partition_dim, ep), (p.etp_partition_dim, etp))
-                           if where[1] > 1]
+                shards += [(dim, *where) for dim, where in ((p.ep_partition_dim, ep_slice),
+                                                            (p.etp_partition_dim, etp_slice)) if where[1] > 1]
             yield name, p, tuple(shards)
 
     def pop_aux_loss(self) -> float:
@@ -309,6 +315,6 @@ def _padded_table(seed: int, name: str, cfg: ModelConfig, padded: int) -> Cat:
 
 def local_positions(cfg: ModelConfig, ctx: ShardContext, cp_rank: int) -> torch.Tensor:
     """Global positions of this CP rank's tokens (its two load-balanced chunks)."""
-    if ctx.cp == 1:
+    if ctx.cp_size == 1:
         return torch.arange(cfg.seq_length)
-    return cp_positions(cfg.seq_length, ctx.cp, cp_rank)
+    return cp_positions(cfg.seq_length, ctx.cp_size, cp_rank)

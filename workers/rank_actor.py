@@ -1,8 +1,8 @@
 """One rank of a job as a Ray actor.
 
-The controller (``service/control/controller.py``) creates one :class:`RankActor` per rank, named
-``raytron:<job_id>:rank<r>`` so it shows in ``ray list actors`` and the dashboard, each in its
-node's placement-group bundle with one GPU. Its life:
+The Ray launcher (``service/ranks/ray_launcher.py``, one ``RayRankGroup`` per attempt) creates one
+:class:`RankActor` per rank, named ``raytron:<job_id>:rank<r>`` so it shows in ``ray list actors``
+and the dashboard, each in its node's placement-group bundle with one GPU. Its life:
 
 1. ``__init__`` imports torch and the training stack at once. Every actor's constructor runs
    concurrently as soon as it is scheduled, so the dominant start-up cost (the torch import,
@@ -10,8 +10,9 @@ node's placement-group bundle with one GPU. Its life:
 2. ``rendezvous_address()`` (rank 0 only): this node's IP and a free port for the TCP store.
 3. ``setup(job, ...)``: joins the process group (gloo on CPU, nccl on GPU, with a collective
    timeout so that a silent peer becomes an error), builds the :class:`~workers.train.Trainer` of
-   this attempt's job (the checkpoint it resumes from), and reports where it runs (Ray node id,
-   pid, device, grid coordinates).
+   this attempt's job (the checkpoint it resumes from), and returns its placement record
+   (:class:`~workers.placement_record.PlacementRecord`: Ray node id, hostname, pid, device, grid
+   coordinates, the checkpoint it resumed from).
 4. ``run(n)``: ``n`` iterations (through :class:`~workers.rank_main.RankRunner`, which also fires
    failure drills); returns their metrics and exports each as Ray metrics.
 5. ``stall()``: answered from a second thread while ``run`` is blocked: the group kind a hang
@@ -27,13 +28,14 @@ the class.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 from workers.config import JobConfig
 from workers.faults import Fault
+from workers.grid import COORDS
+from workers.placement_record import PlacementRecord
 
-METRIC_TAGS = ("job_id", "rank", "tp", "pp", "dp", "cp", "ep")
+METRIC_TAGS = ("job_id", "rank", *COORDS)
 
 
 def actor_name(job_id: str, rank: int) -> str:
@@ -73,7 +75,7 @@ class RankActor:
         return ip, free_port(ip)
 
     def setup(self, job: JobConfig, master_addr: str, master_port: int, world_size: int, local_rank: int,
-              collective_timeout_s: float, faults: tuple[Fault, ...] = ()) -> dict:
+              collective_timeout_s: float, faults: tuple[Fault, ...] = ()) -> PlacementRecord:
         """Join the process group and build the trainer of ``job`` (this attempt's: its size and the
         checkpoint to resume from); returns this rank's placement record."""
         import ray
@@ -89,17 +91,12 @@ class RankActor:
             raise RuntimeError(f"rank {self.rank}: setup() twice without reset()")
         self.runner = RankRunner(job, self.rank, world_size, device=device, faults=faults,
                                  on_stall=self._stalled)
-        c = self.runner.trainer.coords
+        self._make_gauges(self.runner.trainer.coords)
         ctx = ray.get_runtime_context()
-        self._make_gauges(c)
-        return {
-            "rank": self.rank, "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
-            "hostname": socket.gethostname(), "pid": os.getpid(), "actor_id": ctx.get_actor_id(),
-            "device": str(device), "backend": backend, "world_size": dist.get_world_size(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "local": local_rank,
-            **{k: c[k] for k in ("tp", "pp", "dp", "cp", "ep", "etp", "expert_dp")},
-            **self.runner.resume_info(),
-        }
+        return self.runner.placement(
+            node_id=ctx.get_node_id(), node_ip=ray.util.get_node_ip_address(), actor_id=ctx.get_actor_id(),
+            backend=backend, world_size=dist.get_world_size(), gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+            local=local_rank)
 
     def run(self, iterations: int) -> list[dict]:
         """Train ``iterations`` iterations; returns each one's metrics (the loss is global).
@@ -157,7 +154,7 @@ class RankActor:
         from ray.util.metrics import Gauge
 
         tags = {"job_id": self.job_id, "rank": str(self.rank),
-                **{k: str(coords[k]) for k in ("tp", "pp", "dp", "cp", "ep")}}
+                **{k: str(coords[k]) for k in COORDS}}
         if self._gauges:  # a reused rank: same metrics, this attempt's coordinates
             for gauge in self._gauges.values():
                 gauge.set_default_tags(tags)

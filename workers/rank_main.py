@@ -6,7 +6,8 @@ runs iterations, saves a checkpoint every ``checkpoint.save_interval`` iteration
 at the same iteration, through one :class:`~workers.checkpoint.Checkpointer`), fires failure
 drills (:mod:`workers.faults`) at the right iteration, and when anything raises it tears down
 this rank's process groups at once, so that peers blocked in a collective with it see
-"connection closed" now instead of waiting for their timeout.
+"connection closed" now instead of waiting for their timeout. :meth:`RankRunner.placement` is
+the rank's placement record (:mod:`workers.placement_record`), whoever started it.
 :func:`torchrun_env` reads the standard torchrun variables so that ``torchrun
 --nproc-per-node N $(which raytron) run SPEC --launcher processes`` runs the same code.
 """
@@ -20,8 +21,8 @@ from typing import Callable
 
 from workers.config import JobConfig
 from workers.faults import Fault, crash_in_save, trigger
-
-COORDS = ("tp", "pp", "dp", "cp", "ep")
+from workers.grid import COORDS
+from workers.placement_record import PlacementRecord
 
 
 class RankRunner:
@@ -61,17 +62,16 @@ class RankRunner:
             self.checkpointer = Checkpointer(ckpt.dir, keep_last=ckpt.keep_last, async_save=ckpt.async_save,
                                              timeout_s=max(60.0, 2 * job.collective_timeout_s))
 
-    def info(self) -> dict:
-        """Where this rank runs and its grid coordinates (its placement record)."""
+    def placement(self, **where) -> PlacementRecord:
+        """This rank's placement record: this process (host, pid, device), its grid coordinates
+        and the checkpoint this attempt started from; ``where`` adds what the caller knows
+        beyond the process (its slot ``local``, and on Ray the node id, actor, ...)."""
         c = self.trainer.coords
-        return {"rank": self.rank, "node_id": socket.gethostname(), "pid": os.getpid(),
-                "device": str(self.trainer.device), **{k: c[k] for k in (*COORDS, "etp", "expert_dp")},
-                **self.resume_info()}
-
-    def resume_info(self) -> dict:
-        """Where this attempt started: the checkpoint loaded (or None) and its iteration."""
-        return {"resumed_iteration": self.resumed["iteration"], "resumed_from": self.resumed["path"],
-                "load_s": round(self.resumed["load_s"], 4)}
+        return PlacementRecord(
+            rank=self.rank, hostname=socket.gethostname(), pid=os.getpid(), device=str(self.trainer.device),
+            **{k: c[k] for k in (*COORDS, "etp", "expert_dp")},
+            resumed_iteration=self.resumed["iteration"], resumed_from=self.resumed["path"],
+            load_s=round(self.resumed["load_s"], 4), **where)
 
     def run(self, iterations: int, on_metrics: Callable[[dict], None] | None = None) -> list[dict]:
         """``iterations`` iterations; returns their metrics. On any error the groups are torn down."""
@@ -129,14 +129,15 @@ def abort_process_groups() -> None:
 
 
 def train_rank(rank: int, world_size: int, job: JobConfig, *, local_rank: int | None = None,
-               faults: tuple[Fault, ...] = ()) -> dict:
-    """Train the whole job on this rank (torchrun); returns its placement record plus its losses."""
+               faults: tuple[Fault, ...] = ()) -> tuple[PlacementRecord, list[dict]]:
+    """Train the whole job on this rank (torchrun); returns its placement record and its
+    per-iteration metrics."""
     from workers.spawn import rank_device
 
-    runner = RankRunner(job, rank, world_size, device=rank_device(rank if local_rank is None else local_rank),
-                        faults=faults)
+    local = rank if local_rank is None else local_rank
+    runner = RankRunner(job, rank, world_size, device=rank_device(local), faults=faults)
     metrics = runner.run(job.training.train_iters)
-    return {**runner.info(), "metrics": metrics}
+    return runner.placement(local=local_rank), metrics
 
 
 def torchrun_env() -> dict | None:

@@ -5,7 +5,8 @@ The launcher (``service/ranks/process_launcher.py``) starts one process per rank
 
 ==================  ================================================================
 launcher -> rank    ``("run", n)``: n iterations; ``("shutdown",)``: leave and exit
-rank -> launcher    ``("ready", record)`` after rendezvous and trainer construction;
+rank -> launcher    ``("ready", record)`` after rendezvous and trainer construction (its
+                    :class:`~workers.placement_record.PlacementRecord`);
                     ``("metrics", [per-iteration dicts])`` after each run;
                     ``("error", cause, traceback)`` and exit, when anything raised;
                     ``("port_in_use", message)`` when the rendezvous port was taken;
@@ -44,7 +45,7 @@ def rank_process_main(conn, rank: int, world_size: int, job: JobConfig, master_a
             raise
         runner = RankRunner(job, rank, world_size, device=rank_device(local_rank), faults=faults,
                             on_stall=lambda kind: conn.send(("stall", kind)))
-        conn.send(("ready", {**runner.info(), "local": local_rank}))
+        conn.send(("ready", runner.placement(local=local_rank)))
         while True:
             try:
                 command = conn.recv()

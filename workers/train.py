@@ -77,9 +77,10 @@ class Trainer:
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * g.dp)
         self.vpp = p.virtual_pipeline_model_parallel_size or 1
         self.stage = c["pp"]
+        pg = self.groups
         self.ctx = ShardContext(
-            tp_group=self.groups.tp, cp_group=self.groups.cp, tp_cp_group=self.groups.tp_cp, cp_ranks=tuple(self.groups.ranks("cp")),
-            ep_group=self.groups.ep, etp_group=self.groups.etp, sequence_parallel=p.sequence_parallel,
+            tp_group=pg.tp_group, cp_group=pg.cp_group, tp_cp_group=pg.tp_cp_group, cp_ranks=tuple(pg.ranks("cp")),
+            ep_group=pg.ep_group, etp_group=pg.etp_group, sequence_parallel=p.sequence_parallel,
             cp_comm_type=p.cp_comm_type, seed=t.seed,
         )
         positions = local_positions(job.model, self.ctx, c["cp"])
@@ -111,7 +112,7 @@ class Trainer:
         if g.pp > 1:
             # NCCL: batched p2p on a group whose communicator does not exist yet needs every
             # member to take part in that first call; one collective creates it up front.
-            comm.all_reduce(torch.zeros(1, device=self.device), self.groups.pp)
+            comm.all_reduce(torch.zeros(1, device=self.device), self.groups.pp_group)
 
     def close(self) -> None:
         """Release what outlives a dropped reference: the gradient hooks (a param -> hook ->
@@ -137,8 +138,8 @@ class Trainer:
                     seq.append(prm)
                 else:
                     dense.append(prm)
-        g = self.groups
-        groups = [(dense, g.dp_cp), (seq, g.tp_dp_cp), (expert, g.expert_dp)]
+        pg = self.groups
+        groups = [(dense, pg.dp_cp_group), (seq, pg.tp_dp_cp_group), (expert, pg.expert_dp_group)]
         return [(params, group) for params, group in groups if params]
 
     def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,14 +216,14 @@ class Trainer:
         def loss_fn(mb: int, logits: torch.Tensor) -> torch.Tensor:
             target = labels.pop(mb) if mb in labels else microbatch(mb)[1]
             # The cross-entropy runs in fp32 whatever the compute dtype (as Megatron's).
-            losses = vocab_parallel_cross_entropy(logits.float(), target, self.groups.tp)
+            losses = vocab_parallel_cross_entropy(logits.float(), target, self.groups.tp_group)
             loss = losses.sum() / self.tokens_per_iteration
             return loss * loss_scale if loss_scale != 1.0 else loss
 
         return run_pipeline(
             actions, stage=self.stage, pp=self.grid.pp, vpp=self.vpp, pp_ranks=self.groups.ranks("pp"),
             chunks=self.chunks, num_microbatches=self.num_microbatches, get_input=get_input, loss_fn=loss_fn,
-            tensor_shape=self.activation_shape, dtype=self.dtype, group=self.groups.pp, device=self.device,
+            tensor_shape=self.activation_shape, dtype=self.dtype, group=self.groups.pp_group, device=self.device,
             before_last_backward=None if forward_only else (
                 lambda chunk: self.optimizer.grads.arm(self.chunks[chunk].parameters())),
             forward_only=forward_only,
@@ -234,8 +235,8 @@ class Trainer:
         value = torch.stack(mb_losses).sum() if last else torch.zeros((), device=self.device)
         value = value.reshape(1).to(torch.float64)
         if last:
-            comm.all_reduce(value, self.groups.dp_cp)
-        comm.all_reduce(value, self.groups.pp)  # other stages hold 0
+            comm.all_reduce(value, self.groups.dp_cp_group)
+        comm.all_reduce(value, self.groups.pp_group)  # other stages hold 0
         return float(value.item())
 
     def _global_aux_loss(self) -> float:

@@ -40,7 +40,7 @@ function colour(i, n) {
 export function drawPlacement(container, ranks, { gpusPerNode, colourBy }) {
   const nodes = new Map();
   for (const r of ranks) {
-    const node = String(r.node ?? r.node_id ?? "?");
+    const node = String(r.node ?? r.node_id ?? r.hostname ?? "?");
     if (!nodes.has(node)) nodes.set(node, []);
     nodes.get(node).push(r);
   }
@@ -52,7 +52,7 @@ export function drawPlacement(container, ranks, { gpusPerNode, colourBy }) {
     const box = document.createElement("div");
     box.className = "node";
     box.dataset.node = node;
-    const hosts = [...new Set(members.map((r) => r.node_id).filter(Boolean))];
+    const hosts = [...new Set(members.map((r) => r.node_id ?? r.hostname).filter(Boolean))];
     box.innerHTML = `<div class="node-title"></div><div class="slots"></div>`;
     box.firstChild.textContent = `node ${node}` + (hosts.length && hosts[0] !== node ? ` (${hosts.join(", ")})` : "");
     const slots = box.lastChild;

@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from dataclasses import replace
 from multiprocessing.connection import wait as wait_any
 
 from service.control.rank_group import LauncherConfig
@@ -23,7 +24,8 @@ from service.ranks.gather import collect
 from service.spec.placement import RankPlacement, plan_placement
 from workers.config import JobConfig
 from workers.faults import Fault
-from workers.grid import ParallelGrid
+from workers.grid import COORDS, ParallelGrid
+from workers.placement_record import PlacementRecord
 
 _PRELOAD = ["torch", "torch.distributed", "workers.train"]
 _PORT_RETRIES = 3
@@ -44,7 +46,7 @@ class ProcessRankGroup:
             self.ctx.set_forkserver_preload(_PRELOAD)
         self.procs: list = []
         self.conns: list = []
-        self.placement: list[dict] = []
+        self.placement: list[PlacementRecord] = []
         self.stalls: dict[int, str] = {}
 
     def start(self, faults: list[Fault]) -> list[dict]:
@@ -74,8 +76,8 @@ class ProcessRankGroup:
             self.conns.append(parent)
         records = collect(list(range(len(self.procs))), self._poll("ready"), where=self._where,
                           grace_s=self.config.failure_grace_s, timeout_s=self.config.start_timeout_s, what="start")
-        self.placement = [{**records[r], "node": self.plan[r].node} for r in range(len(self.procs))]
-        return self.placement
+        self.placement = [replace(records[r], node=self.plan[r].node) for r in range(len(self.procs))]
+        return [record.to_dict() for record in self.placement]
 
     def run(self, iterations: int) -> list[list[dict]]:
         for conn in self.conns:
@@ -153,13 +155,13 @@ class ProcessRankGroup:
         return RankDied(rank, self._where(rank), _exit_cause(proc.exitcode))
 
     def _where(self, rank: int) -> dict:
-        """Node, pid and coordinates of a rank, for its failure."""
-        p = self.plan[rank]
+        """Node, host, pid and coordinates of a rank, for its failure (before the rank reported
+        its record: the plan's node, the process's pid and the grid's coordinates)."""
+        if rank < len(self.placement):
+            return self.placement[rank].where()
         c = self.grid.coords(rank)
         pid = self.procs[rank].pid if rank < len(self.procs) else None
-        node_id = next((x["node_id"] for x in self.placement if x["rank"] == rank), None)
-        where = {"node": p.node, **({"node_id": node_id} if node_id else {}), "pid": pid}
-        return {**where, **{k: c[k] for k in ("tp", "pp", "dp", "cp", "ep")}}
+        return {"node": self.plan[rank].node, "pid": pid, **{k: c[k] for k in COORDS}}
 
 
 def _exit_cause(code: int) -> str:

@@ -39,7 +39,8 @@ from service.ranks.ray_cluster import RaySession
 from service.ranks.ray_nodes import capacity_message, could_ever_fit, dead_nodes, node_totals
 from workers.config import JobConfig
 from workers.faults import Fault
-from workers.grid import ParallelGrid
+from workers.grid import COORDS, ParallelGrid
+from workers.placement_record import PlacementRecord
 
 
 @dataclass
@@ -80,7 +81,7 @@ class RayRankGroup:
         self.key = (job.num_nodes, job.gpus_per_node, config.cpus_per_rank, tuple(plan))
         self.actors: list = []
         self.pg = None
-        self.placement: list[dict] = []
+        self.placement: list[PlacementRecord] = []
         self.reused: list[int] = []  # ranks this attempt took over from the previous one
         self._inflight: list = []  # refs of the last call, drained at shutdown
         self._ran = False  # run() was called: the in-flight refs are one per rank
@@ -101,12 +102,11 @@ class RayRankGroup:
         addr, port = self._collect([self.actors[0].rendezvous_address.remote()], cfg.start_timeout_s,
                                    what="rendezvous")[0]
         timeout = float(job.collective_timeout_s)
-        self.placement = self._collect(
+        records = self._collect(
             [a.setup.remote(job, addr, port, self.grid.world_size, p.local, timeout, tuple(faults))
              for a, p in zip(self.actors, self.plan)], cfg.start_timeout_s, what="start")
-        self.placement = [{**rec, "node": p.node, "reused": p.rank in kept}
-                          for rec, p in zip(self.placement, self.plan)]
-        return self.placement
+        self.placement = [replace(rec, node=p.node, reused=p.rank in kept) for rec, p in zip(records, self.plan)]
+        return [record.to_dict() for record in self.placement]
 
     def _place(self) -> None:
         from ray.util.placement_group import placement_group
@@ -174,7 +174,7 @@ class RayRankGroup:
 
         if not self._ran or self.pg is None or len(self._inflight) != len(self.actors):
             return {}
-        nodes = {p.get("node_id") for p in self.placement}
+        nodes = {p.node_id for p in self.placement}
         if nodes & dead_nodes():
             return {}  # the placement group is being rescheduled: start over
         deadline = time.monotonic() + self.config.reuse_wait_s
@@ -246,9 +246,9 @@ class RayRankGroup:
         try:
             return ray.get(ref)
         except RayActorError as exc:
-            where = self._where(rank)
-            lost = " (its node is lost: Ray reports it dead)" if where.get("node_id") in dead_nodes() else ""
-            return RankDied(rank, where, (_summary(exc) or "actor died") + lost)
+            record = self._record(rank)
+            lost = " (its node is lost: Ray reports it dead)" if record and record.node_id in dead_nodes() else ""
+            return RankDied(rank, self._where(rank), (_summary(exc) or "actor died") + lost)
         except RayTaskError as exc:
             cause = getattr(exc, "cause", None) or exc
             return RankRaised(rank, self._where(rank), f"{type(cause).__name__}: {_summary(cause)}", str(exc))
@@ -262,13 +262,18 @@ class RayRankGroup:
         except Exception:  # noqa: BLE001 - not knowable
             return ""
 
+    def _record(self, rank: int) -> PlacementRecord | None:
+        """The rank's placement record in this attempt, once every rank has reported one."""
+        return self.placement[rank] if rank < len(self.placement) else None
+
     def _where(self, rank: int) -> dict:
+        """Node, Ray node id, pid and coordinates of a rank, for its failure (before the ranks
+        reported their records: the plan's node and the grid's coordinates)."""
+        record = self._record(rank)
+        if record is not None:
+            return record.where()
         c = self.grid.coords(rank)
-        where = {"node": self.plan[rank].node}
-        for p in self.placement:
-            if p["rank"] == rank:
-                where.update(node_id=p["node_id"], pid=p["pid"])
-        return {**where, **{k: c[k] for k in ("tp", "pp", "dp", "cp", "ep")}}
+        return {"node": self.plan[rank].node, **{k: c[k] for k in COORDS}}
 
 
 class RayLauncher:

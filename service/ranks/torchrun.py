@@ -9,12 +9,13 @@ from service.control.errors import RankRaised
 from service.control.result import result_object
 from workers.config import JobConfig
 from workers.faults import Fault
-from workers.grid import ParallelGrid
+from workers.grid import COORDS, ParallelGrid
 
 
 def run_torchrun_rank(job: JobConfig, grid: ParallelGrid, env: dict, *, job_id: str,
                       faults: tuple[Fault, ...] = ()) -> dict | None:
-    """Train this torchrun rank; the contract-3 result object on rank 0, None on the others."""
+    """Train this torchrun rank; the result object of ``raytron run`` (:func:`service.control.result.result_object`)
+    on rank 0, None on the others."""
     import torch.distributed as dist
 
     from workers.rank_main import train_rank
@@ -26,14 +27,14 @@ def run_torchrun_rank(job: JobConfig, grid: ParallelGrid, env: dict, *, job_id: 
     init_distributed(env["rank"], env["world_size"], env["master_addr"], env["master_port"],
                      timeout_s=job.collective_timeout_s)
     try:
-        record = train_rank(env["rank"], env["world_size"], job, local_rank=env["local_rank"], faults=faults)
+        record, metrics = train_rank(env["rank"], env["world_size"], job, local_rank=env["local_rank"],
+                                     faults=faults)
     except Exception as exc:  # noqa: BLE001 - torchrun reports the exit status; say which rank and why
-        where = {**grid.coords(env["rank"])}
-        raise RankRaised(env["rank"], {k: where[k] for k in ("tp", "pp", "dp", "cp", "ep")},
-                         f"{type(exc).__name__}: {exc}") from exc
+        c = grid.coords(env["rank"])
+        raise RankRaised(env["rank"], {k: c[k] for k in COORDS}, f"{type(exc).__name__}: {exc}") from exc
     records = [None] * env["world_size"]
     dist.all_gather_object(records, record)
     dist.destroy_process_group()
     if env["rank"] != 0:
         return None
-    return result_object(job_id, "SUCCEEDED", grid, records[0]["metrics"], records)
+    return result_object(job_id, "SUCCEEDED", grid, metrics, [r.to_dict() for r in records])

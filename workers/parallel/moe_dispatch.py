@@ -16,9 +16,10 @@ every rank knows every split size before the tokens move. Nothing is dropped or 
 the EP path; an expert or a whole EP rank may receive zero tokens.
 
 Every collective is an autograd function whose backward is its adjoint: all_to_all's is the
-reverse all_to_all with the splits swapped, and all_gather and reduce_scatter are each
-other's. The ETP collectives have per-rank sizes, so they pad to the largest rank's count and
-use the fixed-size ``comm.all_gather`` / ``comm.reduce_scatter``.
+reverse all_to_all with the splits swapped, and the ETP all-gather and reduce-scatter are each
+other's. The ETP collectives have per-rank sizes and are each one ``comm.all_to_all``: the
+all-gather sends this rank's rows to every peer, the reduce-scatter sends each peer its run
+and sums what arrives in rank order; neither moves padding, whatever the routing imbalance.
 """
 
 from __future__ import annotations

@@ -1,19 +1,20 @@
-"""AdamW over the data-parallel gradient buffers: replicated, or ZeRO-1 sharded.
+"""The two layouts of the AdamW state over the data-parallel gradient buffers: replicated, or
+ZeRO-1 sharded.
 
 :class:`ReplicatedOptimizer` is the plain path (all-reduced buckets, AdamW on the full
 params). :class:`DistributedOptimizer` (Megatron's distributed optimizer, ZeRO-1) keeps the fp32
 master copy and Adam moments of this rank's 1/n slice of every reduce-scattered bucket and
-all-gathers the updated params. Both use the same elementwise math (:func:`adamw_update`,
-exactly ``torch.optim.AdamW``'s) and one interface, built by :func:`build_optimizer`.
+all-gathers the updated params. Both are built by :func:`build_optimizer` and share, from
+:mod:`workers.parallel.adamw`, the elementwise math (:func:`~workers.parallel.adamw.adamw_update`,
+exactly ``torch.optim.AdamW``'s), the rule that weight decay never touches 1-D parameters (norm
+weights, biases: decaying a norm's scale towards 0 only fights the normalisation; as Megatron)
+and the step sequence of :class:`~workers.parallel.adamw.AdamWOverGrads` (Megatron's
+``MixedPrecisionOptimizer.step``): finish the gradient reduction; with a loss scaler, unscale
+the main grads and skip the step if any rank found an inf/nan; take the global grad norm
+(:mod:`workers.parallel.clip`) and clip by it (``clip_grad > 0``); update.
 
-Weight decay, as in Megatron, never touches 1-D parameters (norm weights, biases): decaying a
-norm's scale towards 0 only fights the normalisation.
-
-A step (Megatron's ``MixedPrecisionOptimizer.step``): finish the gradient reduction; with a
-loss scaler, unscale the main grads and skip the step if any rank found an inf/nan; take the
-global grad norm (:mod:`workers.parallel.clip`) and clip by it (``clip_grad > 0``); update.
-With ``param_dtype`` bf16/fp16 the params are cast to it here, the optimizer keeps their fp32
-main copy (the distributed optimizer: its shard of it) and grads accumulate in fp32 buffers.
+With ``param_dtype`` bf16/fp16 the params are cast to it, the optimizer keeps their fp32 main
+copy (the distributed optimizer: its shard of it) and grads accumulate in fp32 buffers.
 """
 
 from __future__ import annotations
