@@ -12,17 +12,14 @@ import zipfile
 import httpx
 import pytest
 
-from tests.test_api import ROOT, TOKEN, Server
+from tests.test_api import ROOT, TOKEN, module_server
 
 STATIC = ["index.html", "console.css", "console.js", "api.js", "plot.js", "placement.js"]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("console-api")).start()
-    yield srv
-    srv.stop()
-    srv.kill_runners()
+    yield from module_server(tmp_path_factory, "console-api", clean_log=False)
 
 
 def test_the_shell_and_its_files_need_no_token_and_hold_no_data(server):
