@@ -123,8 +123,12 @@ def cmd_serve(args) -> int:
         return _serve(args, None)
     from service.ranks.ray_cluster import ray_session
 
-    # The cluster lives as long as the server when raytron starts it (--simulate, or embedded).
-    with ray_session(args.simulate) as session:
+    # The cluster lives as long as the server when raytron starts it (--simulate, or embedded). A
+    # simulated one is recorded in the data dir: a server killed and started again re-attaches to it.
+    record = Path(args.data_dir or data_dir_default()).expanduser().resolve() / "ray_cluster.json"
+    with ray_session(args.simulate, record=record) as session:
+        for note in session.notes:
+            print(f"raytron serve: {note}", file=sys.stderr, flush=True)
         print(f"raytron serve: Ray dashboard {session.dashboard_url or '(none)'}", file=sys.stderr, flush=True)
         return _serve(args, session)
 

@@ -97,16 +97,48 @@ def test_never_fits_is_refused_at_submission(env):
         sched.submit(spec("wide", nodes=1, gpus=4))
 
 
-def test_runner_that_exits_without_a_final_state_fails_the_job(env):
+def test_a_runner_that_exits_without_a_final_state_is_started_again_until_its_restarts_are_spent(env):
+    """A runner gone while its job runs gets a successor (on the slots the job holds), which goes
+    on from the job's record; each one counts under fault_tolerance.max_restarts (3 here), so a
+    runner that keeps dying ends the job FAILED. Fails if the scheduler fails the job at once, or
+    starts runners without end."""
     store, launcher, sched = env
     a = sched.submit(spec("a"))["id"]
     sched.step()
     store.update_job(a, state="STARTING")
-    launcher.alive.discard(a)  # crashed
+    for n in range(1, 4):
+        launcher.alive.discard(a)  # crashed (killed, lost with its node)
+        sched.step()
+        assert launcher.launched == [a] * (n + 1) and store.get_job(a)["state"] == "STARTING"
+        assert sched.used_slots() == {"node-0": 2}  # its slots stay held for the new runner
+    runners = store.events(a, kind="runner")
+    assert [e["data"]["reason"] for e in runners] == ["runner_exited"] * 3
+    assert "starting runner 2" in runners[0]["message"] and "starting runner 4" in runners[2]["message"]
+    launcher.alive.discard(a)
     sched.step()
     job = store.get_job(a)
     assert job["state"] == "FAILED" and job["error"]["code"] == "runner_exited"
+    assert "max_restarts (3) are spent" in job["error"]["message"] and launcher.launched == [a] * 4
     assert sched.used_slots() == {}
+
+
+def test_restarts_the_runners_recorded_count_toward_the_limit(env):
+    """A job whose runners recorded restarts of their own (rank failures) has fewer left for a lost runner."""
+    store, launcher, sched = env
+    a = sched.submit(spec("a"))["id"]
+    sched.step()
+    for state in ("STARTING", "RUNNING", "RESTARTING", "STARTING", "RUNNING", "RESTARTING", "STARTING"):
+        store.append_event(a, {"time": time.time(), "kind": "state", "state": state, "message": "", "data": {}})
+    store.append_event(a, {"time": time.time(), "kind": "state", "state": "RESTARTING", "message": "grow",
+                           "data": {"resize": True}})  # a resize is no restart
+    launcher.alive.discard(a)
+    sched.step()
+    assert launcher.launched == [a, a]  # 2 restarts of 3: one runner more
+    store.append_event(a, {"time": time.time(), "kind": "state", "state": "RESTARTING",
+                           "message": "the controller was restarted", "data": {}})  # as the new runner replays
+    launcher.alive.discard(a)
+    sched.step()
+    assert store.get_job(a)["state"] == "FAILED" and launcher.launched == [a, a]
 
 
 def test_cancel_queued_and_running(env):
@@ -125,7 +157,7 @@ def test_cancel_queued_and_running(env):
     assert launcher.launched == [a]
 
 
-def test_restart_reattaches_live_runners_and_fails_vanished_ones(env, tmp_path):
+def test_restart_reattaches_live_runners_and_starts_new_ones_for_vanished_ones(env, tmp_path):
     store, launcher, sched = env
     live = sched.submit(spec("live"))["id"]
     gone = sched.submit(spec("gone"))["id"]
@@ -142,11 +174,12 @@ def test_restart_reattaches_live_runners_and_fails_vanished_ones(env, tmp_path):
     again = Scheduler(store, relaunch, StaticCluster(2, 2), vanish_grace_s=0.0)
     again.recover()
     assert store.get_job(live)["state"] == "STARTING"
-    failed = store.get_job(gone)
-    assert failed["state"] == "FAILED" and failed["error"]["code"] == "runner_vanished"
+    assert store.get_job(gone)["state"] == "STARTING" and relaunch.launched == [gone]  # a new runner goes on
+    assert [e["data"]["reason"] for e in store.events(gone, kind="runner")] == ["runner_vanished"]
     assert store.get_job(waiting)["state"] == "QUEUED"
     assert store.get_job(unstarted)["state"] == "QUEUED"  # nothing of it ran: it is queued again
-    assert again.used_slots() == {"node-0": 2}  # mutation: held slots not rebuilt -> waiting starts too early
+    # mutation: held slots not rebuilt -> waiting starts too early
+    assert again.used_slots() == {"node-0": 2, "node-1": 2}
     again.step()
-    assert relaunch.launched == []  # `waiting` needs both nodes; `live` holds one
+    assert relaunch.launched == [gone]  # `waiting` needs both nodes; `live` and `gone` hold them
     assert [e["state"] for e in store.events(live, kind="state")] == ["QUEUED", "STARTING"]  # nothing twice

@@ -33,6 +33,24 @@ def descendants(roots: set[int]) -> set[int]:
     return seen
 
 
+def marked(name: str, value: str) -> set[int]:
+    """Processes whose environment holds ``name=value`` (Linux /proc; empty elsewhere), this one
+    excluded. A mark set in the environment of the processes a session starts is inherited by
+    everything they start in turn, so it finds them all, also those whose parent died (the agents
+    of a killed raylet, orphaned to init)."""
+    needle = f"{name}={value}".encode()
+    out = set()
+    for path in glob.glob("/proc/[0-9]*/environ"):
+        try:
+            with open(path, "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    out.add(int(path.split("/")[2]))
+        except OSError:
+            pass
+    out.discard(os.getpid())
+    return out
+
+
 def reap(pids: set[int], timeout_s: float = 10.0) -> None:
     """Wait for processes this session started to exit, then kill the stragglers by pid.
 

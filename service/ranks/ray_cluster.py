@@ -4,9 +4,13 @@
 
 1. reuses the driver's connection when ``ray.init`` was already called (tests, a controller
    running inside a Ray job);
-2. starts a *simulated* cluster when asked (``simulate=(nodes, gpus)``): ``nodes`` Ray nodes on
-   this machine, each declaring ``gpus`` fake GPU slots (Ray sets ``CUDA_VISIBLE_DEVICES`` per
-   actor as on a real node; torch sees no device and the ranks train on CPU with gloo);
+2. starts a *simulated* cluster when asked (``simulate=(nodes, gpus)``), shaped like a real one:
+   a head node with no GPU slots (the GCS, the dashboard, and every Ray Job's entry point: a
+   job's runner) plus ``nodes`` worker nodes on this machine, each declaring ``gpus`` fake GPU
+   slots (Ray sets ``CUDA_VISIBLE_DEVICES`` per actor as on a real node; torch sees no device
+   and the ranks train on CPU with gloo). Any worker node can be lost and the job's runner lives
+   on. With a ``record`` file (``raytron serve --simulate``: in its data dir) the cluster outlives
+   a server that was killed: a server started again re-attaches to it while it lives;
 3. connects to ``RAY_ADDRESS`` when it is set;
 4. otherwise starts an embedded single-node cluster with this machine's GPUs, or, on a machine
    without GPUs, simulates the job's own shape so that ``raytron run spec.yaml`` just works.
@@ -27,19 +31,27 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 from service.control.errors import ClusterUnreachable
-from service.ranks.proc_tree import children as _children, descendants as _descendants, reap as _reap
+from service.ranks.proc_tree import children as _children, descendants as _descendants, marked, reap as _reap
 
 NAMESPACE = "raytron"
+CLUSTER_MARK = "RAYTRON_RAY_CLUSTER"
+"""Set (to the cluster's id) in the environment of every process of a simulated cluster: its
+GCS, raylets, dashboard, agents, workers and Ray Jobs inherit it, so stopping the cluster finds
+them all by it (:func:`~service.ranks.proc_tree.marked`), orphans of a killed raylet included."""
 _OBJECT_STORE_BYTES = 100 * 2**20  # per simulated node; rank actors pass almost nothing through it
 
 
@@ -125,67 +137,163 @@ def _init_kwargs() -> dict:
 
 @contextlib.contextmanager
 def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = None,
-                      growable: bool = False) -> Iterator[RaySession]:
-    """Start ``nodes`` Ray nodes on this machine with ``gpus`` fake GPU slots each and connect.
+                      growable: bool = False, record: str | Path | None = None) -> Iterator[RaySession]:
+    """Start a head node (no GPU slots) and ``nodes`` worker nodes with ``gpus`` fake GPU slots
+    each on this machine, and connect.
 
     Args:
-        nodes: Ray nodes to start (the head is one of them).
-        gpus: GPU slots each node declares.
-        cpus_per_node: logical CPUs each node declares; default ``gpus`` (one per rank actor).
-            Ray prestarts that many idle workers per node, so it should not exceed the ranks.
+        nodes: worker nodes to start (the nodes a job's ranks run on).
+        gpus: GPU slots each worker node declares.
+        cpus_per_node: logical CPUs each worker node declares; default ``gpus`` (one per rank
+            actor). Ray prestarts that many idle workers per node, so it should not exceed the
+            ranks. The head declares none: it holds no ranks.
         growable: the session's :meth:`RaySession.add_node` may start more nodes while it runs
             (fault drills: a lost node that returns). Such a session is not static: a launcher
             waits for a placement that does not fit yet instead of refusing it at once.
+        record: a file that describes the running cluster (its address, dashboard, id and shape).
+            When it names a cluster of this shape that still answers, that cluster is re-attached
+            to instead of starting a new one (a server killed and started again); when it names
+            one that is gone, what is left of it is reaped first. Removed when the cluster stops.
 
     Yields:
-        The session; the cluster is shut down and its files removed on exit.
+        The session; the cluster is shut down, every process of it reaped and its files removed on exit.
     """
     if nodes < 1 or gpus < 1:
         raise ValueError(f"simulate needs at least 1 node and 1 GPU slot, got {nodes}x{gpus}; use e.g. 2x4")
+    if record is not None:
+        found = _recorded_cluster(Path(record), nodes, gpus)
+        if found is not None:
+            with _reattached(found, Path(record)) as session:
+                yield session
+            return
     import ray
-    from ray.cluster_utils import Cluster
 
     cpus = gpus if cpus_per_node is None else cpus_per_node
     temp_dir = tempfile.mkdtemp(prefix="raytron-ray-")
+    cluster_id = uuid.uuid4().hex[:16]
     cluster = None
-    before = _children(os.getpid())
-    ray_processes: set[int] = set()
     try:
         with _local_ray_environment(temp_dir):
             node_args = dict(num_cpus=cpus, num_gpus=gpus, object_store_memory=_OBJECT_STORE_BYTES)
-            # Each node's dashboard agent on a port of its own: Ray's fixed default (52365) is taken
-            # by whichever agent of any cluster on this machine binds first, and a head node whose
-            # agent lost that race cannot accept Ray Jobs ("No available agent to submit job").
-            cluster = Cluster(initialize_head=True, head_node_args=dict(
-                node_args, include_dashboard=True, dashboard_host="127.0.0.1",
-                # A simulated node lost for good (its raylet killed) is reported dead in ~3 s, not ~30 s.
-                _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
-                # None, not Ray's default 8265: lets the dashboard move on when another cluster has it.
-                dashboard_port=None, dashboard_agent_listen_port=_free_port()))
-            for _ in range(nodes - 1):  # nodes boot in parallel; waited for below
-                cluster.add_node(wait=False, dashboard_agent_listen_port=_free_port(), **node_args)
-            cluster.wait_for_nodes(timeout=120)
+            with _environment({CLUSTER_MARK: cluster_id}):  # only the cluster's processes carry the mark
+                cluster = _start_cluster(nodes, node_args)
             ray.init(address=cluster.address, **_init_kwargs())
-            ray_processes.update(_children(os.getpid()) - before)  # GCS, raylets, dashboard, agents
+            url = _http(cluster.head_node.address_info.get("webui_url") or "")
+            if record is not None:
+                _write_record(Path(record), {"cluster_id": cluster_id, "address": cluster.address,
+                                             "dashboard_url": url, "nodes": nodes, "gpus": gpus,
+                                             "temp_dir": temp_dir, "owner": os.getpid()})
 
             def add_node() -> str:
                 # Not cluster.wait_for_nodes: it never returns once a node was lost without remove_node.
-                started = _children(os.getpid())
-                node = cluster.add_node(wait=True, dashboard_agent_listen_port=_free_port(), **node_args)
-                ray_processes.update(_children(os.getpid()) - started)  # reaped with the others at exit
+                with _environment({CLUSTER_MARK: cluster_id}):
+                    node = cluster.add_node(wait=True, dashboard_agent_listen_port=_free_port(), **node_args)
                 _wait_alive(node.node_id, timeout_s=60)
                 return node.node_id
 
-            url = cluster.head_node.address_info.get("webui_url") or ""
-            yield RaySession(address=cluster.address, dashboard_url=_http(url), owned=True, static=not growable,
+            yield RaySession(address=cluster.address, dashboard_url=url, owned=True, static=not growable,
                              num_nodes=nodes, single_node=nodes == 1, _add_node=add_node if growable else None)
     finally:
-        family = _descendants(ray_processes)
         ray.shutdown()
         if cluster is not None:
-            cluster.shutdown()
-        _reap(family)
+            with contextlib.suppress(Exception):  # a node already killed from outside
+                cluster.shutdown()
+        stop_marked_cluster(cluster_id, temp_dir, record)
+
+
+def _start_cluster(nodes: int, node_args: dict):
+    """A head node with no GPU slots and ``nodes`` worker nodes of ``node_args``; all of them up."""
+    from ray.cluster_utils import Cluster
+
+    # Each node's dashboard agent on a port of its own: Ray's fixed default (52365) is taken
+    # by whichever agent of any cluster on this machine binds first, and a head node whose
+    # agent lost that race cannot accept Ray Jobs ("No available agent to submit job").
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=0, num_gpus=0, object_store_memory=_OBJECT_STORE_BYTES,
+        include_dashboard=True, dashboard_host="127.0.0.1",
+        # A simulated node lost for good (its raylet killed) is reported dead in ~3 s, not ~30 s.
+        _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
+        # None, not Ray's default 8265: lets the dashboard move on when another cluster has it.
+        dashboard_port=None, dashboard_agent_listen_port=_free_port()))
+    for _ in range(nodes):  # nodes boot in parallel; waited for below
+        cluster.add_node(wait=False, dashboard_agent_listen_port=_free_port(), **node_args)
+    cluster.wait_for_nodes(timeout=120)
+    return cluster
+
+
+def stop_marked_cluster(cluster_id: str, temp_dir: str | None = None, record: str | Path | None = None) -> None:
+    """Stop every process of the simulated cluster ``cluster_id`` (by its mark, wherever its parent
+    went), remove its files and its record."""
+    pids = marked(CLUSTER_MARK, cluster_id)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+    _reap(pids | marked(CLUSTER_MARK, cluster_id), timeout_s=5.0)
+    if temp_dir:
         shutil.rmtree(temp_dir, ignore_errors=True)
+    if record is not None:
+        with contextlib.suppress(OSError):
+            Path(record).unlink()
+
+
+def _write_record(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _recorded_cluster(path: Path, nodes: int, gpus: int) -> dict | None:
+    """The recorded cluster when it is of this shape and answers; otherwise None, after reaping
+    whatever is left of it (a cluster whose GCS died, or of another shape)."""
+    try:
+        data = json.loads(path.read_text())
+        cluster_id, address = data["cluster_id"], data["address"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        check_reachable(address, timeout_s=2.0)
+        answers = True
+    except ClusterUnreachable:
+        answers = False
+    if answers and (data.get("nodes"), data.get("gpus")) == (nodes, gpus) and marked(CLUSTER_MARK, cluster_id):
+        return data
+    stop_marked_cluster(cluster_id, data.get("temp_dir"), path)
+    return None
+
+
+@contextlib.contextmanager
+def _reattached(data: dict, record: Path) -> Iterator[RaySession]:
+    """Connect to the recorded simulated cluster; this process now owns it (stops it on exit)."""
+    import ray
+
+    try:
+        with _local_ray_environment(data["temp_dir"]):
+            ray.init(address=data["address"], **_init_kwargs())
+        _write_record(record, {**data, "owner": os.getpid()})
+        session = RaySession(address=data["address"], dashboard_url=data.get("dashboard_url") or "", owned=True,
+                             static=True, num_nodes=data["nodes"], single_node=data["nodes"] == 1)
+        session.notes.append(f"re-attached to the simulated Ray cluster at {data['address']} that an earlier "
+                             f"process started ({data['nodes']} node(s) x {data['gpus']} GPU slot(s))")
+        yield session
+    finally:
+        ray.shutdown()
+        stop_marked_cluster(data["cluster_id"], data.get("temp_dir"), record)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment for the ``with`` block (the processes it starts inherit them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _wait_alive(node_id: str, timeout_s: float) -> None:
@@ -281,14 +389,16 @@ def _captured_stderr() -> Iterator:
 
 
 @contextlib.contextmanager
-def ray_session(simulate: tuple[int, int] | None = None, *,
-                default_shape: tuple[int, int] | None = None) -> Iterator[RaySession]:
+def ray_session(simulate: tuple[int, int] | None = None, *, default_shape: tuple[int, int] | None = None,
+                record: str | Path | None = None) -> Iterator[RaySession]:
     """The cluster a job runs on; see the module docstring for the order of precedence.
 
     Args:
         simulate: ``(nodes, gpus)`` to start a simulated cluster.
         default_shape: ``(nodes, gpus)`` to simulate when nothing else is given and this
             machine has no GPUs (normally the job's own ``num_nodes x gpus_per_node``).
+        record: with ``simulate``, the file that records the simulated cluster so that a process
+            started again re-attaches to it (:func:`simulated_cluster`).
     """
     import ray
 
@@ -302,7 +412,7 @@ def ray_session(simulate: tuple[int, int] | None = None, *,
         return
     address = os.environ.get("RAY_ADDRESS")
     if simulate is not None:
-        with simulated_cluster(*simulate) as session:
+        with simulated_cluster(*simulate, record=record) as session:
             if address:
                 session.notes.append(f"--simulate given, ignoring RAY_ADDRESS={address}")
             yield session

@@ -2,9 +2,10 @@
 
 :class:`RayJobsRunners` submits the same entry point as the local launcher
 (``python -m service.server.job_main JOB_ID ...``, see :mod:`service.server.runners`) as a Ray Job whose
-submission id is ``raytron-JOB_ID``, so the job shows on the dashboard's Jobs page with its
-logs, and a restarted server finds it again by that id. The id is recorded as the job's
-``ray_job_id``. The entry point's output is also appended to ``DATA_DIR/jobs/JOB_ID/driver.log``
+submission id is ``raytron-JOB_ID`` (``raytron-JOB_ID-N`` for the job's N-th runner, when
+earlier ones were lost), so the job shows on the dashboard's Jobs page with its logs, and a
+restarted server finds it again by that id (kept in the job's runner record). The id is
+recorded as the job's ``ray_job_id``. The entry point's output is also appended to ``DATA_DIR/jobs/JOB_ID/driver.log``
 (``tee``), where ``GET /api/v1/jobs/{id}/logs`` reads; the data dir and the database must be
 reachable from the node that runs the entry point (Ray runs it on the head node by default,
 where ``raytron serve`` runs).
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from service.server.runners import runner_command
-from service.server.logs import job_dir, log_path, write_runner
+from service.server.logs import job_dir, log_path, read_runner, write_runner
 from service.server.scheduler import NodeSlots
 from service.server.store import JobStore
 from workers.faults import Fault
@@ -31,8 +32,9 @@ from workers.faults import Fault
 ALIVE = ("PENDING", "RUNNING")
 
 
-def submission_id(job_id: str) -> str:
-    return f"raytron-{job_id}"
+def submission_id(job_id: str, runner: int = 1) -> str:
+    """The Ray Job submission id of the job's ``runner``-th runner."""
+    return f"raytron-{job_id}" if runner == 1 else f"raytron-{job_id}-{runner}"
 
 
 class RayJobsRunners:
@@ -58,6 +60,7 @@ class RayJobsRunners:
         self.env = env or {}
         self.faults = list(faults)
         self.submit_timeout_s = submit_timeout_s
+        self._sids: dict[str, str] = {}  # job id -> its current runner's submission id
 
     def launch(self, job: dict) -> str:
         job_dir(self.data_dir, job["id"]).mkdir(parents=True, exist_ok=True)
@@ -66,10 +69,12 @@ class RayJobsRunners:
         log = shlex.quote(str(log_path(self.data_dir, job["id"])))
         # pipefail: the Ray job's status is the runner's, not tee's
         entrypoint = f"bash -o pipefail -c {shlex.quote(f'{command} 2>&1 | tee -a {log}')}"
+        record = read_runner(self.data_dir, job["id"]) or {}
+        runner = int(record.get("runner", 0)) + 1 if record.get("kind") == "ray_job" else 1
         deadline = time.monotonic() + self.submit_timeout_s
         while True:
             try:
-                sid = self.client.submit_job(entrypoint=entrypoint, submission_id=submission_id(job["id"]),
+                sid = self.client.submit_job(entrypoint=entrypoint, submission_id=submission_id(job["id"], runner),
                                              runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1", **self.env}},
                                              metadata={"raytron_job_id": job["id"], "name": job["name"]})
                 break
@@ -78,13 +83,21 @@ class RayJobsRunners:
                 if "try again" not in str(e) or time.monotonic() > deadline:
                     raise
                 time.sleep(1.0)
-        write_runner(self.data_dir, job["id"], {"kind": "ray_job", "submission_id": sid})
+        write_runner(self.data_dir, job["id"], {"kind": "ray_job", "submission_id": sid, "runner": runner})
+        self._sids[job["id"]] = sid
         self.store.update_job(job["id"], ray_job_id=sid)
         return sid
 
+    def _sid(self, job_id: str) -> str:
+        """The submission id of the job's current runner (from its record after a server restart)."""
+        if job_id not in self._sids:
+            record = read_runner(self.data_dir, job_id) or {}
+            self._sids[job_id] = record.get("submission_id") or submission_id(job_id)
+        return self._sids[job_id]
+
     def _status(self, job_id: str) -> str | None:
         try:
-            return str(self.client.get_job_status(submission_id(job_id)).value)
+            return str(self.client.get_job_status(self._sid(job_id)).value)
         except Exception:  # noqa: BLE001 - unknown to Ray (never submitted, or the cluster was replaced)
             return None
 
@@ -92,11 +105,12 @@ class RayJobsRunners:
         return self._status(job_id) in ALIVE
 
     def reattach(self, job: dict) -> bool:
+        self._sids.pop(job["id"], None)  # read the record again
         return self.is_alive(job["id"])
 
     def cancel(self, job_id: str) -> None:
         if self.is_alive(job_id):
-            self.client.stop_job(submission_id(job_id))
+            self.client.stop_job(self._sid(job_id))
 
 
 class RayClusterView:

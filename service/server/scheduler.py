@@ -8,11 +8,15 @@ the runner each back end starts writes the job's events there. The scheduler onl
   GPU slots (the cluster's slots minus those held by the jobs it launched), records the
   admission (an ``"admission"`` event naming the nodes, so a restarted server knows which slots
   are held) and asks the runner back end to start the runner;
-* notices a runner that ended without a final state (killed, crashed) and records FAILED, or
-  CANCELLED when a cancel was asked;
+* notices a runner that ended without a final state (killed, crashed, lost with its node) and
+  starts a new runner for the job (a ``"runner"`` event says so), which goes on from the job's
+  record: the store's events are replayed into its controller, so the lost attempt counts as a
+  restart under ``fault_tolerance.max_restarts`` and the job resumes from its latest recorded
+  checkpoint with the curve whole; FAILED once the restarts are spent, CANCELLED when a cancel
+  was asked;
 * on start, re-attaches to the runners of jobs that were running when a previous server
-  stopped, and records FAILED for those whose runner is gone (a job admitted whose runner never
-  recorded anything is queued again: nothing of it ran).
+  stopped, and starts a new runner for those whose runner is gone, as above (a job admitted
+  whose runner never recorded anything is queued again: nothing of it ran).
 
 Nothing here prints; ``logging`` carries what an operator may want to see.
 """
@@ -25,9 +29,11 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from service.control.events import ACTIVE_STATES, TERMINAL_STATES, JobState
+from service.control.controller import count_restarts
+from service.control.events import ACTIVE_STATES, TERMINAL_STATES, JobEvent, JobState
 from service.server.runners import JobRunners
 from service.server.queue import QueuedJob, admit, can_ever_fit
+from service.spec.sections import FaultToleranceSpec
 from service.spec.spec import JobSpec
 from service.server.store import InvalidTransition, JobStore, UnknownJob
 
@@ -69,6 +75,12 @@ class NeverFits(ValueError):
 
 class JobNotActive(ValueError):
     """A cancel of a job that has already ended (HTTP 409)."""
+
+
+def max_restarts(row: dict) -> int:
+    """The job's ``fault_tolerance.max_restarts`` (its default when the stored spec has none)."""
+    value = ((row.get("spec") or {}).get("fault_tolerance") or {}).get("max_restarts")
+    return FaultToleranceSpec().max_restarts if value is None else int(value)
 
 
 def queued_job(row: dict) -> QueuedJob:
@@ -164,7 +176,7 @@ class Scheduler:
             self._thread.join(timeout_s)
 
     def recover(self) -> None:
-        """Re-attach to the runners of jobs an earlier server launched; FAILED for vanished ones."""
+        """Re-attach to the runners of jobs an earlier server launched; a new runner for vanished ones."""
         for row in self.store.jobs_in_states(JobState.QUEUED.value, *ACTIVE_STATES):
             admission = self.store.events(row["id"], kind="admission")
             if row["state"] == JobState.QUEUED.value and not admission:
@@ -179,8 +191,9 @@ class Scheduler:
                 # nothing ran, so it simply waits for admission again.
                 log.info("job %s was admitted but never started; it is queued again", row["id"])
             else:
-                self._finish(row["id"], JobState.FAILED.value, "runner_vanished",
-                             "the job's runner process was gone when the server restarted")
+                with self._lock:
+                    self._held[row["id"]] = self._slots_for(row, nodes)
+                self._runner_gone(row["id"], "runner_vanished", "the job's runner was gone when the server restarted")
 
     def step(self) -> None:
         """One pass: supervise launched runners, then admit and launch what fits."""
@@ -213,9 +226,9 @@ class Scheduler:
                 continue  # its last events may still be landing
             if job_id in self._cancelled:
                 self._finish(job_id, JobState.CANCELLED.value, "cancelled", "cancelled by request")
-            else:
-                self._finish(job_id, JobState.FAILED.value, "runner_exited", "the job's runner process exited without "
-                             "recording a final state (see the job's logs)")
+            elif row is not None and self._runner_gone(job_id, "runner_exited", "the job's runner exited without "
+                                                       "recording a final state"):
+                continue  # a new runner goes on with the job, on the slots it holds
             self._release(job_id)
 
     def _admit(self) -> None:
@@ -247,6 +260,48 @@ class Scheduler:
             log.exception("launching job %s failed", job.id)
             self._finish(job.id, JobState.FAILED.value, "launch_failed", f"could not start the job's runner: {exc}")
             self._held.pop(job.id, None)
+
+    def _runner_gone(self, job_id: str, code: str, why: str) -> bool:
+        """The runner of a job that has not ended is gone: start a new one, which goes on from the
+        job's record (True), or record FAILED when the job's restarts are spent (False).
+
+        The new runner replays the job's events into its controller, which counts the lost
+        attempt as a restart; a runner that died before recording anything starts the job afresh.
+        Each new runner is also counted here (its ``"runner"`` event), so a runner that keeps dying
+        before it records a restart still ends the job."""
+        row = self.store.get_job(job_id)
+        limit = max_restarts(row)
+        restarts = count_restarts(JobEvent.from_dict(e) for e in self.store.events(job_id, kind="state"))
+        started = len(self.store.events(job_id, kind="runner"))
+        if max(restarts, started) >= limit:
+            self._finish(job_id, JobState.FAILED.value, code, f"{why}, and its fault_tolerance.max_restarts "
+                         f"({limit}) are spent (see the job's logs)")
+            return False
+        self.store.append_event(job_id, {"time": time.time(), "kind": "runner", "state": row["state"],
+                                         "message": f"{why}: starting runner {started + 2}, which goes on from "
+                                                    f"the job's record", "data": {"reason": code}})
+        self._dead_since.pop(job_id, None)
+        try:
+            handle = self.runners.launch(self.store.get_job(job_id))
+            log.info("job %s: %s; started a new runner (%s)", job_id, why, handle)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a launch failure fails the job, not the server
+            log.exception("starting a new runner for job %s failed", job_id)
+            self._finish(job_id, JobState.FAILED.value, "launch_failed", f"could not start the job's runner: {exc}")
+            return False
+
+    def _slots_for(self, row: dict, nodes: tuple) -> tuple[tuple[str, ...], int]:
+        """The slots a recovered job holds: its admitted nodes, or, when they are no longer in the
+        cluster (it was replaced), nodes of the cluster with room for it now."""
+        job = queued_job(row)
+        total = self.total_slots()
+        if nodes and all(n in total for n in nodes):
+            return nodes, job.gpus_per_node
+        used = self.used_slots()
+        free = {node: max(0, n - used.get(node, 0)) for node, n in total.items()}
+        plan = admit(free, [job], cluster_total=total)
+        picked = tuple(str(n) for n in plan.start[0].nodes) if plan.start else nodes
+        return picked, job.gpus_per_node
 
     def _cancel_runner(self, job_id: str) -> None:
         try:
