@@ -8,10 +8,13 @@ stops, running jobs keep running, and a server started again with the same data 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from api.arg_types import FAULT_METAVAR, fault
 from api.data_dir import DEFAULT_DATA_DIR, data_dir_default
@@ -117,8 +120,30 @@ def build_app(args, ray_session=None):
     return create_app(settings, store=store, runners=runners, cluster=cluster), store
 
 
+@contextlib.contextmanager
+def _signal_after_cleanup() -> Iterator[None]:
+    """Let SIGTERM/SIGINT that stopped uvicorn end the process only after the ``with`` block's
+    cleanup. uvicorn re-raises the signal once it has shut down, which would end the process at
+    once, before the cluster the server started is stopped; here it is re-raised on the way out."""
+    received: list[int] = []
+    saved = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+             for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    for sig in received[-1:]:
+        signal.raise_signal(sig)
+
+
 def cmd_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    with _signal_after_cleanup():
+        return _serve_on_cluster(args)
+
+
+def _serve_on_cluster(args) -> int:
     if launcher_kind(args) == "processes":
         return _serve(args, None)
     from service.ranks.ray_cluster import ray_session

@@ -46,23 +46,38 @@ def test_sigkill_mid_job_then_restart_the_job_finishes_with_its_history_once(tmp
         again.kill_runners()
 
 
-def test_a_runner_gone_with_the_server_is_failed_with_a_reason(tmp_path):
+def test_a_runner_gone_with_the_server_is_started_again_and_the_job_goes_on(tmp_path):
+    """The server and the job's runner both die (the machine rebooted, say); a server started again
+    starts a new runner, which goes on from the job's record: one restart, resumed from the last
+    recorded checkpoint, the curve whole and equal to an undisturbed run's."""
+    from tests.test_serve_faults import undisturbed
+
+    s = {**tiny("orphan", world=1, iters=40), "checkpoint": {"save_interval": 5}}
     srv = Server(tmp_path / "data").start()
     with srv.client() as api:
-        job_id = api.post("/jobs", json=tiny("orphan", world=1, iters=10 ** 6)).json()["id"]
-        wait_for(api, job_id, ("RUNNING",))
+        job_id = api.post("/jobs", json=s).json()["id"]
+        deadline = time.monotonic() + 120
+        while (api.get(f"/jobs/{job_id}").json().get("iteration") or 0) < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
     srv.stop(signal.SIGKILL)
     runner = json.loads((srv.data_dir / "jobs" / job_id / "runner.json").read_text())["pid"]
-    os.killpg(runner, signal.SIGKILL)  # the machine rebooted, say: the runner and its ranks are gone
+    os.killpg(runner, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while pid_alive(runner) and time.monotonic() < deadline:
         time.sleep(0.05)
+    expected = undisturbed(s)
     again = Server(srv.data_dir).start()
     try:
         with again.client() as api:
-            job = api.get(f"/jobs/{job_id}").json()
-            assert job["state"] == "FAILED"  # mutation: recover() skipped -> stays RUNNING forever
-            assert job["error"]["code"] == "runner_vanished" and "gone" in job["error"]["message"]
+            job = wait_for(api, job_id, ("SUCCEEDED", "FAILED", "CANCELLED"), timeout_s=180)
+            assert job["state"] == "SUCCEEDED", job  # mutation: recover() skipped -> stays RUNNING forever
+            assert job["restarts"] == 1 and len(job["losses"]) == 40
+            assert max(abs(a - b) for a, b in zip(job["losses"], expected)) <= 1e-6, (job["losses"], expected)
+            events = api.get(f"/jobs/{job_id}/events").json()["events"]
+            assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+            started = [e for e in events if e["kind"] == "runner"]
+            assert len(started) == 1 and started[0]["data"]["reason"] == "runner_vanished"
+            assert "gone" in started[0]["message"]
     finally:
         again.stop()
         again.kill_runners()

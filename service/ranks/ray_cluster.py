@@ -176,7 +176,9 @@ def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = No
         with _local_ray_environment(temp_dir):
             node_args = dict(num_cpus=cpus, num_gpus=gpus, object_store_memory=_OBJECT_STORE_BYTES)
             with _environment({CLUSTER_MARK: cluster_id}):  # only the cluster's processes carry the mark
-                cluster = _start_cluster(nodes, node_args)
+                # Recorded: the cluster must outlive a server that is killed (no fate sharing with it),
+                # so that a server started again re-attaches; otherwise it dies with its process.
+                cluster = _start_cluster(nodes, node_args, fate_share=record is None)
             ray.init(address=cluster.address, **_init_kwargs())
             url = _http(cluster.head_node.address_info.get("webui_url") or "")
             if record is not None:
@@ -201,14 +203,15 @@ def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = No
         stop_marked_cluster(cluster_id, temp_dir, record)
 
 
-def _start_cluster(nodes: int, node_args: dict):
-    """A head node with no GPU slots and ``nodes`` worker nodes of ``node_args``; all of them up."""
+def _start_cluster(nodes: int, node_args: dict, *, fate_share: bool):
+    """A head node with no GPU slots and ``nodes`` worker nodes of ``node_args``; all of them up.
+    ``fate_share``: the cluster's processes die with this one (Ray's reaper, the kernel's parent-death signal)."""
     from ray.cluster_utils import Cluster
 
     # Each node's dashboard agent on a port of its own: Ray's fixed default (52365) is taken
     # by whichever agent of any cluster on this machine binds first, and a head node whose
     # agent lost that race cannot accept Ray Jobs ("No available agent to submit job").
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
+    cluster = Cluster(initialize_head=True, shutdown_at_exit=fate_share, head_node_args=dict(
         num_cpus=0, num_gpus=0, object_store_memory=_OBJECT_STORE_BYTES,
         include_dashboard=True, dashboard_host="127.0.0.1",
         # A simulated node lost for good (its raylet killed) is reported dead in ~3 s, not ~30 s.

@@ -39,7 +39,7 @@ def capacity_message(job: JobConfig, cfg: LauncherConfig, bundle: dict, waited: 
     """Why a placement group does not fit: what the job needs next to what the cluster has."""
     import ray
 
-    totals = node_totals()
+    totals = [r for r in node_totals() if r.get("GPU", 0) > 0]  # nodes that can hold ranks (not a CPU-only head)
     gpus = [int(r.get("GPU", 0)) for r in totals]
     fitting = sum(1 for g in gpus if g >= job.gpus_per_node)
     free = ray.available_resources().get("GPU", 0)

@@ -114,7 +114,8 @@ class RayJobsRunners:
 
 
 class RayClusterView:
-    """The alive nodes of the Ray cluster this process is connected to, with their GPU slots."""
+    """The alive nodes of the Ray cluster this process is connected to that have GPU slots (the
+    nodes a job's ranks can run on: a head node without GPUs holds only the job runners)."""
 
     def __init__(self, ray_address: str, dashboard_url: str | None):
         self.ray_address, self.dashboard_url = ray_address, dashboard_url
@@ -123,4 +124,4 @@ class RayClusterView:
         import ray
 
         return [NodeSlots(n["NodeID"], int(n.get("Resources", {}).get("GPU", 0)), bool(n.get("Alive")))
-                for n in ray.nodes() if n.get("Alive")]
+                for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0]
