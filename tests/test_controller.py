@@ -175,6 +175,30 @@ def test_controller_rebuilt_mid_run_starts_a_new_attempt():
     assert done.run()["state"] == "SUCCEEDED"  # a terminal job replays to its result, starts nothing
 
 
+def test_a_rebuilt_controller_does_not_fire_again_the_drills_its_record_reached():
+    """A drill fires once per job, also across controllers: a controller rebuilt from a record in
+    which a drill failed the job at iteration 2 and the next attempt finished iteration 3 drops
+    the drills at or before those iterations, and keeps the later one for its ranks."""
+    job, grid = make_job(iters=6)
+    faults = [Fault(1, 2, "raise"), Fault(0, 3, "exit"), Fault(0, 5, "raise")]
+    it = lambda n: JobEvent.now("iteration", JobState.RUNNING, "", {"iteration": n, "loss": 1.0 / n})  # noqa: E731
+    state = lambda s: JobEvent.now("state", s, "", {})  # noqa: E731
+    history = [state(JobState.QUEUED), state(JobState.STARTING), state(JobState.RUNNING), it(1),
+               JobEvent.now("failure", JobState.RUNNING, "rank 1 raised", {"code": "rank_raised", "rank": 1}),
+               JobEvent.now("state", JobState.RESTARTING, "restart 1", {}), state(JobState.STARTING),
+               state(JobState.RUNNING), it(2), it(3)]
+    groups = []
+
+    def make(attempt, *_):
+        groups.append(FakeGroup(4))
+        return groups[-1]
+
+    rebuilt = JobController(job, grid, job_id="d", make_group=make, history=history, faults=faults)
+    assert rebuilt.faults == [Fault(0, 5, "raise")]  # mutation: no pruning on replay -> the drill at 2 fires again
+    rebuilt.run()
+    assert groups[0].faults == [Fault(0, 5, "raise")]
+
+
 def test_root_cause_is_the_rank_that_broke_not_its_peers():
     assert is_root_cause(RankDied(3, {}, "The actor died unexpectedly"))
     assert is_root_cause(RankHung(3, {}, "stopped"))

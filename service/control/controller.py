@@ -284,9 +284,12 @@ class JobController:
         """Take the state, metrics, placement and restarts the recorded events end with.
 
         A job that was STARTING or RUNNING when its events stopped has lost its ranks; its
-        next :meth:`run` starts a new attempt from its latest checkpoint.
+        next :meth:`run` starts a new attempt from its latest checkpoint. A drill (``faults``)
+        that the recorded attempts reached has had its one chance, as in :meth:`_after_failure`:
+        those at or before a recorded failure's iteration, or before the last recorded one, are spent.
         """
         self.restarts = count_restarts(history)
+        spent = 0
         for event in history:
             self.events.append(event)
             if event.kind == "state":
@@ -299,8 +302,11 @@ class JobController:
                 self.iteration = len(self.metrics)
             elif event.kind == "placement":
                 self.placement = event.data.get("placement", [])
-            elif event.kind == "failure" and self.state.is_terminal:
-                self.error = JobError(event.message)
+            elif event.kind == "failure":
+                spent = max(spent, self.iteration + 1)
+                if self.state.is_terminal:
+                    self.error = JobError(event.message)
+        self.faults = [f for f in self.faults if f.iteration > max(spent, self.iteration)]
         if self.state.is_terminal and self.state is not JobState.SUCCEEDED and self.error is None:
             last = history[-1]
             self.error = JobError(last.message)
