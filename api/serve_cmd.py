@@ -151,11 +151,15 @@ def _serve_on_cluster(args) -> int:
     # The cluster lives as long as the server when raytron starts it (--simulate, or embedded). A
     # simulated one is recorded in the data dir: a server killed and started again re-attaches to it.
     record = Path(args.data_dir or data_dir_default()).expanduser().resolve() / "ray_cluster.json"
-    with ray_session(args.simulate, record=record) as session:
-        for note in session.notes:
-            print(f"raytron serve: {note}", file=sys.stderr, flush=True)
-        print(f"raytron serve: Ray dashboard {session.dashboard_url or '(none)'}", file=sys.stderr, flush=True)
-        return _serve(args, session)
+    try:
+        with ray_session(args.simulate, record=record) as session:
+            for note in session.notes:
+                print(f"raytron serve: {note}", file=sys.stderr, flush=True)
+            print(f"raytron serve: Ray dashboard {session.dashboard_url or '(none)'}", file=sys.stderr, flush=True)
+            return _serve(args, session)
+    except ValueError as e:  # another server holds the data dir's simulated cluster
+        print(f"raytron serve: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _serve(args, session) -> int:

@@ -224,6 +224,24 @@ def _start_cluster(nodes: int, node_args: dict, *, fate_share: bool):
     return cluster
 
 
+def join_simulated_cluster(record: str | Path, gpus: int, cpus: float | None = None) -> str:
+    """Start one more worker node (``gpus`` fake GPU slots) for the running simulated cluster that
+    ``record`` describes, from this process, as a machine joining a real cluster would; returns
+    its node id. The node carries the cluster's mark (it is stopped with the cluster) and does not
+    die with this process."""
+    import ray._private.node
+    import ray._private.parameter
+
+    data = json.loads(Path(record).read_text())
+    params = ray._private.parameter.RayParams(
+        num_cpus=gpus if cpus is None else cpus, num_gpus=gpus, object_store_memory=_OBJECT_STORE_BYTES,
+        min_worker_port=0, max_worker_port=0, gcs_address=data["address"], include_log_monitor=False,
+        node_manager_port=0, dashboard_agent_listen_port=_free_port())
+    with _local_ray_environment(data["temp_dir"]), _environment({CLUSTER_MARK: data["cluster_id"]}):
+        node = ray._private.node.Node(params, head=False, shutdown_at_exit=False, spawn_reaper=False)
+    return node.node_id
+
+
 def stop_marked_cluster(cluster_id: str, temp_dir: str | None = None, record: str | Path | None = None) -> None:
     """Stop every process of the simulated cluster ``cluster_id`` (by its mark, wherever its parent
     went), remove its files and its record."""
@@ -237,6 +255,16 @@ def stop_marked_cluster(cluster_id: str, temp_dir: str | None = None, record: st
     if record is not None:
         with contextlib.suppress(OSError):
             Path(record).unlink()
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def _write_record(path: Path, data: dict) -> None:
@@ -259,6 +287,10 @@ def _recorded_cluster(path: Path, nodes: int, gpus: int) -> dict | None:
         answers = True
     except ClusterUnreachable:
         answers = False
+    owner = data.get("owner")
+    if answers and owner != os.getpid() and _alive(owner):
+        raise ValueError(f"the simulated Ray cluster recorded in {path} belongs to a process that is still running "
+                         f"(pid {owner}): stop it first, or use another data dir")
     if answers and (data.get("nodes"), data.get("gpus")) == (nodes, gpus) and marked(CLUSTER_MARK, cluster_id):
         return data
     stop_marked_cluster(cluster_id, data.get("temp_dir"), path)

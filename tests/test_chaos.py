@@ -1,0 +1,25 @@
+"""The chaos drill (bench/chaos.py) in the suite, seeded and short: four faults of four kinds
+(a rank killed, the job's runner killed, `raytron serve` killed and started again, a node lost
+and another added) hit one job through `raytron serve --simulate 4x2`; every one must be
+survived and the final curve equal the undisturbed one (1e-5). The drill's exit status says so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_four_faults_of_four_kinds_are_survived_on_the_undisturbed_curve():
+    p = subprocess.run([sys.executable, "bench/chaos.py", "--seed", "1", "--faults", "4",
+                        "--kinds", "rank_kill,runner_kill,server_kill,node_loss"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-6000:]
+    assert "survived 4/4" in p.stdout and "chaos: PASSED" in p.stdout
+    kinds = [line.split()[0] for line in p.stdout.splitlines() if "at iteration" in line]
+    assert sorted(kinds) == ["node_loss", "rank_kill", "runner_kill", "server_kill"], p.stdout
