@@ -149,3 +149,24 @@ def test_the_store_records_resizes_and_attempts_from_the_controller_events(tmp_p
     attempts = store.attempts("el-1")
     assert [a["from_checkpoint"] for a in attempts] == [None, None] and len(attempts) == 2
     store.close()
+
+
+def test_a_job_that_may_not_shrink_says_it_waits_for_a_replacement():
+    """Without min_nodes below num_nodes a lost node means waiting for a replacement: the attempt
+    after the loss says so in a ``waiting`` event (with the numbers) and runs when the node is back.
+    Fails if the wait is silent."""
+    job = make_job(min_nodes=4)
+    nodes, reached, events = [4], [0], []
+
+    def make(attempt, attempt_job, grid):
+        if attempt == 0:
+            return ResumingGroup(grid.world_size, reached, fail_at=3, on_fail=lambda: nodes.__setitem__(0, 3))
+        nodes[0] = 4  # the replacement arrives while the launcher waits for its placement
+        return ResumingGroup(grid.world_size, reached)
+
+    result = JobController(job, ParallelGrid.from_config(job.parallel, 4), job_id="w", make_group=make,
+                           on_event=events.append, nodes_available=lambda: nodes[0]).run()
+    assert result["state"] == "SUCCEEDED" and result["sizes"]["dp"] == 4
+    waiting = [e for e in events if e.kind == "waiting"]
+    assert len(waiting) == 1 and waiting[0].data == {"available": 3, "needed": 4}, waiting
+    assert "waiting for a replacement" in waiting[0].message and "min_nodes" in waiting[0].message

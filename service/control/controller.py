@@ -181,6 +181,8 @@ class JobController:
         if job is None:
             raise JobCancelled(self._cancel_reason)
         self.attempts += 1
+        if self.attempts > 1:
+            self._say_if_waiting(job)
         grid = ParallelGrid.from_config(job.parallel, job.world_size)
         if grid.world_size != self.grid.world_size:
             self._emit(JobEvent.now("resize", self.state, f"dp {self.grid.dp} -> {grid.dp} ({self.current.num_nodes} "
@@ -267,6 +269,18 @@ class JobController:
         group, self._group = self._group, None
         if group is not None:
             group.shutdown(keep_warm=keep_warm)
+
+    def _say_if_waiting(self, job: JobConfig) -> None:
+        """An attempt that needs more nodes than the cluster offers now waits for its placement (a job
+        that may not shrink, or not below its size): a ``waiting`` event says so, with the numbers."""
+        available = self.sizer.available()
+        if available is None or available >= job.num_nodes:
+            return
+        why = ("resources.min_nodes is not below num_nodes, so the job does not shrink" if not self.sizer.elastic
+               else f"the job does not shrink below resources.min_nodes {job.min_nodes}")
+        self._emit(JobEvent.now("waiting", self.state, f"{available} of the {job.num_nodes} node(s) with "
+                                f"{job.gpus_per_node} GPU(s) the attempt needs are available: waiting for a "
+                                f"replacement ({why})", {"available": available, "needed": job.num_nodes}))
 
     def _transition(self, state: JobState, message: str = "", data: dict | None = None) -> None:
         if self.state.is_terminal:
