@@ -21,5 +21,5 @@ def test_four_faults_of_four_kinds_are_survived_on_the_undisturbed_curve():
                        cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-6000:]
     assert "survived 4/4" in p.stdout and "chaos: PASSED" in p.stdout
-    kinds = [line.split()[0] for line in p.stdout.splitlines() if "at iteration" in line]
+    kinds = [line.split()[0] for line in p.stdout.splitlines() if line.startswith("  ") and "at iteration" in line]
     assert sorted(kinds) == ["node_loss", "rank_kill", "runner_kill", "server_kill"], p.stdout
