@@ -245,11 +245,15 @@ def join_simulated_cluster(record: str | Path, gpus: int, cpus: float | None = N
 def stop_marked_cluster(cluster_id: str, temp_dir: str | None = None, record: str | Path | None = None) -> None:
     """Stop every process of the simulated cluster ``cluster_id`` (by its mark, wherever its parent
     went), remove its files and its record."""
-    pids = marked(CLUSTER_MARK, cluster_id)
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
-    _reap(pids | marked(CLUSTER_MARK, cluster_id), timeout_s=5.0)
+    # Rounds: a raylet that is being stopped may still start an agent after the first look.
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0), (signal.SIGKILL, 2.0)):
+        pids = marked(CLUSTER_MARK, cluster_id)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        _reap(pids, timeout_s=wait_s)
     if temp_dir:
         shutil.rmtree(temp_dir, ignore_errors=True)
     if record is not None:
