@@ -51,6 +51,31 @@ def marked(name: str, value: str) -> set[int]:
     return out
 
 
+def started_at(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (None when it is gone)."""
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def orphans(titles: tuple[str, ...], since: int) -> set[int]:
+    """Processes adopted by init (their parent died) whose title starts with one of ``titles`` and
+    that started at or after ``since`` (clock ticks since boot). Ray's agents rewrite their title
+    and with it the environment /proc shows, so a mark cannot find them once their raylet is gone."""
+    out = set()
+    for path in glob.glob("/proc/[0-9]*/stat"):
+        pid = int(path.split("/")[2])
+        try:
+            fields = open(path).read().rsplit(")", 1)[1].split()
+            title = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode(errors="replace")
+        except (OSError, IndexError):
+            continue
+        if fields[1] == "1" and int(fields[19]) >= since and title.startswith(titles):
+            out.add(pid)
+    return out
+
+
 def reap(pids: set[int], timeout_s: float = 10.0) -> None:
     """Wait for processes this session started to exit, then kill the stragglers by pid.
 

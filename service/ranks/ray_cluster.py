@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from service.control.errors import ClusterUnreachable
-from service.ranks.proc_tree import children as _children, descendants as _descendants, marked, reap as _reap
+from service.ranks.proc_tree import children as _children, descendants as _descendants, marked, orphans, started_at
+from service.ranks.proc_tree import reap as _reap
 
 NAMESPACE = "raytron"
 CLUSTER_MARK = "RAYTRON_RAY_CLUSTER"
@@ -171,6 +172,7 @@ def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = No
     cpus = gpus if cpus_per_node is None else cpus_per_node
     temp_dir = tempfile.mkdtemp(prefix="raytron-ray-")
     cluster_id = uuid.uuid4().hex[:16]
+    since = started_at(os.getpid()) or 0  # no process of the cluster started before this one
     cluster = None
     try:
         with _local_ray_environment(temp_dir):
@@ -184,7 +186,7 @@ def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = No
             if record is not None:
                 _write_record(Path(record), {"cluster_id": cluster_id, "address": cluster.address,
                                              "dashboard_url": url, "nodes": nodes, "gpus": gpus,
-                                             "temp_dir": temp_dir, "owner": os.getpid()})
+                                             "temp_dir": temp_dir, "owner": os.getpid(), "since": since})
 
             def add_node() -> str:
                 # Not cluster.wait_for_nodes: it never returns once a node was lost without remove_node.
@@ -200,7 +202,7 @@ def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = No
         if cluster is not None:
             with contextlib.suppress(Exception):  # a node already killed from outside
                 cluster.shutdown()
-        stop_marked_cluster(cluster_id, temp_dir, record)
+        stop_marked_cluster(cluster_id, temp_dir, record, since=since)
 
 
 def _start_cluster(nodes: int, node_args: dict, *, fate_share: bool):
@@ -242,9 +244,12 @@ def join_simulated_cluster(record: str | Path, gpus: int, cpus: float | None = N
     return node.node_id
 
 
-def stop_marked_cluster(cluster_id: str, temp_dir: str | None = None, record: str | Path | None = None) -> None:
+def stop_marked_cluster(cluster_id: str, temp_dir: str | None = None, record: str | Path | None = None,
+                        since: int | None = None) -> None:
     """Stop every process of the simulated cluster ``cluster_id`` (by its mark, wherever its parent
-    went), remove its files and its record."""
+    went), remove its files and its record. ``since``: when the cluster started (clock ticks since
+    boot); the agents of its raylets that were killed (orphans, whose title hides the mark) are
+    stopped too."""
     # Rounds: a raylet that is being stopped may still start an agent after the first look.
     for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0), (signal.SIGKILL, 2.0)):
         pids = marked(CLUSTER_MARK, cluster_id)
@@ -254,6 +259,10 @@ def stop_marked_cluster(cluster_id: str, temp_dir: str | None = None, record: st
             with contextlib.suppress(OSError):
                 os.kill(pid, sig)
         _reap(pids, timeout_s=wait_s)
+    if since is not None:
+        for pid in orphans(("ray::DashboardAgent", "ray::RuntimeEnvAgent"), since):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
     if temp_dir:
         shutil.rmtree(temp_dir, ignore_errors=True)
     if record is not None:
@@ -297,7 +306,7 @@ def _recorded_cluster(path: Path, nodes: int, gpus: int) -> dict | None:
                          f"(pid {owner}): stop it first, or use another data dir")
     if answers and (data.get("nodes"), data.get("gpus")) == (nodes, gpus) and marked(CLUSTER_MARK, cluster_id):
         return data
-    stop_marked_cluster(cluster_id, data.get("temp_dir"), path)
+    stop_marked_cluster(cluster_id, data.get("temp_dir"), path, since=data.get("since"))
     return None
 
 
@@ -317,7 +326,7 @@ def _reattached(data: dict, record: Path) -> Iterator[RaySession]:
         yield session
     finally:
         ray.shutdown()
-        stop_marked_cluster(data["cluster_id"], data.get("temp_dir"), record)
+        stop_marked_cluster(data["cluster_id"], data.get("temp_dir"), record, since=data.get("since"))
 
 
 @contextlib.contextmanager
