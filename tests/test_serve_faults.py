@@ -65,9 +65,10 @@ def story(api, job_id: str, losses: list[float], expected: list[float]) -> str:
     return "\n".join(lines)
 
 
-@pytest.fixture(scope="module")
-def api(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("serve4x2") / "data", simulate="4x2", launcher="ray",
+def ray_server_client(tmp_path_factory, name: str, simulate: str = "4x2"):
+    """The body of a module's server fixture: `raytron serve --simulate SHAPE --launcher ray` in a
+    fresh data dir; yields its API client, then stops it and every runner it left."""
+    srv = Server(tmp_path_factory.mktemp(name) / "data", simulate=simulate, launcher="ray",
                  start_timeout_s=180).start()
     try:
         with srv.client() as client:
@@ -75,6 +76,11 @@ def api(tmp_path_factory):
     finally:
         srv.stop()
         srv.kill_runners()
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    yield from ray_server_client(tmp_path_factory, "serve4x2")
 
 
 def submit(api, s: dict) -> str:

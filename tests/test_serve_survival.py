@@ -17,8 +17,8 @@ import pytest
 from service.ranks.proc_tree import marked
 from service.ranks.ray_cluster import CLUSTER_MARK
 from tests.test_api import Server, wait_for
-from tests.test_serve_faults import (DONE, _raylet_of, close, events, failures, spec, story, submit, undisturbed,
-                                     wait_iteration)
+from tests.test_serve_faults import (DONE, _raylet_of, close, events, failures, ray_server_client, spec, story,
+                                     submit, undisturbed, wait_iteration)
 
 pytestmark = pytest.mark.ray
 
@@ -91,14 +91,7 @@ def test_server_killed_and_started_again_reattaches_to_its_simulated_cluster(tmp
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("survive4x2") / "data", simulate="4x2", launcher="ray",
-                 start_timeout_s=180).start()
-    try:
-        with srv.client() as client:
-            yield client
-    finally:
-        srv.stop()
-        srv.kill_runners()
+    yield from ray_server_client(tmp_path_factory, "survive4x2")
 
 
 def test_a_killed_runner_is_started_again_and_goes_on_from_the_record(api):
