@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from service.ranks.proc_tree import matching  # noqa: E402
+
 KINDS = ("rank_kill", "rank_stop", "node_loss", "runner_kill", "server_kill", "save_crash")
 TOKEN = "chaos-token-0123456789abcdef"
 MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
@@ -131,20 +133,8 @@ class Server:
         raise RuntimeError(f"GET {path} kept failing")
 
 
-def processes(match) -> list[int]:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if argv and match(argv):
-            out.append(int(pid))
-    return out
-
-
 def raylet_of(node_id: str) -> int | None:
-    found = processes(lambda a: a[0].endswith("raylet") and f"--node_id={node_id}" in a)
+    found = matching(lambda a: a[0].endswith("raylet") and f"--node_id={node_id}" in a)
     return found[0] if found else None
 
 
@@ -170,7 +160,7 @@ def inject(fault: dict, server: Server, job_id: str) -> str:
         os.kill(raylet_of(node_id), signal.SIGKILL)
         return f"node {node_id[:8]}"
     if kind == "runner_kill":
-        pids = processes(lambda a: a[0].endswith("python") and a[1:4] == ["-m", "service.server.job_main", job_id])
+        pids = matching(lambda a: a[0].endswith("python") and a[1:4] == ["-m", "service.server.job_main", job_id])
         os.kill(pids[0], signal.SIGKILL)
         return f"runner (pid {pids[0]})"
     if kind == "server_kill":

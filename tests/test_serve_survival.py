@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from service.ranks.proc_tree import marked
+from service.ranks.proc_tree import marked, matching
 from service.ranks.ray_cluster import CLUSTER_MARK
 from tests.test_api import Server, wait_for
 from tests.test_serve_faults import (DONE, _raylet_of, close, events, failures, ray_server_client, spec, story,
@@ -25,15 +25,8 @@ pytestmark = pytest.mark.ray
 
 def processes_named(*argv_prefix: str) -> list[int]:
     """Pids whose argv starts with a program ending in ``argv_prefix[0]`` followed by the rest."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(argv_prefix[0]) and argv[1:len(argv_prefix)] == list(argv_prefix[1:]):
-            found.append(int(pid))
-    return found
+    return matching(lambda argv: argv[0].endswith(argv_prefix[0])
+                    and argv[1:len(argv_prefix)] == list(argv_prefix[1:]))
 
 
 def whole_and_once(api, job_id: str, iters: int) -> list[dict]:

@@ -33,6 +33,19 @@ def descendants(roots: set[int]) -> set[int]:
     return seen
 
 
+def matching(match) -> list[int]:
+    """Pids of the processes whose argv (a list of strings) ``match`` accepts (Linux /proc)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if argv and match(argv):
+            out.append(int(pid))
+    return out
+
+
 def marked(name: str, value: str) -> set[int]:
     """Processes whose environment holds ``name=value`` (Linux /proc; empty elsewhere), this one
     excluded. A mark set in the environment of the processes a session starts is inherited by
