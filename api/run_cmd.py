@@ -7,6 +7,7 @@ SIGINT / SIGTERM (the job ends CANCELLED with every rank stopped, also during st
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -80,7 +81,8 @@ def cmd_run(args) -> int:
     try:
         if signals.received is None:  # a signal during validation: start nothing
             with open_launcher(args.launcher, shape=(job.num_nodes, job.gpus_per_node), simulate=args.simulate,
-                               note=lambda line: print(f"raytron: {line}", file=sys.stderr)) as launcher:
+                               note=lambda line: print(f"raytron: {line}", file=sys.stderr),
+                               on_ray_lost=_ray_lost) as launcher:
                 signals.install()  # again: starting Ray may have installed its own handlers
                 if signals.received is None:
                     controller = start_job(job, launcher=launcher, on_event=view, job_id=job_id, faults=faults)
@@ -104,6 +106,13 @@ def cmd_run(args) -> int:
         return _EXIT[signals.received]
     _print_result(args, result, t0)
     return 0 if result["state"] == "SUCCEEDED" else 1
+
+
+def _ray_lost(reason: str) -> None:
+    """This process lost its Ray cluster (its raylet or the GCS is gone): one line, then exit 1 at
+    once; the main thread may be blocked in a Ray call that will never return."""
+    print(f"\nraytron run: error: lost the Ray cluster: {reason}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _print_result(args, result: dict, t0: float, note: str = "") -> None:

@@ -16,7 +16,8 @@ LAUNCHERS = ("processes", "ray")
 
 @contextlib.contextmanager
 def open_launcher(kind: str, *, shape: tuple[int, int], simulate: tuple[int, int] | None = None,
-                  note: Callable[[str], None] = lambda line: None) -> Iterator:
+                  note: Callable[[str], None] = lambda line: None,
+                  on_ray_lost: Callable[[str], None] | None = None) -> Iterator:
     """The launcher of ``kind``, open for the ``with`` block (a Ray connection is closed after it).
 
     Args:
@@ -26,6 +27,10 @@ def open_launcher(kind: str, *, shape: tuple[int, int], simulate: tuple[int, int
         shape: the job's ``(num_nodes, gpus_per_node)``: the shape of an embedded cluster.
         simulate: ``--simulate NODESxGPUS``: start a simulated cluster of that shape.
         note: receives the session's notes (what was started, the dashboard's address).
+        on_ray_lost: with ``ray``, called once (from a watch thread) with the reason when this
+            process's raylet or GCS is gone (:class:`~service.ranks.ray_watch.ConnectionWatch`):
+            a driver cut off from its cluster can neither start ranks nor learn that it cannot.
+            None: not watched.
     """
     if kind not in LAUNCHERS:
         raise ValueError(f"launcher {kind!r}: expected one of {', '.join(LAUNCHERS)}")
@@ -36,10 +41,12 @@ def open_launcher(kind: str, *, shape: tuple[int, int], simulate: tuple[int, int
         return
     from service.ranks.ray_cluster import ray_session
     from service.ranks.ray_launcher import RayLauncher
+    from service.ranks.ray_watch import ConnectionWatch
 
     with ray_session(simulate, default_shape=shape) as session:
         for line in session.notes:
             note(line)
         if session.dashboard_url:
             note(f"Ray dashboard {session.dashboard_url}")
-        yield RayLauncher(session)
+        with ConnectionWatch(on_ray_lost) if on_ray_lost is not None else contextlib.nullcontext():
+            yield RayLauncher(session)

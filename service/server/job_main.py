@@ -15,6 +15,13 @@ stays whole and no event is written twice.
 
 SIGTERM (the back end's cancel) stops the job: it ends CANCELLED, with its ranks stopped.
 
+A runner on Ray whose own connection is cut (its node's raylet dead, or the GCS gone with the
+head node) can neither start ranks nor tell that it cannot. A watch
+(:class:`~service.ranks.ray_watch.ConnectionWatch`) notices within seconds; the runner then
+records a ``failure`` event with code ``ray_connection_lost`` and the reason, and exits with
+:data:`EXIT_RAY_LOST` without a final state, so that the server starts a new runner that goes on
+from the record (or fails the job once its restarts are spent).
+
 :func:`run_training` starts the ranks through the single orchestration path
 (:func:`service.control.jobs.start_job`): the same controller, failure policy, restarts and events as
 ``raytron run``, with the ranks as local processes or (``--launcher ray``, as the Ray Jobs back
@@ -46,6 +53,9 @@ from workers.grid import ParallelGrid
 
 log = logging.getLogger("raytron.job")
 
+EXIT_RAY_LOST = 3
+"""The runner's exit status when its Ray connection was lost (the job is left to a new runner)."""
+
 
 class StoreRecorder:
     """``on_event`` for a job controller: appends each event to the store, in order, synchronously.
@@ -74,17 +84,20 @@ class StoreRecorder:
 
 def run_training(job_id: str, job: JobConfig, on_event: Callable[[JobEvent], None], *, launcher: str = "processes",
                  cancel_requested: threading.Event | None = None, checkpoint_root: str | None = None,
-                 faults: list[Fault] | tuple = (), history: list[JobEvent] | None = None) -> str:
+                 faults: list[Fault] | tuple = (), history: list[JobEvent] | None = None,
+                 on_ray_lost: Callable[[str], None] | None = None) -> str:
     """Run the job through the single orchestration path (:func:`service.control.jobs.start_job`), handing
     every event to ``on_event``; returns the final state. Setting ``cancel_requested`` (from any
     thread or a signal handler) cancels the job: it ends CANCELLED with every rank stopped.
     ``launcher``: where the ranks run: local processes, or actors on the Ray cluster this runner is
     a Ray Job of (``RAY_ADDRESS`` is set for a Ray Job's entry point).
     ``faults``: failure drills, each inside the job's ranks (see :func:`drills_for`).
-    ``history``: the job's recorded events, when an earlier runner of it started it (see :func:`history_of`)."""
+    ``history``: the job's recorded events, when an earlier runner of it started it (see :func:`history_of`).
+    ``on_ray_lost``: with ``launcher="ray"``, called with the reason when this process's Ray
+    connection is gone (see :func:`ray_lost_handler`)."""
     cancel_requested = cancel_requested or threading.Event()
-    with open_launcher(launcher, shape=(job.num_nodes, job.gpus_per_node), note=lambda line: log.info("%s", line)) \
-            as ranks:
+    with open_launcher(launcher, shape=(job.num_nodes, job.gpus_per_node), note=lambda line: log.info("%s", line),
+                       on_ray_lost=on_ray_lost) as ranks:
         if cancel_requested.is_set():  # a cancel that arrived while the cluster connection came up
             on_event(JobEvent.now("state", JobState.CANCELLED, "cancelled by request",
                                   {"from": JobState.QUEUED.value}))
@@ -96,6 +109,32 @@ def run_training(job_id: str, job: JobConfig, on_event: Callable[[JobEvent], Non
                 controller.cancel("cancelled by request")
                 cancel_requested.clear()
         return controller.state.value
+
+
+def ray_lost_handler(store: JobStore, job_id: str, exit: Callable[[int], None] = os._exit) -> Callable[[str], None]:
+    """What the runner does when its Ray connection is gone: record a ``failure`` event (code
+    ``ray_connection_lost``) in the job's current state, say so in its log, and exit at once with
+    :data:`EXIT_RAY_LOST`, leaving no final state: the server starts a new runner. ``os._exit``,
+    not ``sys.exit``: the main thread may be blocked in a Ray call that will never return, and the
+    ranks' actors die with this driver (Ray fate-shares actors with their owner)."""
+
+    def handle(reason: str) -> None:
+        message = f"the job's runner lost its Ray connection: {reason}"
+        try:
+            row = store.get_job(job_id)
+            state = row["state"] if row is not None else JobState.RUNNING.value
+            store.append_event(job_id, JobEvent.now("failure", JobState(state), message,
+                                                    {"code": "ray_connection_lost", "message": message}).to_dict())
+        except Exception as e:  # noqa: BLE001 - exit anyway: the server sees the runner gone
+            log.error("could not record the lost Ray connection: %s", e)
+        log.error("%s; exiting (status %d) so that a new runner goes on from the job's record", message,
+                  EXIT_RAY_LOST)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stdout.flush()
+        exit(EXIT_RAY_LOST)
+
+    return handle
 
 
 def history_of(store: JobStore, job_id: str, state: str) -> list[JobEvent] | None:
@@ -163,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                      args.job_id, row["state"], len(history))
         final = run_training(args.job_id, job, recorder, launcher=args.launcher, cancel_requested=cancel_requested,
                              checkpoint_root=os.path.join(args.data_dir, "checkpoints"), faults=faults,
-                             history=history)
+                             history=history, on_ray_lost=ray_lost_handler(store, args.job_id))
         log.info("job %s %s", args.job_id, final)
         return 0 if final == JobState.SUCCEEDED.value else 1
     finally:

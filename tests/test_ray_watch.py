@@ -1,0 +1,223 @@
+"""A runner cut off from its Ray cluster exits within seconds with the reason, and a new runner goes on.
+
+The decision (:meth:`ConnectionWatch.judge`) is tested on scripted probes; the probes and the
+runner's exit against a real simulated cluster hosted by another process (as a cluster outlives
+a runner): its node's raylet killed (the job then goes on under a new runner, on the curve of an
+undisturbed run), or the GCS killed (the head node lost: nothing can go on, but the runner says
+so at once instead of waiting out a 600 s rendezvous).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from service.ranks.proc_tree import marked, matching
+from service.ranks.ray_cluster import CLUSTER_MARK
+from service.ranks.ray_watch import ConnectionWatch, Probe
+from service.server.job_main import EXIT_RAY_LOST
+from service.server.runners import runner_command
+from service.server.store import JobStore, sqlite_url
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- the decision, on scripted probes ------------------------------------------------------------
+def _judge_all(watch: ConnectionWatch, probes: list[tuple[float, Probe]]) -> list[str | None]:
+    return [watch.judge(p, t) for t, p in probes]
+
+
+def test_a_refused_raylet_socket_is_a_loss_only_when_confirmed():
+    watch = ConnectionWatch(lambda r: None, raylet_probes=2)
+    gone = Probe(raylet_gone=True, detail="Connection refused")
+    assert _judge_all(watch, [(0, gone), (1, Probe()), (2, gone)]) == [None, None, None]  # never twice in a row
+    reason = watch.judge(gone, 3)
+    assert reason is not None and "raylet is gone" in reason and "Connection refused" in reason
+
+
+def test_a_silent_gcs_is_a_loss_after_its_grace_and_an_answer_resets_the_clock():
+    watch = ConnectionWatch(lambda r: None, gcs_grace_s=10)
+    silent = Probe(gcs_answered=False, detail="Timed out while waiting for GCS")
+    assert _judge_all(watch, [(0, silent), (9, silent), (9.5, Probe()), (10, silent), (19.9, silent)]) == [None] * 5
+    reason = watch.judge(silent, 20)
+    assert reason is not None and "has not answered for 10s" in reason and "Timed out" in reason
+
+
+def test_a_node_the_gcs_declares_dead_is_a_loss_at_once():
+    reason = ConnectionWatch(lambda r: None).judge(Probe(node_dead=True), 0)
+    assert reason is not None and "reports this node" in reason and "dead" in reason
+
+
+def test_the_watch_calls_on_lost_once_from_its_thread_and_stops():
+    calls: list[str] = []
+    probes = iter([Probe()] * 3 + [Probe(node_dead=True)] * 100)
+    done = threading.Event()
+    watch = ConnectionWatch(lambda r: (calls.append(r), done.set()), probe=lambda: next(probes), period_s=0.01)
+    with watch:
+        assert done.wait(10)
+        time.sleep(0.1)  # a second call would land now
+    assert len(calls) == 1 and watch.lost == calls[0]
+
+
+# ---- against a real cluster -----------------------------------------------------------------------
+HOST = """
+import sys
+from service.ranks.ray_cluster import simulated_cluster
+with simulated_cluster(2, 2, record=sys.argv[1]) as session:
+    print("READY", session.address, flush=True)
+    sys.stdin.read()  # until the test closes it
+"""
+
+
+def _spec(iters: int) -> dict:
+    return {"name": "cutoff",
+            "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
+                      "ffn_hidden_size": 64, "vocab_size": 256, "seq_length": 16},
+            "training": {"train_iters": iters, "global_batch_size": 4, "micro_batch_size": 1, "lr": 3e-3, "seed": 7},
+            "checkpoint": {"save_interval": 2, "keep_last": 3},
+            "resources": {"num_nodes": 1, "gpus_per_node": 2},
+            "fault_tolerance": {"max_restarts": 2, "collective_timeout_s": 60}}
+
+
+class HostedCluster:
+    """A simulated cluster (a head and 2 nodes of 2 GPU slots) in a process of its own."""
+
+    def __init__(self, tmp_path: Path):
+        self.record = tmp_path / "ray_cluster.json"
+        self.proc = subprocess.Popen([sys.executable, "-c", HOST, str(self.record)], cwd=ROOT, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        line = self.proc.stdout.readline()
+        assert line.startswith("READY"), line
+        self.address = line.split()[1]
+        self.data = json.loads(self.record.read_text())
+
+    def env(self) -> dict:
+        """A runner's environment on this cluster, as a Ray Job's entry point gets it."""
+        return {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ADDRESS": self.address,
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+                "RAY_TMPDIR": self.data["temp_dir"]}
+
+    def close(self) -> None:
+        from service.ranks.ray_cluster import stop_marked_cluster
+
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        stop_marked_cluster(self.data["cluster_id"], self.data["temp_dir"], self.record)
+        assert marked(CLUSTER_MARK, self.data["cluster_id"]) == set()
+
+
+def _wait_iteration(store: JobStore, job_id: str, at_least: int, runner: subprocess.Popen, timeout_s=240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if len(store.events(job_id, kind="iteration")) >= at_least:
+            return
+        assert runner.poll() is None, f"the runner exited with {runner.returncode}"
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} did not reach iteration {at_least}")
+
+
+def _watched_raylet(log: Path) -> int:
+    """The pid of the raylet the runner watches (it names the socket in its log)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = re.search(r"watching the Ray connection of node \S+ \(raylet socket (\S+),", log.read_text())
+        if found:
+            pids = matching(lambda argv: any(a == f"--raylet_socket_name={found.group(1)}" for a in argv))
+            assert len(pids) == 1, pids
+            return pids[0]
+        time.sleep(0.2)
+    raise AssertionError(f"the runner named no raylet: {log.read_text()[-3000:]}")
+
+
+def _cut_off(tmp_path: Path, cluster: HostedCluster, store: JobStore, url: str, job_id: str, victim: str):
+    """Start a runner of ``job_id`` on the cluster, kill ``victim`` (its raylet, or the GCS) at iteration 4;
+    returns (seconds from the kill to the runner's exit, its exit status, its log)."""
+    log = tmp_path / f"{job_id}-runner-1.log"
+    with open(log, "w") as out:
+        runner = subprocess.Popen(runner_command(job_id, tmp_path, url, launcher="ray"), cwd=ROOT,
+                                  env=cluster.env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_iteration(store, job_id, 4, runner)
+        if victim == "raylet":
+            pid = _watched_raylet(log)
+        else:
+            pid = next(p for p in matching(lambda argv: argv[0].endswith("gcs_server"))
+                       if p in marked(CLUSTER_MARK, cluster.data["cluster_id"]))
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        status = runner.wait(120)
+        return time.monotonic() - t0, status, log.read_text()
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+            runner.wait()
+
+
+@pytest.mark.ray
+def test_a_runner_whose_raylet_dies_exits_at_once_and_a_new_runner_goes_on(tmp_path):
+    """The runner's node's raylet killed at iteration 4: the runner exits within seconds with
+    EXIT_RAY_LOST and the reason, recorded as a failure, the job not ended; a new runner (what the
+    server starts then) finishes it on the undisturbed curve with one restart. Fails without the
+    watch: the runner's next attempt waits out the rendezvous (600 s, here the 120 s wait)."""
+    from tests.test_serve_faults import close, undisturbed
+
+    spec = _spec(16)
+    url = sqlite_url(tmp_path)
+    store = JobStore(url)
+    cluster = HostedCluster(tmp_path)
+    try:
+        store.create_job(spec, job_id="cutoff-1")
+        took, status, log = _cut_off(tmp_path, cluster, store, url, "cutoff-1", "raylet")
+        assert status == EXIT_RAY_LOST, log[-4000:]
+        assert took < 30, took  # a 600 s rendezvous wait before the watch
+        assert "the job's runner lost its Ray connection: " in log and "the node was lost" in log, log[-4000:]
+        lost = [e for e in store.events("cutoff-1", kind="failure") if e["data"].get("code") == "ray_connection_lost"]
+        assert len(lost) == 1, store.events("cutoff-1", kind="failure")
+        assert store.get_job("cutoff-1")["state"] in ("RUNNING", "RESTARTING", "STARTING")
+
+        again = subprocess.run(runner_command("cutoff-1", tmp_path, url, launcher="ray"), cwd=ROOT, env=cluster.env(),
+                               capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stdout[-4000:]
+        job = store.get_job("cutoff-1")
+        assert job["state"] == "SUCCEEDED", job
+        losses = [m["loss"] for m in store.metrics("cutoff-1")]
+        assert close(losses, undisturbed(spec)), losses
+        iterations = [e["data"]["iteration"] for e in store.events("cutoff-1", kind="iteration")]
+        assert sorted(set(iterations)) == list(range(1, 17))
+    finally:
+        store.close()
+        cluster.close()
+
+
+@pytest.mark.ray
+def test_a_runner_whose_gcs_is_gone_exits_within_seconds_with_the_reason(tmp_path):
+    """The GCS killed (the head node lost) at iteration 4: the runner exits with EXIT_RAY_LOST after
+    the GCS's grace (10 s), naming the GCS, and leaves the job to a new runner (not ended)."""
+    url = sqlite_url(tmp_path)
+    store = JobStore(url)
+    cluster = HostedCluster(tmp_path)
+    try:
+        store.create_job(_spec(400), job_id="headless-1")
+        took, status, log = _cut_off(tmp_path, cluster, store, url, "headless-1", "gcs")
+        assert status == EXIT_RAY_LOST, log[-4000:]
+        assert took < 40, took  # Ray's own driver would retry the GCS for 60 s, then a rendezvous for 600 s
+        assert re.search(r"the GCS at \S+ has not answered for \d+s", log), log[-4000:]
+        lost = [e for e in store.events("headless-1", kind="failure") if e["data"].get("code") == "ray_connection_lost"]
+        assert len(lost) == 1 and "the head node was lost" in lost[0]["message"], lost
+        assert store.get_job("headless-1")["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED")
+    finally:
+        store.close()
+        cluster.close()
