@@ -41,13 +41,15 @@ def tiny(name="tiny", world=2, iters=3, priority=None, **parallel) -> dict:
 class Server:
     """``raytron serve`` as a child process; ``start`` waits until it answers /healthz."""
 
-    def __init__(self, data_dir: Path, *, simulate: str = "1x2", token: str | None = TOKEN,
-                 launcher: str = "processes", start_timeout_s: float = 60, extra_args: tuple[str, ...] = ()):
+    def __init__(self, data_dir: Path, *, simulate: str | None = "1x2", token: str | None = TOKEN,
+                 launcher: str = "processes", start_timeout_s: float = 60, extra_args: tuple[str, ...] = (),
+                 env: dict | None = None):
         # processes: admission against a static NODESxGPUS cluster, runners as local processes;
         # ray: a simulated Ray cluster of that shape, jobs as Ray Jobs (slower to start);
-        # extra_args: more serve flags (e.g. --fault drills)
+        # simulate None with ray: the cluster RAY_ADDRESS (in env) names;
+        # extra_args: more serve flags (e.g. --fault drills); env: the server's environment
         self.data_dir, self.simulate, self.token, self.launcher = Path(data_dir), simulate, token, launcher
-        self.start_timeout_s, self.extra_args = start_timeout_s, tuple(extra_args)
+        self.start_timeout_s, self.extra_args, self.env = start_timeout_s, tuple(extra_args), env or dict(os.environ)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -55,12 +57,13 @@ class Server:
 
     def start(self) -> "Server":
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if k != "RAYTRON_API_TOKEN"}
+        env = {k: v for k, v in self.env.items() if k != "RAYTRON_API_TOKEN"}
         if self.token:
             env["RAYTRON_API_TOKEN"] = self.token
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "api.serve_cmd", "--port", str(self.port),
-                                          "--simulate", self.simulate, "--launcher", self.launcher,
+                                          *(("--simulate", self.simulate) if self.simulate else ()),
+                                          "--launcher", self.launcher,
                                           "--data-dir", str(self.data_dir),
                                           "--log-level", "info", *self.extra_args], cwd=ROOT, env=env,
                                          stdout=log, stderr=log)

@@ -82,6 +82,45 @@ def test_server_killed_and_started_again_reattaches_to_its_simulated_cluster(tmp
             stop_marked_cluster(data["cluster_id"], data.get("temp_dir"), record)
 
 
+def test_server_killed_and_started_again_reattaches_to_the_ray_jobs_of_an_outside_cluster(tmp_path):
+    """`raytron serve` on a cluster it does not own (RAY_ADDRESS), SIGKILLed mid-job: the job's runner
+    (a Ray Job) lives on; a server started again finds it by its submission id and re-attaches (no
+    second runner, no restart, the curve whole, every event once). The cluster outlives both servers."""
+    from tests.hosted_cluster import HostedCluster
+
+    cluster = HostedCluster(tmp_path, nodes=2, gpus=2)
+    srv = again = None
+    try:
+        srv = Server(tmp_path / "data", simulate=None, launcher="ray", start_timeout_s=180, env=cluster.env()).start()
+        with srv.client() as api:
+            s = spec("outside", nodes=2, gpus=2, tp=2, iters=24)
+            job_id = submit(api, s)
+            wait_iteration(api, job_id, 4)
+        srv.stop(signal.SIGKILL)
+        assert processes_named("python", "-m", "service.server.job_main", job_id)  # the runner lives on
+        expected = undisturbed(s)
+        again = Server(srv.data_dir, simulate=None, launcher="ray", start_timeout_s=180, env=cluster.env())
+        again.port, again.url = srv.port, srv.url
+        again.start()
+        with again.client() as api:
+            job = wait_for(api, job_id, DONE, timeout_s=300)
+            assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+            assert close(job["losses"], expected), story(api, job_id, job["losses"], expected)
+            log = whole_and_once(api, job_id, 24)
+            assert [e for e in log if e["kind"] == "runner"] == [] and job["restarts"] == 0  # re-attached
+            assert sum(e["kind"] == "admission" for e in log) == 1
+            assert [e["data"]["iteration"] for e in log if e["kind"] == "iteration"] == list(range(1, 25))
+            assert job["ray_job_id"] == f"raytron-{job_id}"
+        assert "re-attached to job" in again.log.read_text()
+        again.stop()
+        assert [p for p in processes_named("gcs_server") if p in cluster.processes()]  # not the server's to stop
+    finally:
+        for server in (srv, again):
+            if server is not None:
+                server.stop(signal.SIGKILL)
+        cluster.close()
+
+
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
     yield from ray_server_client(tmp_path_factory, "survive4x2")
