@@ -30,9 +30,11 @@ from __future__ import annotations
 import enum
 import math
 import threading
+import time
 from dataclasses import replace
 from typing import Callable, Iterable
 
+from service.control.calls import CallSizer
 from service.control.errors import InsufficientResources, JobCancelled, JobError, NonFiniteMetric
 from service.control.events import JobEvent, JobState
 from service.spec.placement import check_tp_in_node
@@ -82,7 +84,9 @@ class JobController:
             with that attempt's job (its size, the checkpoint to resume from) and grid.
         on_event: called with every :class:`JobEvent`, synchronously, before it takes effect.
         failure_policy: default :class:`RestartUpTo` ``(job.max_restarts)``.
-        iterations_per_call: iterations per ``RankGroup.run`` call.
+        iterations_per_call: iterations per ``RankGroup.run`` call, at least.
+        call_target_s: when > 0, each call covers about this many seconds of iterations, never
+            past the next checkpoint save (:class:`~service.control.calls.CallSizer`).
         faults: failure drills; each fires once, in the first attempt that reaches its iteration.
         history: events of this job recorded earlier (a rebuilt controller replays them instead
             of starting over at QUEUED).
@@ -96,7 +100,7 @@ class JobController:
     def __init__(self, job: JobConfig, grid: ParallelGrid, *, job_id: str,
                  make_group: Callable[[int, JobConfig, ParallelGrid], RankGroup],
                  on_event: Callable[[JobEvent], None] | None = None, failure_policy: FailurePolicy | None = None,
-                 iterations_per_call: int = 1, faults: list[Fault] | tuple = (),
+                 iterations_per_call: int = 1, call_target_s: float = 0.0, faults: list[Fault] | tuple = (),
                  history: list[JobEvent] | None = None, nodes_available: Callable[[], int | None] | None = None,
                  scaling_policy: ScalingPolicy | None = None, release: Callable[[], None] | None = None):
         self.job, self.grid, self.job_id = job, grid, job_id
@@ -104,7 +108,7 @@ class JobController:
         self.sizer = Sizer(job, scaling_policy or ElasticDataParallel(), nodes_available)
         self._make_group, self._on_event, self._release = make_group, on_event, release
         self.policy = failure_policy or RestartUpTo(job.max_restarts)
-        self.iterations_per_call = max(1, iterations_per_call)
+        self.calls = CallSizer(max(1, iterations_per_call), call_target_s, job.checkpoint.save_interval)
         for f in faults:
             if f.rank >= grid.world_size:
                 raise ValueError(f"--fault {f.rank}@{f.iteration}: rank {f.rank} is outside the job's "
@@ -213,7 +217,10 @@ class JobController:
         while self.iteration < total:
             if self._cancel.is_set():
                 raise JobCancelled(self._cancel_reason)
-            per_rank = self._group.run(min(self.iterations_per_call, total - self.iteration))
+            n = self.calls.size(self.iteration, total - self.iteration)
+            t0 = time.monotonic()
+            per_rank = self._group.run(n)
+            self.calls.measured(n, time.monotonic() - t0)
             for metrics in per_rank[0]:  # global metrics: every rank returns the same numbers
                 self.iteration += 1
                 self._check_finite(self.iteration, metrics)

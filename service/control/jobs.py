@@ -73,6 +73,7 @@ def start_job(job: JobConfig, *, launcher: Launcher, on_event: Callable[[JobEven
     controller = JobController(
         job, grid, job_id=job_id, on_event=on_event, failure_policy=failure_policy, faults=faults,
         history=history, iterations_per_call=launcher.config.iterations_per_call,
+        call_target_s=launcher.config.call_target_s,
         nodes_available=None if nodes is None else (lambda: nodes(job.gpus_per_node)),
         make_group=lambda attempt, attempt_job, attempt_grid: launcher.make_group(
             attempt_job, attempt_grid, attempt, job_id=job_id),

@@ -23,7 +23,11 @@ class LauncherConfig:
     start_timeout_s: float = 600.0
     """Rank start-up (the torch import) plus rendezvous and trainer construction."""
     iterations_per_call: int = 1
-    """Iterations per ``run`` call: more means fewer round trips, coarser progress."""
+    """Iterations per ``run`` call at least: more means fewer round trips, coarser progress."""
+    call_target_s: float = 0.0
+    """When > 0: each ``run`` call covers about this many seconds of iterations (never past the
+    next checkpoint save; see :mod:`service.control.calls`): one driver round trip per call rather
+    than per iteration where iterations are short. The Ray launcher sets 1 s."""
     cpus_per_rank: float = 1.0
     """Logical CPUs each Ray rank requests (its bundle holds gpus_per_node of them)."""
     strategy: str = "STRICT_SPREAD"

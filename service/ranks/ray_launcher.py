@@ -292,6 +292,7 @@ class RayLauncher:
         self._warm: dict[str, WarmRanks] = {}  # job id -> ranks kept for its next attempt
         self.config = config or LauncherConfig(
             placement_timeout_s=15.0 if session.static else 300.0, static_cluster=session.static,
+            call_target_s=1.0,  # a driver round trip per second of iterations, not per iteration
             strategy="PACK" if session.single_node else "STRICT_SPREAD")
 
     def make_group(self, job: JobConfig, grid: ParallelGrid, attempt: int, *, job_id: str) -> RayRankGroup:
