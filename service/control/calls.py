@@ -10,11 +10,16 @@ iterations of a call are recorded when it returns, and a restart resumes from th
 checkpoint whose iterations were recorded, so a call that ended at a save keeps the promise that a
 failure loses at most the iterations since the last checkpoint. Growing back after a resize is
 decided at a save too, so calls end where it can happen.
+
+A failure drill's iteration (``--fault RANK@ITER``) is a call of its own: the controller takes a
+failed call's first iteration as the one that failed, to spend the drills it reached (each fires
+once), which holds when the drill is alone in its call.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 
 @dataclass
@@ -33,13 +38,19 @@ class CallSizer:
     save_interval: int | None = None
     s_per_iteration: float | None = None
 
-    def size(self, iteration: int, left: int) -> int:
-        """Iterations for the next call, after ``iteration`` with ``left`` still to run (>= 1)."""
+    def size(self, iteration: int, left: int, alone: Iterable[int] = ()) -> int:
+        """Iterations for the next call, after ``iteration`` with ``left`` still to run (>= 1);
+        ``alone``: iterations that must each be a call of their own (the pending drills')."""
+        if iteration + 1 in alone:
+            return 1
         n = max(1, self.minimum)
         if self.target_s > 0 and self.s_per_iteration:
             n = max(n, int(self.target_s / self.s_per_iteration))
         if self.save_interval:
             n = min(n, self.save_interval - iteration % self.save_interval)
+        for it in alone:
+            if it > iteration + 1:
+                n = min(n, it - 1 - iteration)  # stop just before it
         return max(1, min(n, left))
 
     def measured(self, iterations: int, seconds: float) -> None:

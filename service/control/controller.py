@@ -217,7 +217,7 @@ class JobController:
         while self.iteration < total:
             if self._cancel.is_set():
                 raise JobCancelled(self._cancel_reason)
-            n = self.calls.size(self.iteration, total - self.iteration)
+            n = self.calls.size(self.iteration, total - self.iteration, alone={f.iteration for f in self.faults})
             t0 = time.monotonic()
             per_rank = self._group.run(n)
             self.calls.measured(n, time.monotonic() - t0)
