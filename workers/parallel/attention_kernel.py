@@ -110,7 +110,7 @@ def merge_block(acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, blk_lse
     # -inf start the block's weight is exactly 1 and the old one 0.
     w_old = torch.exp(lse - new).permute(2, 0, 1)[..., None]
     w_blk = torch.exp(blk_lse - new).permute(2, 0, 1)[..., None]
-    acc.mul_(w_old).add_(out.permute(2, 0, 1, 3) * w_blk)
+    acc.mul_(w_old).addcmul_(out.permute(2, 0, 1, 3), w_blk)  # no [s_q, b, heads, d] temporary
     lse.copy_(new)
 
 

@@ -120,5 +120,5 @@ class RingAttention(torch.autograd.Function):
         for work in pending:
             work.wait()
         # After cp - 1 hops the block that arrives is our own, with every other rank's share.
-        dk, dv = (own_dkv + dkv_in).split(d, dim=-1)
-        return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), None, None, None, None, None
+        dk, dv = own_dkv.add_(dkv_in).split(d, dim=-1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
