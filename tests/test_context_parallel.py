@@ -320,3 +320,13 @@ def _ranks_mismatch_fn(rank, world_size):
 def test_wrong_ranks_order_raises():
     messages = run_ranks(_ranks_mismatch_fn, 2)
     assert all("CP-rank order" in m for m in messages), messages
+
+
+def test_cp_memory_bench_peak_table(capsys):
+    """bench/cp_memory.py's peak/time table runs end to end (tiny sequence, one iteration)."""
+    from bench import cp_memory
+
+    cp_memory.main(["--seqs", "64", "--iters", "1", "--all-gather", "--no-saved"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("64 ")]
+    assert [(r[1], r[2]) for r in rows] == [("1", "-"), ("2", "p2p"), ("2", "all_gather")]
+    assert all(float(r[3]) > 0 for r in rows) and rows[0][-4:] == ["1.000"] * 4
