@@ -9,11 +9,13 @@
 of one microbatch (2 layers, h 64, 4 heads in 2 query groups, fp32), each rank a process of
 :func:`workers.spawn.run_ranks`. Per rank (the max over ranks is printed): ``VmHWM``, the
 kernel's peak resident set of the process, which includes what the process had before the
-model was built (the torch import, inherited from the forkserver); ``VmRSS`` once the trainer
-is built; their difference, what training added at its peak (activations, gradients,
-optimizer state, comm buffers); and the last iteration's step time. Ratios are to cp = 1 at
-the same sequence length. The processes share the machine's cores, so timings are only as
-quiet as the machine.
+model was built (the torch import, inherited from the forkserver: about 200 MiB that no
+parallelism divides); ``VmRSS`` once the trainer is built; their difference, what training
+added at its peak (activations, gradients, optimizer state, comm buffers); and the wall time
+and the process's CPU time of the quickest iteration after the first (a warm-up).
+Ratios are to cp = 1 at the same sequence length. The processes share the machine's cores, so
+wall times are only as quiet as the machine; on a loaded machine the CPU time is the steadier
+figure (cp = 2 runs two processes, which a per-session fair share does not give twice the CPU).
 
 **Saved activations** (``--no-saved`` skips this and the bytes). For cp = 1, 2, 4 (both
 ``cp_comm_type`` for cp > 1) a seq-1024 model runs the forward (and loss) of one microbatch
@@ -134,7 +136,9 @@ def peak_rank(rank: int, world_size: int, job: JobConfig, iters: int) -> dict:
         c0 = time.process_time()
         steps.append(trainer.train_step()["step_time_s"])
         cpu.append(time.process_time() - c0)
-    return {"hwm_kb": _status_kb("VmHWM"), "built_kb": built_kb, "steps": steps, "cpu": cpu}
+    # The first iteration warms up; of the others the quickest is the least disturbed by load.
+    timed = slice(1, None) if iters > 1 else slice(None)
+    return {"hwm_kb": _status_kb("VmHWM"), "built_kb": built_kb, "step": min(steps[timed]), "cpu": min(cpu[timed])}
 
 
 def long_corpus(seq_len: int, directory: str) -> str:
@@ -157,7 +161,8 @@ def peak_and_time(seqs, iters: int, all_gather: bool) -> None:
     from workers.spawn import run_ranks
 
     tmp = tempfile.TemporaryDirectory(prefix="cp_memory-")
-    print(f"\npeak memory and step time per rank (max over ranks), {iters} iterations, the last timed; "
+    print(f"\npeak memory and step time per rank (max over ranks), {iters} iterations, the quickest after the "
+          f"first reported; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"{'seq':>6} {'cp':>3} {'comm':<11} {'VmHWM':>8} {'built':>7} {'added':>7} {'step s':>7} {'cpu s':>6} "
           f"{'run s':>6} {'HWM/cp1':>8} {'added/cp1':>9} {'step/cp1':>8} {'cpu/cp1':>7}")
@@ -173,7 +178,7 @@ def peak_and_time(seqs, iters: int, all_gather: bool) -> None:
             run_s = time.perf_counter() - t0
             row = {"hwm": max(r["hwm_kb"] for r in results) / 1024, "built": max(r["built_kb"] for r in results) / 1024,
                    "added": max(r["hwm_kb"] - r["built_kb"] for r in results) / 1024,
-                   "step": max(r["steps"][-1] for r in results), "cpu": max(r["cpu"][-1] for r in results)}
+                   "step": max(r["step"] for r in results), "cpu": max(r["cpu"] for r in results)}
             base = base or row
             comm_type = job.parallel.cp_comm_type if world > 1 else "-"
             print(f"{seq:>6} {world:>3} {comm_type:<11} {row['hwm']:>8.1f} {row['built']:>7.1f} {row['added']:>7.1f} "
@@ -182,7 +187,7 @@ def peak_and_time(seqs, iters: int, all_gather: bool) -> None:
                   f"{row['cpu'] / base['cpu']:>7.3f}", flush=True)
     tmp.cleanup()
     print("(MiB; VmHWM: the process's peak resident set; built: resident once the trainer is built; "
-          "added: VmHWM - built; step s: wall, cpu s: the process's CPU time, of the last iteration; "
+          "added: VmHWM - built; step s: wall, cpu s: the process's CPU time, of one iteration; "
           "run s: the whole run, process start included)")
 
 
@@ -197,7 +202,8 @@ def run(layout: Layout, world: int, global_batch: int = 1):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="8192,16384", help="sequence lengths of the peak/time table")
-    parser.add_argument("--iters", type=int, default=2, help="iterations per run (the last is timed)")
+    parser.add_argument("--iters", type=int, default=3,
+                        help="iterations per run; the quickest after the first is reported")
     parser.add_argument("--all-gather", action="store_true", help="add cp 2 with cp_comm_type all_gather")
     parser.add_argument("--no-saved", action="store_true", help="skip the saved-activation and bytes tables")
     parser.add_argument("--quick", action="store_true", help="seq 8192 only, no saved-activation / bytes tables")

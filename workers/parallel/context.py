@@ -196,6 +196,7 @@ def gather_plan(seq_len: int, cp: int, cp_rank: int) -> tuple:
     """The mask-free blocks of ``cp_rank``'s queries against the whole gathered sequence.
 
     Each of the two query chunks sees the keys before it fully and its own chunk causally:
-    four kernel calls at most (three on CP rank 0, whose first chunk has nothing before it).
+    four kernel calls at most, fewer where pieces merge (CP rank 0's first chunk has nothing
+    before it; the last CP rank's two chunks are adjacent, so they are one causal block).
     """
     return attention_blocks(cp_positions(seq_len, cp, cp_rank), torch.arange(seq_len))
