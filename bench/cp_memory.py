@@ -176,7 +176,8 @@ def peak_and_time(seqs, iters: int, all_gather: bool) -> None:
             t0 = time.perf_counter()
             results = run_ranks(peak_rank, world, args=(job, iters), timeout_s=1800)
             run_s = time.perf_counter() - t0
-            row = {"hwm": max(r["hwm_kb"] for r in results) / 1024, "built": max(r["built_kb"] for r in results) / 1024,
+            row = {"hwm": max(r["hwm_kb"] for r in results) / 1024,
+                   "built": max(r["built_kb"] for r in results) / 1024,
                    "added": max(r["hwm_kb"] - r["built_kb"] for r in results) / 1024,
                    "step": max(r["step"] for r in results), "cpu": max(r["cpu"] for r in results)}
             base = base or row
