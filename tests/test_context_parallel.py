@@ -6,15 +6,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from workers.parallel import comm
+from workers.parallel.attention_kernel import BlockAttention
 from workers.parallel.context import (
     causal_attention,
     context_parallel_attention,
     cp_positions,
     cp_split,
     cp_unsplit,
+    gather_plan,
 )
+from workers.parallel.context_layout import attention_blocks
+from workers.parallel.context_ring import ring_plans
 from workers.spawn import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -51,6 +56,33 @@ def _sdpa_reference(q, k, v, dout, scale):
 
 def _close(a, b):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+class _OpLog(TorchDispatchMode):
+    """Names of the aten ops run under it (to check which attention kernel ran)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+FLASH = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward"}
+# Ops that would mean a score block is built outside a fused kernel (einsum lowers to bmm).
+SCORE_OPS = {"bmm", "mm", "matmul", "baddbmm", "_softmax", "masked_fill", "logsumexp",
+             "_scaled_dot_product_attention_math"}
+
+
+def _visibility(blocks, n_q: int, n_k: int) -> torch.Tensor:
+    """How often each (query, key) pair is attended by ``blocks``."""
+    seen = torch.zeros(n_q, n_k, dtype=torch.int)
+    for blk in blocks:
+        n = blk.q.stop - blk.q.start
+        seen[blk.q, blk.k] += torch.ones(n, blk.k.stop - blk.k.start, dtype=torch.int).tril() if blk.causal else 1
+    return seen
 
 
 # ---------------------------------------------------------------- split (single process)
@@ -90,6 +122,54 @@ def test_bad_sequence_length_raises():
         cp_split(torch.zeros(12, 1), 4, 0)
     with pytest.raises(ValueError, match="not divisible"):
         cp_positions(6, 2, 1)
+
+
+# ---------------------------------------------------------------- mask-free blocks (pure)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_attention_blocks_cover_the_causal_mask_exactly(cp):
+    seq = 8 * cp
+    full = torch.arange(seq)
+    for r in range(cp):
+        q_pos = cp_positions(seq, cp, r)
+        for step, blocks in enumerate(ring_plans(seq, cp, r)):
+            k_pos = cp_positions(seq, cp, (r - step) % cp)
+            assert torch.equal(_visibility(blocks, len(q_pos), len(k_pos)), (k_pos[None] <= q_pos[:, None]).int())
+            # Megatron's three cases: one call per ring step, causal only on the diagonal.
+            assert len(blocks) == 1 and blocks[0].causal == (step == 0)
+        blocks = gather_plan(seq, cp, r)
+        assert torch.equal(_visibility(blocks, len(q_pos), seq), (full[None] <= q_pos[:, None]).int())
+        assert len(blocks) <= 4
+
+
+def test_attention_blocks_of_scattered_positions():
+    q_pos, k_pos = torch.tensor([0, 1, 5, 6, 7]), torch.tensor([2, 3, 4, 5, 6, 9])
+    blocks = attention_blocks(q_pos, k_pos)
+    assert torch.equal(_visibility(blocks, 5, 6), (k_pos[None] <= q_pos[:, None]).int())
+    assert attention_blocks(torch.tensor([0, 1]), torch.tensor([4, 5])) == ()
+
+
+@pytest.mark.parametrize("heads", HEAD_CONFIGS)
+@pytest.mark.parametrize("cp", [2, 4])
+def test_gathered_block_attention_matches_full_without_score_ops(cp, heads):
+    """The all_gather variant's compute, rank by rank in one process: fused kernels only."""
+    q, k, v, dout = _inputs(*heads)
+    ref = _sdpa_reference(q, k, v, dout, SCALE)
+    outs, dqs, dk, dv = [], [], torch.zeros_like(k), torch.zeros_like(v)
+    for r in range(cp):
+        q_r = cp_split(q, cp, r).requires_grad_()
+        k_r, v_r = k.clone().requires_grad_(), v.clone().requires_grad_()
+        with _OpLog() as log:
+            out = BlockAttention.apply(q_r, k_r, v_r, gather_plan(SEQ, cp, r), SCALE)
+            out.backward(cp_split(dout, cp, r))
+        assert FLASH <= log.names and not log.names & SCORE_OPS, log.names
+        outs.append(out.detach())
+        dqs.append(q_r.grad)
+        dk += k_r.grad
+        dv += v_r.grad
+    for got, want in zip((cp_unsplit(outs), cp_unsplit(dqs), dk, dv), ref):
+        _close(got, want)
 
 
 # ---------------------------------------------------------------- single-process attention
@@ -154,16 +234,26 @@ def _cp_rank_fn(rank, world_size, cases):
             for case_index, (q, k, v, dout) in enumerate(cases):
                 q, k, v = (cp_split(t, cp, cp_rank).requires_grad_() for t in (q, k, v))
                 comm.reset_stats()
-                out = context_parallel_attention(
-                    q, k, v, group=group, ranks=ranks, softmax_scale=SCALE, comm_type=comm_type
-                )
-                out.backward(cp_split(dout, cp, cp_rank))
+                with _OpLog() as log:
+                    out = context_parallel_attention(
+                        q, k, v, group=group, ranks=ranks, softmax_scale=SCALE, comm_type=comm_type
+                    )
+                    out.backward(cp_split(dout, cp, cp_rank))
                 # numpy, not tensors: torch shares tensors through file descriptors that can
                 # vanish with the rank process before the parent reads the result queue.
                 tensors = (out.detach(), q.grad, k.grad, v.grad)
                 results[cp, comm_type, case_index] = tuple(t.numpy() for t in tensors) + (
-                    comm.stats()["other"]["bytes"],
+                    comm.stats()["other"]["bytes"], sorted(log.names),
                 )
+        # bf16 compute: q/k/v (and what travels) stay bf16.
+        q, k, v, dout = (cp_split(t, cp, cp_rank).bfloat16() for t in cases[0])
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        comm.reset_stats()
+        out = context_parallel_attention(q, k, v, group=group, ranks=ranks, softmax_scale=SCALE)
+        out.backward(dout)
+        tensors = (out.detach(), q.grad, k.grad, v.grad)
+        results[cp, "bf16"] = (tuple(t.float().numpy() for t in tensors), {str(t.dtype) for t in tensors},
+                               comm.stats()["other"]["bytes"])
     return results
 
 
@@ -195,6 +285,26 @@ def test_context_parallel_attention_matches_full(cp_cases, cp, comm_type, case_i
         # all-gather plus reduce-scatter of the whole sequence's K/V, (cp-1)/cp each.
         expected = 2 * (cp - 1) * kv_bytes
     assert [per_rank[r][key][4] for r in range(WORLD)] == [expected] * WORLD
+    # Fused kernels only: no score block is built from matmuls, no masked math fallback.
+    for r in range(WORLD):
+        ops = set(per_rank[r][key][5])
+        assert FLASH <= ops and not ops & SCORE_OPS, ops
+
+
+@pytest.mark.parametrize("cp", CP_SIZES)
+def test_bf16_ring_keeps_the_compute_dtype_on_the_wire(cp_cases, cp):
+    cases, per_rank = cp_cases
+    ref = _sdpa_reference(*(t.bfloat16().double() for t in cases[0]), SCALE)
+    for members in _cp_groups(cp):
+        for field, name in enumerate(["out", "dq", "dk", "dv"]):
+            got = cp_unsplit([torch.from_numpy(per_rank[r][cp, "bf16"][0][field]) for r in members])
+            # bf16 inputs and bf16 results: a few bf16 ulps of the values (|x| ~ 1).
+            torch.testing.assert_close(got.double(), ref[field], atol=3e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+    k = cases[0][1]
+    kv_bytes = (SEQ // cp) * BATCH * k.shape[2] * 2 * DIM * 2  # bf16
+    for r in range(WORLD):
+        assert per_rank[r][cp, "bf16"][1] == {"torch.bfloat16"}
+        assert per_rank[r][cp, "bf16"][2] == 3 * (cp - 1) * kv_bytes
 
 
 def _ranks_mismatch_fn(rank, world_size):
@@ -210,3 +320,13 @@ def _ranks_mismatch_fn(rank, world_size):
 def test_wrong_ranks_order_raises():
     messages = run_ranks(_ranks_mismatch_fn, 2)
     assert all("CP-rank order" in m for m in messages), messages
+
+
+def test_cp_memory_bench_peak_table(capsys):
+    """bench/cp_memory.py's peak/time table runs end to end (tiny sequence, one iteration)."""
+    from bench import cp_memory
+
+    cp_memory.main(["--seqs", "64", "--iters", "1", "--all-gather", "--no-saved"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("64 ")]
+    assert [(r[1], r[2]) for r in rows] == [("1", "-"), ("2", "p2p"), ("2", "all_gather")]
+    assert all(float(r[3]) > 0 for r in rows) and rows[0][-4:] == ["1.000"] * 4

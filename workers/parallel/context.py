@@ -12,7 +12,13 @@ ways to provide it (Megatron's ``cp_comm_type``):
 * ``"p2p"``: ring attention (:mod:`workers.parallel.context_ring`), K/V blocks circulate
   around the group while each rank computes against the block it holds.
 * ``"all_gather"``: every rank gathers the whole sequence's K/V (backward: reduce-scatter of
-  dK/dV) and attends its local queries against it.
+  dK/dV) and attends its local queries against it, as the fused-kernel blocks of
+  :func:`~workers.parallel.context_layout.attention_blocks` (causal and fully visible
+  pieces, merged by log-sum-exp) rather than one call with a mask, which no fused kernel
+  takes (the math fallback would materialise the ``[s_local, s]`` scores).
+
+Both keep q/k/v in the compute dtype, on the wire and in the kernel
+(:mod:`workers.parallel.attention_kernel`); only the merged output and log-sum-exp are fp32.
 
 Layouts are Megatron's ``[seq, batch, ...]``: q ``[s_local, b, num_heads, head_dim]``, k and v
 ``[s_local, b, num_kv_heads, head_dim]``; query head ``h`` uses kv head
@@ -21,6 +27,7 @@ Layouts are Megatron's ``[seq, batch, ...]``: q ``[s_local, b, num_heads, head_d
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -29,7 +36,8 @@ import torch.nn.functional as F
 import torch.distributed as dist
 
 from workers.parallel import comm
-from workers.parallel.context_layout import check_split, cp_positions  # noqa: F401 (re-exported)
+from workers.parallel.attention_kernel import BlockAttention
+from workers.parallel.context_layout import attention_blocks, check_split, cp_positions  # noqa: F401 (re-exported)
 from workers.parallel.context_ring import RingAttention, ring_plans
 
 COMM_TYPES = ("p2p", "all_gather")
@@ -82,21 +90,6 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"num_heads {q.shape[2]} is not a multiple of num_kv_heads {k.shape[2]} "
             f"(num_attention_heads must be divisible by num_query_groups)"
         )
-
-
-def _masked_attention(q, k, v, q_pos, k_pos, scale: float) -> torch.Tensor:
-    """Differentiable GQA attention where query ``i`` sees key ``j`` iff ``k_pos[j] <= q_pos[i]``.
-
-    torch's fused kernel keeps one copy of the probabilities (or none) for backward, where an
-    einsum-softmax-einsum chain saved two s x s tensors per head.
-    """
-    sq, b, h, d = q.shape
-    visible = k_pos[None, :] <= q_pos[:, None]
-    out = F.scaled_dot_product_attention(
-        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
-        attn_mask=visible, scale=scale, enable_gqa=True,
-    )
-    return out.permute(2, 0, 1, 3).reshape(sq, b, h, d)
 
 
 def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
@@ -190,12 +183,20 @@ def context_parallel_attention(
     seq_len = q.shape[0] * cp
     scale = _scale(q, softmax_scale)
     if comm_type == "p2p":
-        plans = ring_plans(seq_len, cp, cp_rank, str(q.device))
-        # The ring's online softmax (running output and log-sum-exp) needs fp32 under bf16/fp16.
-        out = RingAttention.apply(q.float(), k.float(), v.float(), scale, plans, cp_rank, ranks, group)
-        return out.to(q.dtype)
-    positions = [cp_positions(seq_len, cp, r, device=q.device) for r in range(cp)]
+        return RingAttention.apply(q, k, v, scale, ring_plans(seq_len, cp, cp_rank), cp_rank, ranks, group)
+    positions = torch.cat([cp_positions(seq_len, cp, r, device=q.device) for r in range(cp)])
     d = k.shape[-1]
-    kv = _GatherKV.apply(torch.cat([k, v], dim=-1), group, torch.cat(positions))
+    kv = _GatherKV.apply(torch.cat([k, v], dim=-1), group, positions)
     k_full, v_full = kv.split(d, dim=-1)
-    return _masked_attention(q, k_full, v_full, positions[cp_rank], torch.arange(seq_len, device=q.device), scale)
+    return BlockAttention.apply(q, k_full, v_full, gather_plan(seq_len, cp, cp_rank), scale)
+
+
+@functools.lru_cache(maxsize=64)
+def gather_plan(seq_len: int, cp: int, cp_rank: int) -> tuple:
+    """The mask-free blocks of ``cp_rank``'s queries against the whole gathered sequence.
+
+    Each of the two query chunks sees the keys before it fully and its own chunk causally:
+    four kernel calls at most, fewer where pieces merge (CP rank 0's first chunk has nothing
+    before it; the last CP rank's two chunks are adjacent, so they are one causal block).
+    """
+    return attention_blocks(cp_positions(seq_len, cp, cp_rank), torch.arange(seq_len))

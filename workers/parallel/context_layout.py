@@ -8,6 +8,8 @@ and rotary embeddings (:mod:`workers.model`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -38,3 +40,77 @@ def cp_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch
             torch.arange(late * c, (late + 1) * c, device=device),
         ]
     )
+
+
+@dataclass(frozen=True)
+class Block:
+    """A mask-free piece of CP attention: local query rows ``q`` against key rows ``k``.
+
+    ``causal`` blocks pair equal position ranges (the kernel's top-left ``is_causal``); the
+    others are fully visible.
+    """
+
+    q: slice
+    k: slice
+    causal: bool
+
+
+def _runs(pos: list[int], cuts: set[int]) -> list[tuple[int, int, int, int]]:
+    """Pieces ``(local start, local end, first position, end position)`` of consecutive
+    positions, also cut at every position in ``cuts``."""
+    pieces, start = [], 0
+    for i in range(1, len(pos) + 1):
+        if i == len(pos) or pos[i] != pos[i - 1] + 1 or pos[i] in cuts:
+            pieces.append((start, i, pos[start], pos[i - 1] + 1))
+            start = i
+    return pieces
+
+
+def attention_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor) -> tuple[Block, ...]:
+    """Causal visibility (query ``i`` sees key ``j`` iff ``k_pos[j] <= q_pos[i]``) as mask-free blocks.
+
+    Fused attention kernels take no mask on their fast paths, only ``is_causal``. Both sides
+    are cut into runs of consecutive positions, each also cut where a run of the other side
+    starts or ends; two pieces then either cover the same positions (a causal block) or are
+    disjoint (fully visible, or skipped). Neighbouring visible pieces are merged back, so
+    the load-balanced layout (:func:`cp_positions`) needs one kernel call per ring step: the
+    diagonal step is one causal block over the whole local slice, a block from an earlier
+    rank is every query against its first chunk, one from a later rank the second query
+    chunk against both of its chunks (Megatron's three cases).
+
+    Args:
+        q_pos: global positions of the queries, ``[s_q]``.
+        k_pos: global positions of the keys, ``[s_k]``.
+
+    Returns:
+        The blocks (empty when no query sees any key); together they cover every visible
+        (query, key) pair exactly once.
+    """
+    qp, kp = q_pos.tolist(), k_pos.tolist()
+    if qp == kp and all(a < b for a, b in zip(qp, qp[1:])):
+        # Increasing positions: local causal order is global causal order.
+        return (Block(slice(0, len(qp)), slice(0, len(kp)), True),)
+    q_runs, k_runs = _runs(qp, set()), _runs(kp, set())
+    q_pieces = _runs(qp, {p for r in k_runs for p in r[2:]})
+    k_pieces = _runs(kp, {p for r in q_runs for p in r[2:]})
+    rows: list[list[list]] = []  # per query piece: [k start, k end, causal]
+    for q0, q1, qa, qb in q_pieces:
+        row: list[list] = []
+        for k0, k1, ka, kb in k_pieces:
+            causal = (ka, kb) == (qa, qb)
+            if not causal and kb > qa:
+                continue  # after the queries (pieces never partly overlap): masked out
+            if row and not causal and not row[-1][2] and row[-1][1] == k0:
+                row[-1][1] = k1  # a fully visible neighbour: one call
+            else:
+                row.append([k0, k1, causal])
+        rows.append(row)
+    blocks: list[list] = []  # [q start, q end, k start, k end, causal]
+    for (q0, q1, _, _), row in zip(q_pieces, rows):
+        for k0, k1, causal in row:
+            prev = next((b for b in blocks if b[1] == q0 and b[2:] == [k0, k1, False]), None)
+            if prev is not None and not causal:
+                prev[1] = q1  # neighbouring queries against the same fully visible keys
+            else:
+                blocks.append([q0, q1, k0, k1, causal])
+    return tuple(Block(slice(q0, q1), slice(k0, k1), causal) for q0, q1, k0, k1, causal in blocks)
