@@ -52,33 +52,39 @@ def flops_per_token(m) -> tuple[int, int]:
     return matmul_params, 6 * matmul_params + 12 * L * h * m.seq_length
 
 
-def run_mode(job, mode: str, warmup: int, iters: int) -> dict:
+def run_mode(job, mode: str, warmup: int, iters: int, device: torch.device | None = None) -> dict:
+    """Build the job's trainer in ``mode`` on ``device`` (default the first GPU) and time its steps."""
     import dataclasses
 
     from workers.train import Trainer
 
     if mode == "bf16":  # the model in bf16, fp32 main params / grads (training.bf16: true)
         job = dataclasses.replace(job, training=dataclasses.replace(job.training, bf16=True))
+    device = device or torch.device("cuda", 0)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
     torch.backends.cudnn.allow_tf32 = mode == "tf32"
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    trainer = Trainer(job, 0, 1, device=torch.device("cuda", 0))
+    trainer = Trainer(job, 0, 1, device=device)
     build_s = time.perf_counter() - t0
     losses = []
     for _ in range(warmup):
         losses.append(trainer.train_step()["loss"])
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(iters):
         losses.append(trainer.train_step()["loss"])
-    torch.cuda.synchronize()
+    sync()
     step_s = (time.perf_counter() - t0) / iters
     n_params = sum(p.numel() for c in trainer.chunks for p in c.parameters())
     del trainer
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return {"mode": mode, "build_s": build_s, "step_s": step_s, "params": n_params, "losses": losses,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
 
 
 def nccl_world_of_one_check() -> str:
