@@ -112,8 +112,9 @@ def _dispatch_worker(rank, world, ep, etp):
     x.requires_grad_(True)
     gates.requires_grad_(True)
     disp = AllToAllDispatcher(E, ep_group, etp_group)
-    expert_in, counts, plan = disp.dispatch(x, idx)
-    runs = torch.split(expert_in, counts)
+    expert_in, expert_runs, plan = disp.dispatch(x, idx)
+    assert expert_runs.counts_device.tolist() == expert_runs.counts
+    runs = torch.split(expert_in, expert_runs.counts)
     ids = [sorted(r[:, 0].tolist()) for r in runs]
     # Each ETP rank supplies 1/etp of the output, as an ffn slice would.
     out = torch.cat([_fake_expert(ep_rank * disp.num_local_experts + i, r) / etp for i, r in enumerate(runs)])
