@@ -307,8 +307,8 @@ def _run_experts(fn, x, ws, grad, runs, **kw):
     return [y.detach(), x.grad] + [w.grad for w in ws]
 
 
-@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [2, 2, 2, 2], [0, 0, 7, 0], [0, 0, 0, 0], [1]],
-                         ids=["uneven-with-empty", "balanced", "one-expert", "no-rows", "single"])
+@pytest.mark.parametrize("counts", [[3, 2, 5, 1], [3, 0, 5, 1], [2, 2, 2, 2], [0, 0, 7, 0], [0, 0, 0, 0], [1]],
+                         ids=["uneven", "uneven-with-empty", "balanced", "one-expert", "no-rows", "single"])
 def test_grouped_experts_match_loop(counts):
     """The padded-bmm path (what runs on CPU) against the per-expert loop it replaced.
 
