@@ -7,9 +7,10 @@ dtype the same :class:`~workers.parallel.expert.MoELayer` runs twice: with its e
 are (:func:`~workers.parallel.grouped_gemm.swiglu_experts`: ``torch._grouped_mm`` on CUDA
 sm90+ bf16, one padded ``bmm`` elsewhere) and with :func:`loop_swiglu_experts`, the loop the
 product code had before (one GEMM chain per expert, kept here as the reference). Reported:
-the median time of a whole layer's forward + backward and of the experts' alone, the host
-syncs of one layer forward + backward (:class:`HostSyncCounter`), and the largest difference
-between the two paths' outputs and gradients.
+the median and the fastest CPU time of a whole layer's forward + backward and of the experts'
+alone (the two paths alternate run by run), the aten ops and host syncs of one forward +
+backward (:class:`HostSyncCounter`), and the largest difference between the two paths' outputs and
+gradients, relative to the largest value.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class HostSyncCounter(TorchDispatchMode):
 
     Attributes:
         events: the name of each sync, in order.
+        num_ops: every aten op dispatched (on a GPU, roughly the kernel launches).
     """
 
     _DATA_DEPENDENT = ("nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "bincount")
@@ -63,6 +65,7 @@ class HostSyncCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.events: list[str] = []
+        self.num_ops = 0
         self._in_patched = 0
 
     @property
@@ -71,6 +74,7 @@ class HostSyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.num_ops += 1
         if not self._in_patched:
             name = func.overloadpacket.__name__
             if func is aten._local_scalar_dense.default or name in self._DATA_DEPENDENT:
@@ -139,19 +143,41 @@ def _step(layer, x, grad):
     return y
 
 
-def _median_ms(fn, iters: int) -> float:
-    fn()  # warm-up: first-call allocations and kernel selection
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+PATHS = (("loop", True), ("grouped", False))
 
 
-def compare(tokens: int, dtype: torch.dtype, iters: int, device: str = "cpu") -> dict:
-    """Both paths on the same layer and tokens: times, syncs and the largest differences."""
-    layer = make_layer(dtype=dtype, device=device)
+def _interleaved_ms(layer, fns: dict, iters: int) -> dict:
+    """``{(path, part): [ms, ...]}`` of process CPU time, the two paths alternating run by run.
+
+    CPU time, not wall time: on a shared, oversubscribed machine wall time mostly measures the
+    neighbours (a load of 20 on 2 cores made medians and minima disagree by 2x); CPU time
+    still carries their cache pressure, and alternating spreads that over both paths alike.
+    """
+    times = {(path, part): [] for path, _ in PATHS for part in fns}
+    for i in range(iters + 1):
+        for path, loop in PATHS:
+            _use_loop(layer, loop)
+            for part, fn in fns.items():
+                t0 = time.process_time()
+                fn()
+                if i:  # run 0 is the warm-up: first-call allocations and kernel selection
+                    times[(path, part)].append(1e3 * (time.process_time() - t0))
+    _use_loop(layer, False)
+    return times
+
+
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|."""
+    a, b = a.float(), b.float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def compare(tokens: int, dtype: torch.dtype, iters: int, device: str = "cpu", **shape) -> dict:
+    """Both paths on the same layer and tokens: times, syncs and the largest differences.
+
+    ``shape``: :func:`make_layer`'s ``num_experts``, ``topk``, ``hidden``, ``ffn``.
+    """
+    layer = make_layer(dtype=dtype, device=device, **shape)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, 1, layer.experts.hidden_size, generator=g).to(device, dtype).requires_grad_(True)
     grad = torch.randn(x.shape, generator=g).to(device, dtype)
@@ -160,33 +186,28 @@ def compare(tokens: int, dtype: torch.dtype, iters: int, device: str = "cpu") ->
     expert_in, runs, _ = layer.dispatcher.dispatch(flat, topk_idx)
     expert_in.requires_grad_(True)
     expert_grad = torch.randn(expert_in.shape, generator=g).to(device, dtype)
+    fns = {"layer": lambda: _step(layer, x, grad),
+           "experts": lambda: layer.experts(expert_in, runs).backward(expert_grad)}
 
     out = {"counts": runs.counts}
-    for name, loop in (("loop", True), ("grouped", False)):
+    for path, loop in PATHS:
         _use_loop(layer, loop)
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        counter = HostSyncCounter()
-        with counter:
+        with HostSyncCounter() as layer_syncs:
             y = _step(layer, x, grad)
         grads = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
-
-        def whole():
-            _step(layer, x, grad)
-
-        def experts_only():
-            layer.experts(expert_in, runs).backward(expert_grad)
-
-        expert_counter = HostSyncCounter()
-        with expert_counter:
-            experts_only()
-
-        out[name] = {"layer_ms": _median_ms(whole, iters), "experts_ms": _median_ms(experts_only, iters),
-                     "layer_syncs": counter.count, "experts_syncs": expert_counter.count, "sync_events": counter.events, "y": y.detach(), "grads": grads}
-    _use_loop(layer, False)
+        with HostSyncCounter() as expert_syncs:
+            fns["experts"]()
+        out[path] = {"layer_syncs": layer_syncs.count, "experts_syncs": expert_syncs.count,
+                     "layer_ops": layer_syncs.num_ops, "experts_ops": expert_syncs.num_ops,
+                     "sync_events": layer_syncs.events, "y": y.detach(), "grads": grads}
+    for (path, part), ms in _interleaved_ms(layer, fns, iters).items():
+        out[path][f"{part}_ms"] = statistics.median(ms)
+        out[path][f"{part}_min_ms"] = min(ms)
     a, b = out["loop"], out["grouped"]
-    out["max_abs_diff_y"] = (a["y"].float() - b["y"].float()).abs().max().item()
-    out["max_abs_diff_grads"] = max((p.float() - q.float()).abs().max().item() for p, q in zip(a["grads"], b["grads"]))
+    out["rel_diff_y"] = _rel_diff(b["y"], a["y"])
+    out["rel_diff_grads"] = max(_rel_diff(q, p) for p, q in zip(a["grads"], b["grads"]))
     return out
 
 
@@ -201,29 +222,39 @@ def bf16_supported() -> bool:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=512)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared box)")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"MoE layer E 8, top-2, T {args.tokens}, h 256, ffn 512, {args.device}, {args.threads} thread(s); "
+    shape = dict(num_experts=args.experts, topk=args.topk, hidden=args.hidden, ffn=args.ffn)
+    print(f"MoE layer E {args.experts}, top-{args.topk}, T {args.tokens}, h {args.hidden}, ffn {args.ffn}, "
+          f"{args.device}, {args.threads} thread(s); "
           f"median of {args.iters}, forward + backward")
-    print(f"{'dtype':6} {'part':8} {'loop ms':>9} {'grouped ms':>11} {'loop/grouped':>13} {'syncs loop':>11} "
-          f"{'syncs grouped':>14}")
+    print("CPU ms: process CPU time (median and fastest); ops: aten ops dispatched; syncs: host syncs")
+    print(f"{'dtype':6} {'part':8} {'loop ms':>9} {'grouped ms':>11} {'ratio':>6} {'min loop':>9} {'min grouped':>12} "
+          f"{'ratio':>6} {'ops loop':>9} {'ops grouped':>12} {'syncs loop':>11} {'syncs grouped':>14}")
     for name in args.dtypes:
         if name == "bf16" and args.device == "cpu" and not bf16_supported():
             print("bf16: not supported by this CPU build, skipped")
             continue
-        r = compare(args.tokens, DTYPES[name], args.iters, args.device)
+        r = compare(args.tokens, DTYPES[name], args.iters, args.device, **shape)
+        lo, gr = r["loop"], r["grouped"]
         for part in ("layer", "experts"):
-            lo, gr = r["loop"][f"{part}_ms"], r["grouped"][f"{part}_ms"]
-            print(f"{name:6} {part:8} {lo:9.2f} {gr:11.2f} {lo / gr:13.2f} {r['loop'][f'{part}_syncs']:11d} "
-                  f"{r['grouped'][f'{part}_syncs']:14d}")
+            med, low = (lo[f"{part}_ms"], gr[f"{part}_ms"]), (lo[f"{part}_min_ms"], gr[f"{part}_min_ms"])
+            print(f"{name:6} {part:8} {med[0]:9.1f} {med[1]:11.1f} {med[0] / med[1]:6.2f} {low[0]:9.1f} "
+                  f"{low[1]:12.1f} {low[0] / low[1]:6.2f} {lo[f'{part}_ops']:9d} {gr[f'{part}_ops']:12d} "
+                  f"{lo[f'{part}_syncs']:11d} {gr[f'{part}_syncs']:14d}")
         counts = r["counts"]
-        print(f"{name:6} rows per expert {counts} (padding {max(counts) * len(counts) / sum(counts) - 1:.1%}); "
-              f"sync events loop {r['loop']['sync_events']} grouped {r['grouped']['sync_events']}; "
-              f"max |diff| y {r['max_abs_diff_y']:.3g}, grads {r['max_abs_diff_grads']:.3g}")
+        shown = counts if len(counts) <= 16 else f"{min(counts)}..{max(counts)} over {len(counts)} experts"
+        print(f"{name:6} rows per expert {shown} (padding {max(counts) * len(counts) / sum(counts) - 1:.1%}); "
+              f"sync events loop {lo['sync_events']} grouped {gr['sync_events']}; max |grouped - loop| / max |loop|: "
+              f"y {r['rel_diff_y']:.2g}, grads {r['rel_diff_grads']:.2g}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from bench import moe_bench
 from bench.moe_bench import HostSyncCounter, loop_swiglu_experts
 from workers.parallel import comm
 from workers.parallel.expert import MoELayer, SwiGLUExperts, TopKRouter
@@ -381,3 +382,12 @@ def test_sync_counter_sees_syncs():
         t.numpy()
     assert c.events == ["tolist", "_local_scalar_dense", "_local_scalar_dense", "nonzero", "repeat_interleave",
                         "numpy"]
+
+
+def test_moe_bench_smallest_case():
+    """bench/moe_bench.py runs, both paths agree, and each layer syncs once (experts: never)."""
+    r = moe_bench.compare(64, torch.float32, 1, num_experts=4, topk=2, hidden=16, ffn=32)
+    for path in ("loop", "grouped"):
+        assert (r[path]["layer_syncs"], r[path]["experts_syncs"]) == (1, 0), r[path]["sync_events"]
+        assert r[path]["layer_ms"] > 0 and r[path]["experts_min_ms"] > 0
+    assert r["rel_diff_y"] < 1e-6 and r["rel_diff_grads"] < 1e-5

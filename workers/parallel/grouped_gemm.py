@@ -4,7 +4,8 @@ The dispatcher hands the experts ``x [R, h]``: one contiguous run of rows per lo
 Expert i's rows meet only expert i's weights, so the three projections are *grouped* GEMMs:
 
 * ``torch._grouped_mm`` (CUTLASS, one kernel for all groups) on CUDA sm90+ in bf16, with
-  ``offs`` the int32 cumulative row counts; it reads the runs in place.
+  ``offs`` the int32 cumulative row counts; it reads the runs in place. In bf16 the runs need
+  no row padding (torchtitan dropped its 8-row alignment for bf16; fp8 would need 16).
 * Elsewhere (CPU, fp32, older GPUs) one ``torch.bmm`` over ``[E, M, h]``: each run is copied
   into a zero-padded slab of ``M = max run`` rows, the SwiGLU runs on all slabs at once, and
   the real rows are read back. A row's output depends on that row and its expert's weights
