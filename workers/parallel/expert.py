@@ -14,7 +14,8 @@ needs.
   TP-sharded (``param.sequence_parallel``, as for norm weights). The load-balancing loss is
   Megatron's: per-expert token counts are summed over the ranks that share a microbatch's
   tokens (TP x CP with SP) before the loss, so it does not depend on the layout.
-* :class:`SwiGLUExperts`: ``y = W_down (silu(W_gate x) * W_up x)`` per expert. EP rank r owns
+* :class:`SwiGLUExperts`: ``y = W_down (silu(W_gate x) * W_up x)`` per expert, all local
+  experts in one grouped GEMM per projection (:mod:`workers.parallel.grouped_gemm`). EP rank r owns
   experts ``[r*E/ep, (r+1)*E/ep)``; ETP rank j owns the j-th slice of every owned expert's ffn
   dim (gate/up rows, down columns), so its output is a partial sum that the dispatcher's
   reduce-scatter completes. Every expert parameter carries ``param.is_expert = True`` (the
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.parallel import comm
+from workers.parallel.grouped_gemm import ExpertRuns, swiglu_experts
 from workers.parallel.initializer import materialize
 from workers.parallel.moe_dispatch import AllToAllDispatcher
 
@@ -158,18 +160,15 @@ class SwiGLUExperts(nn.Module):
         p.etp_partition_dim = etp_dim
         return p
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        """Apply local expert i to the i-th run of ``x [R, h]`` (run lengths given).
+    def forward(self, x: torch.Tensor, runs: ExpertRuns) -> torch.Tensor:
+        """Apply local expert i to the i-th run of ``x [R, h]`` (run lengths in ``runs``).
 
-        Every local expert runs, even on zero rows, so each expert weight gets a (zero)
-        gradient and the trainer's grad reduction sees the same tensors on every rank.
+        All local experts run together in one grouped GEMM per projection
+        (:func:`~workers.parallel.grouped_gemm.swiglu_experts`), even experts with zero rows,
+        so each expert weight gets a (zero) gradient and the trainer's grad reduction sees
+        the same tensors on every rank.
         """
-        assert len(tokens_per_expert) == self.num_local_experts and sum(tokens_per_expert) == x.shape[0]
-        outs = []
-        for i, rows in enumerate(torch.split(x, tokens_per_expert)):
-            hidden = F.silu(rows @ self.w_gate[i].t()) * (rows @ self.w_up[i].t())
-            outs.append(hidden @ self.w_down[i].t())
-        return torch.cat(outs)
+        return swiglu_experts(x, self.w_gate, self.w_up, self.w_down, runs)
 
 
 class MoELayer(nn.Module):
@@ -233,7 +232,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoE input hidden size {x.shape[-1]} != layer hidden size {self.experts.hidden_size}")
         flat = x.reshape(-1, x.shape[-1])
         gates, topk_idx, aux_loss = self.router(flat)
-        expert_input, tokens_per_expert, plan = self.dispatcher.dispatch(flat, topk_idx)
-        expert_output = self.experts(expert_input, tokens_per_expert)
+        expert_input, runs, plan = self.dispatcher.dispatch(flat, topk_idx)
+        expert_output = self.experts(expert_input, runs)
         y = self.dispatcher.combine(expert_output, gates, plan)
         return y.view(x.shape), aux_loss

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.parallel import comm
+from workers.parallel.grouped_gemm import ExpertRuns
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,7 +129,8 @@ class DispatchPlan:
         input_splits: rows this rank sends to each EP rank.
         output_splits: rows this rank receives from each EP rank.
         etp_sizes: rows each ETP rank received from its EP all_to_all.
-        expert_sort_idx: ``[R]`` gathered row of each expert-ordered row.
+        expert_sort_idx: ``[R]`` gathered row of each expert-ordered row; ``None`` when the
+            gathered rows are in expert order already (EP and ETP size 1).
         num_tokens: T, the local token count.
     """
 
@@ -136,7 +138,7 @@ class DispatchPlan:
     input_splits: list[int]
     output_splits: list[int]
     etp_sizes: list[int]
-    expert_sort_idx: torch.Tensor
+    expert_sort_idx: torch.Tensor | None
     num_tokens: int
 
 
@@ -173,9 +175,9 @@ class AllToAllDispatcher:
             topk_idx: ``[T, k]`` global expert index of each token's choices.
 
         Returns:
-            ``(expert_input [R, h], tokens_per_local_expert list[int], plan)``: the rows every
-            local expert processes, one contiguous run per local expert in order (identical on
-            all ranks of the ETP group), the run lengths, and the plan for :meth:`combine`.
+            ``(expert_input [R, h], runs, plan)``: the rows every local expert processes, one
+            contiguous run per local expert in order (identical on all ranks of the ETP
+            group), the run lengths (:class:`ExpertRuns`), and the plan for :meth:`combine`.
         """
         num_tokens, k = topk_idx.shape
         assert x.shape[0] == num_tokens, (x.shape, topk_idx.shape)
@@ -201,17 +203,25 @@ class AllToAllDispatcher:
         etp_rank = comm.rank(self.etp_group)
         output_splits = row_sums[etp_rank * self.ep_size : (etp_rank + 1) * self.ep_size]
         etp_sizes = [sum(row_sums[j * self.ep_size : (j + 1) * self.ep_size]) for j in range(self.etp_size)]
-        tokens_per_expert = [sum(rows[e::per_ep]) for e in range(per_ep)]
+        # Rows per local expert: host ints from that same copy, and the device tensor they
+        # were copied from, so the experts need no copy either way.
+        runs = ExpertRuns(
+            [sum(rows[e::per_ep]) for e in range(per_ep)], all_counts.reshape(-1, per_ep).sum(0),
+        )
 
         received = all_to_all_var(permuted, self.ep_group, output_splits, input_splits)
         gathered = all_gather_var(received, self.etp_group, etp_sizes)
 
-        local_expert = torch.arange(per_ep, device=all_counts.device).repeat(all_counts.shape[0])
-        row_expert = torch.repeat_interleave(local_expert, all_counts.reshape(-1), output_size=sum(rows))
-        expert_sort_idx = torch.argsort(row_expert, stable=True)
-        expert_input = gathered.index_select(0, expert_sort_idx)
+        if all_counts.shape[0] == 1:
+            # One source (no EP, no ETP): the first sort already grouped the rows by expert.
+            expert_sort_idx, expert_input = None, gathered
+        else:
+            local_expert = torch.arange(per_ep, device=all_counts.device).repeat(all_counts.shape[0])
+            row_expert = torch.repeat_interleave(local_expert, all_counts.reshape(-1), output_size=sum(rows))
+            expert_sort_idx = torch.argsort(row_expert, stable=True)
+            expert_input = gathered.index_select(0, expert_sort_idx)
         plan = DispatchPlan(sort_idx, input_splits, output_splits, etp_sizes, expert_sort_idx, num_tokens)
-        return expert_input, tokens_per_expert, plan
+        return expert_input, runs, plan
 
     def combine(self, expert_output: torch.Tensor, gates: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """Bring expert outputs home and mix each token's k outputs by its gates.
@@ -225,7 +235,7 @@ class AllToAllDispatcher:
         Returns:
             ``[T, h]``: ``sum_j gates[t, j] * expert_{topk_idx[t, j]}(x[t])``.
         """
-        gathered = _unsort(expert_output, plan.expert_sort_idx)
+        gathered = expert_output if plan.expert_sort_idx is None else _unsort(expert_output, plan.expert_sort_idx)
         # The reduce-scatter also finishes the ETP row-parallel down projection (sums slices).
         received = reduce_scatter_var(gathered, self.etp_group, plan.etp_sizes)
         permuted = all_to_all_var(received, self.ep_group, plan.input_splits, plan.output_splits)
@@ -234,5 +244,9 @@ class AllToAllDispatcher:
 
 
 def _unsort(rows: torch.Tensor, sort_idx: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``rows_sorted = rows.index_select(0, sort_idx)``."""
-    return rows.new_zeros(rows.shape).index_copy(0, sort_idx, rows)
+    """Inverse of ``rows_sorted = rows.index_select(0, sort_idx)``.
+
+    ``sort_idx`` is a permutation, so every row of the output is written: ``new_empty``
+    spares the zero fill.
+    """
+    return rows.new_empty(rows.shape).index_copy(0, sort_idx, rows)
