@@ -20,9 +20,9 @@ Sections (each key of the JSON; each also printed as one line):
 * ``ring_attention``: one CP rank's share of causal attention at seq 16384, cp 2, as the ring
   computes it (fused-kernel blocks merged by log-sum-exp, forward and backward), against the
   fused kernel over the whole sequence: time and peak memory (ideal: half the whole).
-* ``moe_gemm``: the expert GEMMs of one MoE layer (8 experts, top-2, 8192 tokens) as one grouped
-  GEMM (``torch._grouped_mm`` where the device has it, else one padded batched GEMM) against
-  a Python loop over the experts.
+* ``moe_gemm``: the SwiGLU experts of one MoE layer (8 experts, top-2, 8192 tokens), forward and
+  backward, as the product runs them (one grouped GEMM per projection: ``torch._grouped_mm``
+  where the device has it, else one padded batched GEMM) against the per-expert loop.
 
 Without CUDA (and without ``--smoke``) it says so and exits 0.
 """
@@ -217,52 +217,44 @@ def ring_attention(device, seq: int, heads: int = 16, kv_heads: int = 8, dim: in
 
 
 def moe_gemm(device, tokens: int, hidden: int, ffn: int, experts: int = 8, topk: int = 2) -> dict:
-    """The SwiGLU expert GEMMs of one MoE layer: one grouped GEMM against a loop over experts."""
+    """The SwiGLU experts of one MoE layer, forward and backward: the product's grouped GEMM
+    (:func:`workers.parallel.grouped_gemm.swiglu_experts`: ``torch._grouped_mm`` where the device
+    has it, one padded bmm otherwise) against the per-expert loop it replaced (bench/moe_bench.py)."""
+    from moe_bench import loop_swiglu_experts
+    from workers.parallel.grouped_gemm import ExpertRuns, grouped_mm_supported, swiglu_experts
+
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(0)
-    rows = tokens * topk
-    counts = torch.multinomial(torch.ones(experts), rows, replacement=True, generator=g).bincount(minlength=experts)
-    x = torch.randn(rows, hidden, generator=g).to(device, dtype)
-    w1 = torch.randn(experts, hidden, 2 * ffn, generator=g).to(device, dtype) * hidden ** -0.5
-    w2 = torch.randn(experts, ffn, hidden, generator=g).to(device, dtype) * ffn ** -0.5
-    sizes = counts.tolist()
-    offs = torch.cumsum(counts, 0).to(device=device, dtype=torch.int32)
+    counts = torch.multinomial(torch.ones(experts), tokens * topk, replacement=True, generator=g).bincount(
+        minlength=experts)
+    runs = ExpertRuns(counts.tolist(), counts.to(device))
+    x = torch.randn(tokens * topk, hidden, generator=g).to(device, dtype).requires_grad_(True)
+    w_gate, w_up = (torch.randn(experts, ffn, hidden, generator=g).to(device, dtype).requires_grad_(True)
+                    for _ in range(2))
+    w_down = torch.randn(experts, hidden, ffn, generator=g).to(device, dtype).requires_grad_(True)
+    params = (x, w_gate, w_up, w_down)
 
-    def swiglu(h):
-        a, b = h.chunk(2, dim=-1)
-        return torch.nn.functional.silu(a) * b
+    def step(fn):
+        for p in params:
+            p.grad = None
+        y = fn(x, w_gate, w_up, w_down, runs)
+        y.backward(torch.ones_like(y))
+        return y.detach(), [p.grad for p in params]
 
-    def looped():
-        return torch.cat([swiglu(xe @ w1[e]) @ w2[e] for e, xe in enumerate(x.split(sizes))])
-
-    grouped_mm = getattr(torch, "_grouped_mm", None)
-
-    def grouped():
-        if grouped_mm is not None and device.type == "cuda":
-            try:
-                return grouped_mm(swiglu(grouped_mm(x, w1, offs=offs)), w2, offs=offs), "torch._grouped_mm"
-            except RuntimeError:  # a device without the kernel (before sm90): the batched fallback
-                pass
-        width = max(sizes)
-        padded = x.new_zeros(experts, width, hidden)
-        for e, xe in enumerate(x.split(sizes)):
-            padded[e, : xe.shape[0]] = xe
-        y = torch.bmm(swiglu(torch.bmm(padded, w1)), w2)
-        return torch.cat([y[e, :n] for e, n in enumerate(sizes)]), "padded bmm"
-
-    ref = looped()
-    out, kernel = grouped()
-    err = (out.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-30)
+    y_loop, g_loop = step(loop_swiglu_experts)
+    y_grp, g_grp = step(swiglu_experts)
+    rel = lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()  # noqa: E731
     reps = 5
     with _timed() as t_loop:
         for _ in range(reps):
-            looped()
+            step(loop_swiglu_experts)
     with _timed() as t_grouped:
         for _ in range(reps):
-            grouped()
+            step(swiglu_experts)
     return {"tokens": tokens, "experts": experts, "topk": topk, "dtype": str(dtype).replace("torch.", ""),
-            "kernel": kernel, "loop_s": t_loop["s"] / reps, "grouped_s": t_grouped["s"] / reps,
-            "speedup": t_loop["s"] / t_grouped["s"], "max_rel_error": err}
+            "kernel": "torch._grouped_mm" if grouped_mm_supported(x, w_gate, w_up, w_down) else "padded bmm",
+            "loop_s": t_loop["s"] / reps, "grouped_s": t_grouped["s"] / reps, "speedup": t_loop["s"] / t_grouped["s"],
+            "max_rel_error": max(rel(y_grp, y_loop), *(rel(a, b) for a, b in zip(g_grp, g_loop)))}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,5 +48,5 @@ def test_every_section_runs_in_the_smoke_version(tmp_path):
     report = json.loads(out.read_text())
     assert {"steps", "sdpa_backend", "profile", "host_syncs", "ring_attention", "moe_gemm"} <= set(report)
     assert [r["mode"] for r in report["steps"]] == ["fp32", "bf16"]
-    assert report["moe_gemm"]["max_rel_error"] < 1e-6  # the grouped GEMM computes what the loop does
+    assert report["moe_gemm"]["max_rel_error"] < 1e-5  # the grouped GEMM computes what the loop does (up to GEMM order)
     assert report["profile"]["kernels"] > 0
