@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -72,7 +73,11 @@ def test_lost_node_shrinks_then_the_job_grows_back_when_a_node_joins(tmp_path):
             elif e.kind == "state" and e.state is JobState.RUNNING and sizes[-1] < 3 and not added:
                 added.append(session.add_node())  # the shrunk attempt runs: a node joins
 
-        ctrl = start_job(job, launcher=RayLauncher(session), on_event=on_event, background=False,
+        # One iteration per call: the drill acts on iteration 3's event before iteration 4 runs
+        # (with calls of a second of iterations, the event would come after the save of 4).
+        launcher = RayLauncher(session)
+        launcher.config = replace(launcher.config, call_target_s=0.0)
+        ctrl = start_job(job, launcher=launcher, on_event=on_event, background=False,
                          checkpoint_root=str(tmp_path))
         result = ctrl.run()
         assert leftovers() == ([], [])
