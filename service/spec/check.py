@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from service.spec.limits import MAX_PRIORITY, MAX_WORLD_SIZE
 from service.spec.spec import (CheckpointSpec, FaultToleranceSpec, JobSpec, ModelSpec, ParallelSpec, ResourcesSpec,
-                               TrainingSpec, parse_spec, spec_problems)
+                               TrainingSpec, field_errors, parse_spec, spec_problems)
 
 SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelSpec, "parallel": ParallelSpec, "training": TrainingSpec, "checkpoint": CheckpointSpec,
@@ -53,9 +53,8 @@ def _problem(path: str, message: str) -> dict:
 
 def _field_errors(prefix: str, e: ValidationError) -> list[dict]:
     out = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in (prefix, *err["loc"]) if x != "")
-        msg = err["msg"].removeprefix("Value error, ")
+    for loc, msg, err in field_errors(e):
+        loc = ".".join(x for x in (prefix, loc) if x)
         if err["type"] == "extra_forbidden":
             msg = f"unknown field {loc!r}; check its spelling (Megatron-Core's names)"
         out.append(_problem(loc, msg))
