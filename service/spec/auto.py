@@ -23,6 +23,7 @@ stored and run is a concrete spec.
 
 from __future__ import annotations
 
+import copy
 import json
 from functools import lru_cache
 from typing import Callable
@@ -140,8 +141,10 @@ def _with(data: dict, *, tp, pp, vpp, cp, ep, sp, dist, mbs, recompute) -> dict:
     if model.get("recompute_granularity") == AUTO:
         model["recompute_granularity"] = recompute
         if recompute == "full":
-            model.setdefault("recompute_method", "uniform")
-            model.setdefault("recompute_num_layers", 1)
+            if model.get("recompute_method") is None:
+                model["recompute_method"] = "uniform"
+            if model.get("recompute_num_layers") is None:
+                model["recompute_num_layers"] = 1
         else:
             model.pop("recompute_method", None)
             model.pop("recompute_num_layers", None)
@@ -189,7 +192,11 @@ def search(data: dict, validate: Callable[[dict], object], top: int = TOP) -> di
                              recompute=c["recompute"][-1])
             try:
                 spec = validate(concrete)
-            except (ValueError, ValidationError) as e:
+            except ValidationError as e:
+                first_problem = first_problem or "; ".join(err["msg"].removeprefix("Value error, ")
+                                                           for err in e.errors())
+                continue
+            except ValueError as e:
                 first_problem = first_problem or str(e)
                 continue
             valid += 1
@@ -227,10 +234,14 @@ def search(data: dict, validate: Callable[[dict], object], top: int = TOP) -> di
             "valid": valid, "fit": len(fitting), "memory_limit_bytes": limit, "cluster": cluster.as_dict()}
 
 
-@lru_cache(maxsize=64)
-def _resolve_cached(key: str, validate: Callable[[dict], object]) -> str:
-    best = search(json.loads(key), validate, top=1)["candidates"][0]
-    return json.dumps(best["data"])
+@lru_cache(maxsize=32)
+def _search_cached(key: str, validate: Callable[[dict], object]) -> dict:
+    return search(json.loads(key), validate)
+
+
+def search_once(data: dict, validate: Callable[[dict], object]) -> dict:
+    """:func:`search`, remembered per spec (``raytron plan --auto`` and the spec's own resolution share it)."""
+    return copy.deepcopy(_search_cached(json.dumps(_plain(data), sort_keys=True), validate))
 
 
 def resolve(data: dict, validate: Callable[[dict], object]) -> dict:
@@ -238,4 +249,5 @@ def resolve(data: dict, validate: Callable[[dict], object]) -> dict:
     Deterministic, so a spec resolves the same way every time it is read. Raises ValueError as :func:`search`."""
     if not auto_fields(data):
         return data
-    return json.loads(_resolve_cached(json.dumps(_plain(data), sort_keys=True), validate))
+    found = search_once(data, validate)
+    return found["candidates"][found["chosen"]]["data"]

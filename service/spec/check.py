@@ -100,7 +100,7 @@ def _size_problems(spec: JobSpec) -> list[dict]:
     sizes = spec.parallel
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size"):
-        if getattr(sizes, name) > MAX_WORLD_SIZE:
+        if isinstance(getattr(sizes, name), int) and getattr(sizes, name) > MAX_WORLD_SIZE:  # or "auto"
             out.append(_problem(f"parallel.{name}", f"parallel.{name} {getattr(sizes, name)} is more than "
                                 f"{MAX_WORLD_SIZE}; it must divide world_size"))
     return out

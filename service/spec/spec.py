@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from service.spec.auto import auto_fields, resolve
+from service.spec.auto import PARALLEL_AUTO, auto_fields, resolve, search_once
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.sections import (  # noqa: F401 (the sections are part of this module's interface)
     STRICT, Auto, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
@@ -72,6 +72,16 @@ class JobSpec(BaseModel):
 def _validate_concrete(data: dict) -> JobSpec:
     """The validation :func:`service.spec.auto.search` applies to each candidate layout."""
     return JobSpec.model_validate(data)
+
+
+def search_layouts(data: dict) -> dict:
+    """The cost model's ranking of the layouts a spec's ``auto`` fields allow (:func:`service.spec.auto.search`);
+    a spec with none open is searched with its whole parallel section open (``raytron plan --auto``)."""
+    data = dict(data)
+    if not auto_fields(data):
+        par = data.get("parallel") or {}
+        data["parallel"] = {**(par if isinstance(par, dict) else {}), **{k: "auto" for k in PARALLEL_AUTO}}
+    return search_once(data, _validate_concrete)
 
 
 def grid_of(spec: JobSpec, world_size: int | None = None) -> ParallelGrid:
