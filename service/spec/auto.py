@@ -32,7 +32,7 @@ from pydantic import BaseModel, ValidationError
 
 from service.spec.cost import MEMORY_MARGIN, cluster_of
 from service.spec.placement import plan_placement
-from service.spec.plan import estimate
+from service.spec.plan import Shapes, count_traffic, estimate
 from service.spec.sections import AUTO, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec
 from workers.grid import ParallelGrid
 
@@ -152,8 +152,8 @@ def _with(data: dict, *, tp, pp, vpp, cp, ep, sp, dist, mbs, recompute) -> dict:
     return out
 
 
-def _candidate(spec, data: dict, est: dict) -> dict:
-    p, grid = spec.parallel, ParallelGrid.from_config(spec.parallel, spec.world_size)
+def _candidate(spec, grid: ParallelGrid, data: dict, est: dict) -> dict:
+    p = spec.parallel
     step = est["step_seconds"]
     return {"sizes": {"tp": grid.tp, "pp": grid.pp, "vpp": grid.vpp, "cp": grid.cp, "ep": grid.ep, "dp": grid.dp},
             "order": grid.order, "sequence_parallel": p.sequence_parallel,
@@ -203,6 +203,7 @@ def search(data: dict, validate: Callable[[dict], object], top: int = TOP) -> di
             grid = ParallelGrid.from_config(spec.parallel, spec.world_size)
             node_of = [pl.node for pl in plan_placement(grid, spec.resources.gpus_per_node,
                                                         spec.resources.num_nodes)]
+            tr = count_traffic(Shapes.of(spec), spec, grid, node_of)
             dists = [False, True] if "parallel.use_distributed_optimizer" in open_ else c["dist"]
             for dist in dists:
                 for rec in c["recompute"]:
@@ -213,7 +214,7 @@ def search(data: dict, validate: Callable[[dict], object], top: int = TOP) -> di
                         "model": spec.model.model_copy(update={
                             k: variant["model"].get(k) for k in
                             ("recompute_granularity", "recompute_method", "recompute_num_layers")})})
-                    cand = _candidate(vspec, variant, estimate(vspec, grid, node_of))
+                    cand = _candidate(vspec, grid, variant, estimate(vspec, grid, node_of, tr))
                     (fitting if cand["fits"] else unfit).append(cand)
     cluster = cluster_of(ResourcesSpec.model_validate(data.get("resources") or {}))
     limit = MEMORY_MARGIN * cluster.memory_bytes

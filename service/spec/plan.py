@@ -7,7 +7,10 @@ checks them against a real model's ``numel``).
 Memory (fp32 training, as the trainer runs today): per parameter 4 bytes of weight, 4 of
 gradient and 8 of Adam moments; the distributed optimizer (ZeRO-1) keeps an fp32 master copy
 and the moments only for its 1/n shard (n = dp x cp for dense weights, expert dp for experts):
-``4 + 4 + 12/n`` bytes. Activations are not estimated.
+``4 + 4 + 12/n`` bytes. :func:`estimate` adds the cost model of :mod:`service.spec.cost`: the
+most loaded rank's bytes in the spec's precision (bf16: Megatron's 18 per parameter), activations,
+and the predicted step time on the spec's cluster figures (``resources.gpu_type`` ...), from the
+traffic counted here.
 
 Traffic is the bytes *sent* per iteration, summed over all ranks, modelled as ring collectives
 (an all-reduce of M bytes over n ranks: each rank sends ``2(n-1)/n x M``; all-gather or
@@ -130,10 +133,10 @@ class _Traffic:
 
 def traffic(s: Shapes, spec, grid: ParallelGrid, node_of: list[int]) -> dict[str, dict[str, int]]:
     """Bytes sent per iteration by each parallel dimension, in-node vs cross-node (see module docstring)."""
-    return {k: {w: round(v) for w, v in d.items()} for k, d in _traffic(s, spec, grid, node_of).totals.items()}
+    return {k: {w: round(v) for w, v in d.items()} for k, d in count_traffic(s, spec, grid, node_of).totals.items()}
 
 
-def _traffic(s: Shapes, spec, grid: ParallelGrid, node_of: list[int]) -> _Traffic:
+def count_traffic(s: Shapes, spec, grid: ParallelGrid, node_of: list[int]) -> _Traffic:
     t, p = spec.training, spec.parallel
     mbs = t.global_batch_size // (t.micro_batch_size * grid.dp)  # microbatches per iteration per dp rank
     layers = s.layers // grid.pp
@@ -172,13 +175,14 @@ def _traffic(s: Shapes, spec, grid: ParallelGrid, node_of: list[int]) -> _Traffi
     return tr
 
 
-def estimate(spec, grid: ParallelGrid, node_of: list[int]) -> dict:
+def estimate(spec, grid: ParallelGrid, node_of: list[int], tr: _Traffic | None = None) -> dict:
     """The cost model (:mod:`service.spec.cost`) of a concrete spec: the most loaded rank's bytes
-    (state and activations) and the predicted step time by part, on the spec's cluster figures."""
+    (state and activations) and the predicted step time by part, on the spec's cluster figures.
+    ``tr``: the spec's traffic when already counted (it does not depend on the optimizer or recompute)."""
     s, t, p, m = Shapes.of(spec), spec.training, spec.parallel, spec.model
     cluster = cost.cluster_of(spec.resources)
     mixed = t.bf16 or t.fp16
-    ranks = [rank_parameters(s, grid, r) for r in range(grid.world_size)]
+    ranks = [rank_parameters(s, grid, r) for r in grid.groups("pp")[0]]  # one rank per stage: the rest repeat
     busiest = max(ranks, key=lambda r: r["dense"] + r["expert"])
     state = cost.state_bytes(busiest["dense"], busiest["expert"], grid.dp * grid.cp, grid.expert_dp, mixed=mixed,
                              distributed=p.use_distributed_optimizer)
@@ -187,7 +191,7 @@ def estimate(spec, grid: ParallelGrid, node_of: list[int]) -> dict:
                                 micro_batch_size=t.micro_batch_size, num_microbatches=num_microbatches,
                                 recompute=m.recompute_granularity, recompute_method=m.recompute_method,
                                 recompute_num_layers=m.recompute_num_layers, element_bytes=2 if mixed else 4)
-    tr = _traffic(s, spec, grid, node_of)
+    tr = tr or count_traffic(s, spec, grid, node_of)
     act_scale = (2 if mixed else 4) / BYTES  # the traffic model counts fp32; DP gradients stay fp32
     comm = cost.comm_seconds(tr.by_rank, cluster, {k: act_scale for k in ("tp", "cp", "ep", "pp")})
     step = cost.step_time(s, world=grid.world_size, pp=grid.pp, vpp=grid.vpp, global_batch_size=t.global_batch_size,
