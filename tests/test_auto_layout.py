@@ -123,3 +123,22 @@ def test_plan_auto_table_and_a_concrete_spec(tmp_path, capsys):
     print_plan(plan_job(parse_spec(data)), buf)  # plain `raytron plan` prints the cost model's lines
     assert "cost model (simulated-cpu)" in buf.getvalue() and "step" in buf.getvalue()
     assert ParallelGrid(8, tp=2).dp == 4
+
+
+def test_memory_decides_when_it_is_short(capsys):
+    """With 40 GB per GPU (no gpu_type), every candidate fits 34 GB: the distributed optimizer,
+    recompute or more model parallelism are chosen where 80 GB needed none."""
+    data = yaml.safe_load((EXAMPLES / "llama3-8b-auto.yaml").read_text())
+    data["resources"] = {"num_nodes": 2, "gpus_per_node": 8, "gpu_memory_gb": 40, "gpu_peak_tflops": 989,
+                         "intra_node_bandwidth_gbps": 450, "inter_node_bandwidth_gbps": 50}
+    found = search_layouts(data)
+    assert all(c["peak_bytes_per_rank"] <= 0.85 * 40e9 for c in found["candidates"])
+    best = found["candidates"][0]
+    assert best["use_distributed_optimizer"] or best["recompute_granularity"] or best["sizes"]["dp"] < 4
+    roomy = search_layouts(yaml.safe_load((EXAMPLES / "llama3-8b-auto.yaml").read_text()))
+    assert max(c["peak_bytes_per_rank"] for c in roomy["candidates"]) > 0.85 * 40e9
+
+
+def test_a_bad_cluster_is_named_once_for_an_auto_spec():
+    problems = check_spec(small(gpu_type="H100", gpu_memory_gb=40)).problems
+    assert [p["field"] for p in problems] == ["resources.gpu_memory_gb"]

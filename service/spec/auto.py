@@ -33,7 +33,7 @@ from pydantic import BaseModel, ValidationError
 from service.spec.cost import MEMORY_MARGIN, cluster_of
 from service.spec.placement import plan_placement
 from service.spec.plan import Shapes, count_traffic, estimate
-from service.spec.sections import AUTO, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec
+from service.spec.sections import AUTO, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec, resources_problems
 from workers.grid import ParallelGrid
 
 MAX_VPP = 8
@@ -181,6 +181,9 @@ def search(data: dict, validate: Callable[[dict], object], top: int = TOP) -> di
     if base["parallel"] == AUTO:
         base["parallel"] = {}
     base["parallel"] = {k: v for k, v in base["parallel"].items() if v != AUTO}
+    problems = resources_problems(ResourcesSpec.model_validate(data.get("resources") or {}))
+    if problems:  # every candidate would fail on them: say so once
+        raise ValueError("; ".join(problems))
     c = _choices(base, open_)
     considered, valid, fitting, unfit, first_problem = 0, 0, [], [], None
     for tp, pp, vpp, cp, ep, sp in _layouts(c):

@@ -6,6 +6,11 @@ and no field is accepted and ignored. The sections are :mod:`service.spec.sectio
 cross-field rule is checked here, before anything starts, and each message names the fields,
 the numbers and the fix. :func:`grid_of` is the one place a spec becomes a rank grid, and
 :func:`to_job_config` the one place it becomes the internal :class:`workers.config.JobConfig`.
+
+``parallel: auto`` (or single fields ``auto``) is resolved as the spec is read, before any rule:
+:class:`JobSpec` writes the layout :mod:`service.spec.auto` chooses into the data, so a JobSpec is
+always concrete and what is stored and run is the chosen layout; :func:`search_layouts` gives the
+ranking itself.
 """
 
 from __future__ import annotations
