@@ -57,6 +57,8 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("plan", help="grid, placement, memory and traffic of a spec; runs nothing",
                        description="Plan a job spec: computed here, or by the server when --server is given.")
     p.add_argument("spec", help="job spec file (YAML or JSON)")
+    p.add_argument("--auto", action="store_true", help="rank the layouts the cost model allows (parallel: auto); "
+                   "computed here")
     _common(p)
     p.set_defaults(func=cmd_plan)
 
@@ -217,6 +219,10 @@ def cmd_cancel(args) -> int:
 @_command
 def cmd_plan(args) -> int:
     spec = load_spec_file(args.spec)
+    if getattr(args, "auto", False):
+        from api.plan_auto import run_auto
+
+        return run_auto(spec, args, BadInput, _print_json)
     if args.server:
         with _client(args) as client:
             plan = client.plan(spec)
@@ -260,6 +266,9 @@ def print_plan(plan: dict, out=sys.stdout, max_rows: int = 32) -> None:
     print(f"{'traffic/iteration':<20}{'in-node':>14}{'cross-node':>14}", file=out)
     for kind, t in plan["traffic"].items():
         print(f"{kind:<20}{_bytes(t['in_node']):>14}{_bytes(t['cross_node']):>14}", file=out)
+    from api.plan_auto import print_cost
+
+    print_cost(plan, out)
 
 
 def main(argv: list[str] | None = None) -> int:

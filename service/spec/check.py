@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from service.spec.limits import MAX_PRIORITY, MAX_WORLD_SIZE
 from service.spec.spec import (CheckpointSpec, FaultToleranceSpec, JobSpec, ModelSpec, ParallelSpec, ResourcesSpec,
-                               TrainingSpec, parse_spec, spec_problems)
+                               TrainingSpec, field_errors, parse_spec, spec_problems)
 
 SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelSpec, "parallel": ParallelSpec, "training": TrainingSpec, "checkpoint": CheckpointSpec,
@@ -53,9 +53,8 @@ def _problem(path: str, message: str) -> dict:
 
 def _field_errors(prefix: str, e: ValidationError) -> list[dict]:
     out = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in (prefix, *err["loc"]) if x != "")
-        msg = err["msg"].removeprefix("Value error, ")
+    for loc, msg, err in field_errors(e):
+        loc = ".".join(x for x in (prefix, loc) if x)
         if err["type"] == "extra_forbidden":
             msg = f"unknown field {loc!r}; check its spelling (Megatron-Core's names)"
         out.append(_problem(loc, msg))
@@ -101,7 +100,7 @@ def _size_problems(spec: JobSpec) -> list[dict]:
     sizes = spec.parallel
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size"):
-        if getattr(sizes, name) > MAX_WORLD_SIZE:
+        if isinstance(getattr(sizes, name), int) and getattr(sizes, name) > MAX_WORLD_SIZE:  # or "auto"
             out.append(_problem(f"parallel.{name}", f"parallel.{name} {getattr(sizes, name)} is more than "
                                 f"{MAX_WORLD_SIZE}; it must divide world_size"))
     return out

@@ -7,7 +7,10 @@ checks them against a real model's ``numel``).
 Memory (fp32 training, as the trainer runs today): per parameter 4 bytes of weight, 4 of
 gradient and 8 of Adam moments; the distributed optimizer (ZeRO-1) keeps an fp32 master copy
 and the moments only for its 1/n shard (n = dp x cp for dense weights, expert dp for experts):
-``4 + 4 + 12/n`` bytes. Activations are not estimated.
+``4 + 4 + 12/n`` bytes. :func:`estimate` adds the cost model of :mod:`service.spec.cost`: the
+most loaded rank's bytes in the spec's precision (bf16: Megatron's 18 per parameter), activations,
+and the predicted step time on the spec's cluster figures (``resources.gpu_type`` ...), from the
+traffic counted here.
 
 Traffic is the bytes *sent* per iteration, summed over all ranks, modelled as ring collectives
 (an all-reduce of M bytes over n ranks: each rank sends ``2(n-1)/n x M``; all-gather or
@@ -24,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from service.spec import cost
 from service.spec.placement import plan_placement
-from service.spec.spec import JobSpec, grid_of
 from workers.grid import ParallelGrid
 
 BYTES = 4  # fp32 weights, gradients, activations
@@ -46,7 +49,7 @@ class Shapes:
     topk: int
 
     @classmethod
-    def of(cls, spec: JobSpec) -> "Shapes":
+    def of(cls, spec) -> "Shapes":
         m = spec.model
         return cls(m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups or m.num_attention_heads,
                    m.ffn_hidden_size or 4 * m.hidden_size, m.vocab_size, m.seq_length, m.num_moe_experts,
@@ -103,11 +106,14 @@ class _Traffic:
     def __init__(self, node_of: list[int]):
         self.node_of = node_of
         self.totals: dict[str, dict[str, float]] = {}
+        self.by_rank: dict[str, dict[int, tuple[float, float]]] = {}  # kind -> rank -> (in-node, cross-node)
 
     def send(self, kind: str, src: int, dst: int, nbytes: float) -> None:
         where = "in_node" if self.node_of[src] == self.node_of[dst] else "cross_node"
         bucket = self.totals.setdefault(kind, {"in_node": 0.0, "cross_node": 0.0})
         bucket[where] += nbytes
+        mine = self.by_rank.setdefault(kind, {}).get(src, (0.0, 0.0))
+        self.by_rank[kind][src] = (mine[0] + nbytes, mine[1]) if where == "in_node" else (mine[0], mine[1] + nbytes)
 
     def ring(self, kind: str, group: list[int], per_rank_bytes: float) -> None:
         """A ring collective in which each rank sends ``per_rank_bytes`` to its successor."""
@@ -125,8 +131,12 @@ class _Traffic:
                     self.send(kind, src, dst, per_rank_bytes / n)
 
 
-def traffic(s: Shapes, spec: JobSpec, grid: ParallelGrid, node_of: list[int]) -> dict[str, dict[str, int]]:
+def traffic(s: Shapes, spec, grid: ParallelGrid, node_of: list[int]) -> dict[str, dict[str, int]]:
     """Bytes sent per iteration by each parallel dimension, in-node vs cross-node (see module docstring)."""
+    return {k: {w: round(v) for w, v in d.items()} for k, d in count_traffic(s, spec, grid, node_of).totals.items()}
+
+
+def count_traffic(s: Shapes, spec, grid: ParallelGrid, node_of: list[int]) -> _Traffic:
     t, p = spec.training, spec.parallel
     mbs = t.global_batch_size // (t.micro_batch_size * grid.dp)  # microbatches per iteration per dp rank
     layers = s.layers // grid.pp
@@ -162,13 +172,44 @@ def traffic(s: Shapes, spec: JobSpec, grid: ParallelGrid, node_of: list[int]) ->
         for g in grid.groups("dp", expert=True):
             expert = rank_parameters(s, grid, g[0])["expert"] * BYTES
             tr.ring("dp", g, 2 * (len(g) - 1) / len(g) * expert)
-    return {k: {w: round(v) for w, v in d.items()} for k, d in tr.totals.items()}
+    return tr
 
 
-def plan_job(spec: JobSpec) -> dict:
-    """The whole plan of a valid spec: grid sizes, placement, memory per rank, traffic per iteration."""
+def estimate(spec, grid: ParallelGrid, node_of: list[int], tr: _Traffic | None = None) -> dict:
+    """The cost model (:mod:`service.spec.cost`) of a concrete spec: the most loaded rank's bytes
+    (state and activations) and the predicted step time by part, on the spec's cluster figures.
+    ``tr``: the spec's traffic when already counted (it does not depend on the optimizer or recompute)."""
+    s, t, p, m = Shapes.of(spec), spec.training, spec.parallel, spec.model
+    cluster = cost.cluster_of(spec.resources)
+    mixed = t.bf16 or t.fp16
+    ranks = [rank_parameters(s, grid, r) for r in grid.groups("pp")[0]]  # one rank per stage: the rest repeat
+    busiest = max(ranks, key=lambda r: r["dense"] + r["expert"])
+    state = cost.state_bytes(busiest["dense"], busiest["expert"], grid.dp * grid.cp, grid.expert_dp, mixed=mixed,
+                             distributed=p.use_distributed_optimizer)
+    num_microbatches = t.global_batch_size // (t.micro_batch_size * grid.dp)
+    act = cost.activation_bytes(s, tp=grid.tp, pp=grid.pp, cp=grid.cp, vpp=grid.vpp, sp=p.sequence_parallel,
+                                micro_batch_size=t.micro_batch_size, num_microbatches=num_microbatches,
+                                recompute=m.recompute_granularity, recompute_method=m.recompute_method,
+                                recompute_num_layers=m.recompute_num_layers, element_bytes=2 if mixed else 4)
+    tr = tr or count_traffic(s, spec, grid, node_of)
+    act_scale = (2 if mixed else 4) / BYTES  # the traffic model counts fp32; DP gradients stay fp32
+    comm = cost.comm_seconds(tr.by_rank, cluster, {k: act_scale for k in ("tp", "cp", "ep", "pp")})
+    step = cost.step_time(s, world=grid.world_size, pp=grid.pp, vpp=grid.vpp, global_batch_size=t.global_batch_size,
+                          num_microbatches=num_microbatches, recompute=m.recompute_granularity, comm=comm,
+                          cluster=cluster, distributed=p.use_distributed_optimizer)
+    peak = state["total"] + act["total"]
+    cross = sum(d["cross_node"] for d in tr.totals.values())
+    return {"cluster": cluster.as_dict(), "state_bytes": state, "activation_bytes": act,
+            "peak_bytes_per_rank": peak, "fits": peak <= cost.MEMORY_MARGIN * cluster.memory_bytes,
+            "memory_margin": cost.MEMORY_MARGIN, "num_microbatches": num_microbatches,
+            "cross_node_bytes": cross, "step_seconds": step, "predicted_step_s": step["total"]}
+
+
+def plan_job(spec) -> dict:
+    """The whole plan of a valid spec: grid sizes, placement, memory per rank, traffic per iteration,
+    and the cost model's estimate."""
     world = spec.world_size
-    grid = grid_of(spec)
+    grid = ParallelGrid.from_config(spec.parallel, world)
     placement = plan_placement(grid, spec.resources.gpus_per_node, spec.resources.num_nodes)
     node_of = [pl.node for pl in placement]
     s = Shapes.of(spec)
@@ -181,7 +222,8 @@ def plan_job(spec: JobSpec) -> dict:
     return {"name": spec.name, "world_size": world, "num_nodes": spec.resources.num_nodes,
             "gpus_per_node": spec.resources.gpus_per_node, "sizes": grid.sizes(), "order": grid.order,
             "model_parameters": model_parameters(s),
-            "placement": ranks, "memory": mem, "traffic": traffic(s, spec, grid, node_of)}
+            "placement": ranks, "memory": mem, "traffic": traffic(s, spec, grid, node_of),
+            "cost": estimate(spec, grid, node_of)}
 
 
 def model_parameters(s: Shapes) -> int:

@@ -6,9 +6,9 @@ into the whole :class:`~service.spec.spec.JobSpec`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workers.data_blend import parse_split
 from workers.dataset import data_form_problem
@@ -16,6 +16,11 @@ from workers.lr_schedule import LRSchedule
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 """Unknown fields refused, no type coercion (``"2"`` is not 2), only finite numbers."""
+
+AUTO = "auto"
+"""The value of a field that ``raytron plan --auto`` / submission chooses (:mod:`service.spec.auto`)."""
+Auto = Literal["auto"]
+Size = Annotated[int, Field(ge=1)]
 
 
 class ModelSpec(BaseModel):
@@ -32,32 +37,47 @@ class ModelSpec(BaseModel):
     moe_aux_loss_coeff: float = Field(0.0, ge=0.0)
     rotary_base: float = Field(10000.0, gt=0, description="rotary embedding base (Llama 3: 500000)")
     norm_epsilon: float = Field(1e-5, gt=0, description="RMSNorm epsilon")
-    recompute_granularity: Literal["full", "selective"] | None = Field(
-        None, description="activation recomputation: full layers or the attention core")
+    recompute_granularity: Literal["full", "selective", "auto"] | None = Field(
+        None, description="activation recomputation: full layers or the attention core; auto: chosen by the "
+        "cost model (none or full, uniform, 1 layer)")
     recompute_method: Literal["uniform", "block"] | None = Field(None, description="with full: uniform | block")
     recompute_num_layers: int | None = Field(None, ge=1, description="with full: layers per group (uniform) or "
                                              "recomputed layers per pipeline chunk (block)")
 
 
 class ParallelSpec(BaseModel):
+    """Any field but ``expert_tensor_parallel_size``, ``cp_comm_type`` and ``order`` may be ``auto``
+    (and the whole section may be the string ``auto``): :mod:`service.spec.auto` chooses it."""
+
     model_config = STRICT
-    tensor_model_parallel_size: int = Field(1, ge=1)
-    pipeline_model_parallel_size: int = Field(1, ge=1)
-    virtual_pipeline_model_parallel_size: int | None = Field(None, ge=1)
-    context_parallel_size: int = Field(1, ge=1)
-    expert_model_parallel_size: int = Field(1, ge=1)
+    tensor_model_parallel_size: Size | Auto = 1
+    pipeline_model_parallel_size: Size | Auto = 1
+    virtual_pipeline_model_parallel_size: Size | Auto | None = None
+    context_parallel_size: Size | Auto = 1
+    expert_model_parallel_size: Size | Auto = 1
     expert_tensor_parallel_size: int | None = Field(None, ge=1, description="default = tensor_model_parallel_size")
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
+    sequence_parallel: bool | Auto = False
+    use_distributed_optimizer: bool | Auto = False
     cp_comm_type: Literal["p2p", "all_gather"] = "p2p"
     order: str = "tp-cp-ep-dp-pp"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _all_auto(cls, data):
+        """``parallel: auto``: every field the search may choose is open."""
+        if data == AUTO:
+            return {name: AUTO for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                            "virtual_pipeline_model_parallel_size", "context_parallel_size",
+                                            "expert_model_parallel_size", "sequence_parallel",
+                                            "use_distributed_optimizer")}
+        return data
 
 
 class TrainingSpec(BaseModel):
     model_config = STRICT
     train_iters: int = Field(20, ge=1)
     global_batch_size: int = Field(16, ge=1)
-    micro_batch_size: int = Field(2, ge=1)
+    micro_batch_size: Size | Auto = Field(2, description="auto: chosen by the cost model")
     lr: float = Field(1e-3, gt=0)
     seed: int = 1234
     data: str | list[str | float] = Field(
@@ -130,6 +150,35 @@ class ResourcesSpec(BaseModel):
     gpus_per_node: int = Field(1, ge=1, description="world_size = num_nodes * gpus_per_node")
     min_nodes: int | None = Field(None, ge=1, description="elastic floor: dp may shrink down to what min_nodes "
                                   "hold; default num_nodes (no shrinking)")
+    # The cluster the cost model (raytron plan, parallel: auto) predicts for; see service/spec/cost.py.
+    gpu_type: Literal["A100", "H100", "H200", "B200"] | None = Field(
+        None, description="an accelerator with known figures (memory, dense bf16 peak, NVLink, InfiniBand); "
+        "exclusive with gpu_memory_gb and gpu_peak_tflops; default: the simulated CPU cluster's figures")
+    gpu_memory_gb: float | None = Field(None, gt=0, le=4096, description="memory per accelerator, GB (10^9 bytes)")
+    gpu_peak_tflops: float | None = Field(None, gt=0, le=100000, description="dense peak TFLOP/s per accelerator "
+                                          "in the training precision")
+    intra_node_bandwidth_gbps: float | None = Field(
+        None, gt=0, le=100000, description="GB/s (gigaBYTES per second) one rank sends to a peer in its node, "
+        "one direction (H100 NVLink: 450)")
+    inter_node_bandwidth_gbps: float | None = Field(
+        None, gt=0, le=100000, description="GB/s (gigaBYTES per second) one rank sends across nodes, one "
+        "direction (a 400 Gb/s NDR NIC per GPU: 50)")
+
+
+def resources_problems(r: ResourcesSpec) -> list[str]:
+    """The cluster-description rules: a known ``gpu_type`` fixes its memory and peak."""
+    out = []
+    if r.gpu_type is not None:
+        for name in ("gpu_memory_gb", "gpu_peak_tflops"):
+            if getattr(r, name) is not None:
+                out.append(f"resources.{name} is given with resources.gpu_type {r.gpu_type}, which fixes it; "
+                           f"drop one (give gpu_type for a known accelerator, or {name} without gpu_type)")
+    if (r.intra_node_bandwidth_gbps is not None and r.inter_node_bandwidth_gbps is not None
+            and r.inter_node_bandwidth_gbps > r.intra_node_bandwidth_gbps):
+        out.append(f"resources.inter_node_bandwidth_gbps {r.inter_node_bandwidth_gbps:g} is above "
+                   f"resources.intra_node_bandwidth_gbps {r.intra_node_bandwidth_gbps:g}; a link between nodes "
+                   f"is not faster than one inside a node: check the units (both GB/s) or swap them")
+    return out
 
 
 class FaultToleranceSpec(BaseModel):

@@ -6,6 +6,11 @@ and no field is accepted and ignored. The sections are :mod:`service.spec.sectio
 cross-field rule is checked here, before anything starts, and each message names the fields,
 the numbers and the fix. :func:`grid_of` is the one place a spec becomes a rank grid, and
 :func:`to_job_config` the one place it becomes the internal :class:`workers.config.JobConfig`.
+
+``parallel: auto`` (or single fields ``auto``) is resolved as the spec is read, before any rule:
+:class:`JobSpec` writes the layout :mod:`service.spec.auto` chooses into the data, so a JobSpec is
+always concrete and what is stored and run is the chosen layout; :func:`search_layouts` gives the
+ranking itself.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from service.spec.auto import PARALLEL_AUTO, auto_fields, resolve, search_once
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.sections import (  # noqa: F401 (the sections are part of this module's interface)
-    STRICT, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
-    training_problems)
+    STRICT, Auto, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
+    resources_problems, training_problems)
 from workers.config import CheckpointConfig, JobConfig, ModelConfig, ParallelConfig, TrainingConfig
 from workers.grid import ParallelGrid
 
@@ -31,7 +37,8 @@ class JobSpec(BaseModel):
     priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="queue order in `raytron serve`: higher first, "
                           "then submission time (`raytron run` starts at once)")
     model: ModelSpec = ModelSpec()
-    parallel: ParallelSpec = ParallelSpec()
+    parallel: ParallelSpec | Auto = Field(ParallelSpec(), description="the layout, or auto (chosen by the cost "
+                                          "model when the spec is read; any field may be auto too)")
     training: TrainingSpec = TrainingSpec()
     checkpoint: CheckpointSpec = CheckpointSpec()
     resources: ResourcesSpec = ResourcesSpec()
@@ -41,12 +48,45 @@ class JobSpec(BaseModel):
     def world_size(self) -> int:
         return self.resources.num_nodes * self.resources.gpus_per_node
 
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_auto(cls, data):
+        """Write the layout the cost model chooses into ``auto`` fields (:mod:`service.spec.auto`), so a
+        JobSpec is always concrete. Invalid sections are left to the field validation to report."""
+        if not auto_fields(data):
+            return data
+        sections = {"model": ModelSpec, "parallel": ParallelSpec, "training": TrainingSpec,
+                    "resources": ResourcesSpec}
+        for key, model in sections.items():
+            value = data.get(key)
+            if value is not None and not isinstance(value, model):
+                try:
+                    model.model_validate(value)
+                except ValidationError:
+                    return data
+        return resolve(data, _validate_concrete)
+
     @model_validator(mode="after")
     def _check(self) -> "JobSpec":
         problems = spec_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def _validate_concrete(data: dict) -> JobSpec:
+    """The validation :func:`service.spec.auto.search` applies to each candidate layout."""
+    return JobSpec.model_validate(data)
+
+
+def search_layouts(data: dict) -> dict:
+    """The cost model's ranking of the layouts a spec's ``auto`` fields allow (:func:`service.spec.auto.search`);
+    a spec with none open is searched with its whole parallel section open (``raytron plan --auto``)."""
+    data = dict(data)
+    if not auto_fields(data):
+        par = data.get("parallel") or {}
+        data["parallel"] = {**(par if isinstance(par, dict) else {}), **{k: "auto" for k in PARALLEL_AUTO}}
+    return search_once(data, _validate_concrete)
 
 
 def grid_of(spec: JobSpec, world_size: int | None = None) -> ParallelGrid:
@@ -71,6 +111,13 @@ def batch_problem(global_batch_size: int, micro_batch_size: int, grid: ParallelG
 
 def spec_problems(spec: JobSpec) -> list[str]:
     """Every cross-field problem of a spec, each naming fields, numbers and the fix."""
+    fields = auto_fields(spec.model_dump())
+    if fields:  # a spec put together without validation (service.spec.check): the search is its check
+        try:
+            resolve(spec.model_dump(), _validate_concrete)
+        except ValueError as e:
+            return [str(e)]
+        return resources_problems(spec.resources)
     m, p, t, res = spec.model, spec.parallel, spec.training, spec.resources
     out: list[str] = []
     tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
@@ -135,6 +182,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
         out.append(problem)
     out.extend(recompute_problems(m, pp))
     out.extend(training_problems(t))
+    out.extend(resources_problems(res))
     if res.min_nodes is not None and res.min_nodes > res.num_nodes:
         out.append(f"resources.min_nodes {res.min_nodes} > resources.num_nodes {res.num_nodes}: the elastic floor "
                    f"cannot be above the job's size; lower min_nodes")
@@ -212,11 +260,35 @@ def _yaml_loader():
     return Loader
 
 
+def _is_union_branch(part) -> bool:
+    """A ``loc`` part pydantic adds for a branch of a union (``int``, ``literal['auto']``, ``ParallelSpec``)."""
+    return isinstance(part, str) and (part in ("int", "bool", "str", "float", "none", "constrained-int")
+                                      or part.startswith(("literal[", "function-")) or part[:1].isupper())
+
+
+def field_errors(e: ValidationError) -> list[tuple[str, str, dict]]:
+    """``(field path, message, error)`` per field: a union's branches (``2`` or ``auto``) merged into one
+    message, and the branch a nested section did not take (``parallel: auto``) dropped."""
+    merged: dict[str, list[tuple[str, dict]]] = {}
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"] if not _is_union_branch(x))
+        msg = err["msg"].removeprefix("Value error, ")
+        merged.setdefault(loc, []).append((msg, err))
+    out = []
+    for loc, items in merged.items():
+        if loc and any(other.startswith(loc + ".") for other in merged):
+            continue  # e.g. parallel: {...} was not the string auto; its fields' errors say what is wrong
+        msgs = [m for m, _ in items]
+        auto = "Input should be 'auto'" in msgs
+        msgs = list(dict.fromkeys(m for m in msgs if m != "Input should be 'auto'")) or msgs[:1]
+        msg = " or ".join(msgs) + (" (or 'auto')" if auto and len(items) > 1 else "")
+        out.append((loc, msg, items[0][1]))
+    return out
+
+
 def format_validation_error(e: ValidationError) -> str:
     parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
+    for loc, msg, err in field_errors(e):
         if err["type"].endswith(("_type", "finite_number", "_parsing")) and "input" in err:
             msg += f", got {err['input']!r}"  # tp: "2" or tp: true shows as what it is
         parts.append(f"{loc}: {msg}" if loc else msg)

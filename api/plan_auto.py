@@ -1,0 +1,79 @@
+"""``raytron plan --auto SPEC``: the cost model's best layouts for a spec, as a table or JSON.
+
+The search is :func:`service.spec.spec.search_layouts` (``parallel: auto`` and the other ``auto``
+fields; a spec with none open is searched with its whole parallel section open). ``--json`` prints
+``{"candidates": [{"sizes": {"tp", "pp", "vpp", "cp", "ep", "dp"}, "order", "micro_batch_size",
+"use_distributed_optimizer", "recompute_granularity", "predicted_step_s", "peak_bytes_per_rank", ...}],
+"chosen": 0, ...}``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from service.spec.check import check_spec
+from service.spec.spec import search_layouts
+
+GB = 1e9
+
+
+def auto_plan(spec_data: dict) -> dict:
+    """The search's answer without the concrete spec data each candidate carries. Raises ValueError."""
+    found = search_layouts(spec_data)
+    for c in found["candidates"]:
+        c.pop("data", None)
+    return found
+
+
+def print_auto(found: dict, out=None) -> None:
+    out = out or sys.stdout
+    cl = found["cluster"]
+    print(f"parallel: auto on {cl['name']} ({cl['memory_gb']:g} GB, {cl['peak_tflops']:g} TFLOP/s, "
+          f"{cl['intra_node_bandwidth_gbps']:g} GB/s in a node, {cl['inter_node_bandwidth_gbps']:g} GB/s across): "
+          f"{found['considered']} layouts x micro batches, {found['valid']} valid, {found['fit']} with their optimizer "
+          f"and recompute choices fit {found['memory_limit_bytes'] / GB:.1f} GB; open: {', '.join(found['open'])}",
+          file=out)
+    print(f"{'#':>2} {'tp':>3}{'pp':>3}{'vpp':>4}{'cp':>3}{'ep':>3}{'dp':>3} {'sp':>3}{'mbs':>4} {'dist':>5} {'recomp':>7}"
+          f" {'step s':>7} {'peak GB':>8} {'act GB':>7} {'bubble s':>9} {'comm s':>7} {'x-node GB':>10}", file=out)
+    for i, c in enumerate(found["candidates"]):
+        s, t = c["sizes"], c["step_seconds"]
+        comm = t["tp"] + t["cp"] + t["ep"] + t["pp"] + t["dp_exposed"]
+        mark = "*" if i == found["chosen"] else " "
+        print(f"{i:>2}{mark}{s['tp']:>3}{s['pp']:>3}{s['vpp'] or '-':>4}{s['cp']:>3}{s['ep']:>3}{s['dp']:>3} "
+              f"{'y' if c['sequence_parallel'] else 'n':>3}{c['micro_batch_size']:>4} "
+              f"{'y' if c['use_distributed_optimizer'] else 'n':>5} {c['recompute_granularity'] or '-':>7}"
+              f" {c['predicted_step_s']:>7.3f} {c['peak_bytes_per_rank'] / GB:>8.1f} {c['activation_bytes'] / GB:>7.1f}"
+              f" {c['bubble_s']:>9.3f} {comm:>7.3f} {c['cross_node_bytes'] / GB:>10.1f}", file=out)
+    print("* chosen. peak = weights + grads + optimizer + activations of the most loaded rank; comm = TP, CP, EP, "
+          "PP and the DP time not hidden by backward; x-node = bytes per iteration crossing nodes, all ranks",
+          file=out)
+
+
+def print_cost(plan: dict, out=None) -> None:
+    """The cost-model lines of ``raytron plan`` (the ``cost`` part of :func:`service.spec.plan.plan_job`)."""
+    out = out or sys.stdout
+    c = plan.get("cost")
+    if not c:
+        return
+    t = c["step_seconds"]
+    print(f"cost model ({c['cluster']['name']}): peak {c['peak_bytes_per_rank'] / GB:.1f} GB per rank "
+          f"(state {c['state_bytes']['total'] / GB:.1f} + activations {c['activation_bytes']['total'] / GB:.1f}), "
+          f"{'fits' if c['fits'] else 'does NOT fit'} {c['cluster']['memory_gb']:g} GB x {c['memory_margin']}; "
+          f"step {c['predicted_step_s']:.3f} s = " + " + ".join(
+              f"{k} {t[k]:.3f}" for k in ("compute", "recompute", "tp", "cp", "ep", "pp", "bubble", "dp_exposed")
+              if t[k]), file=out)
+
+
+def run_auto(spec_data, args, bad_input: type[Exception], print_json) -> int:
+    """``raytron plan --auto``: computed here (a ``--server`` is not asked); bad input raises ``bad_input``."""
+    if not isinstance(spec_data, dict):
+        raise bad_input(f"a job spec is a mapping of sections, got {type(spec_data).__name__}")
+    check = check_spec(spec_data)
+    if check.problems:
+        raise bad_input("invalid job spec: " + "; ".join(f"{p['field']}: {p['message']}" for p in check.problems))
+    try:
+        found = auto_plan(spec_data)
+    except ValueError as e:
+        raise bad_input(str(e)) from None
+    print_json(found) if args.json else print_auto(found)
+    return 0

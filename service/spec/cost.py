@@ -1,0 +1,205 @@
+"""The cost model of ``raytron plan``: memory per rank and step time of one layout. Pure, no torch.
+
+**Cluster figures** (:func:`cluster_of`). ``resources.gpu_type`` picks the vendor figures below;
+``gpu_memory_gb``, ``gpu_peak_tflops``, ``intra_node_bandwidth_gbps``, ``inter_node_bandwidth_gbps``
+give them one by one (bandwidths may override a type's: fabrics differ). Without any, the figures
+are the simulated CPU cluster's (``--simulate``: gloo over loopback on one machine), deliberately
+conservative guesses, not measurements: 16 GB per rank, 0.1 TFLOP/s, 2 GB/s in a node, 1 GB/s
+across nodes.
+
+**Memory per rank** (:func:`state_bytes`, :func:`activation_bytes`), for the most loaded rank:
+
+* parameters, gradients and Adam state, as Megatron's ``compute_weight_and_optimizer_memory``
+  (megatron/training/theoretical_memory_usage.py): bf16/fp16 mixed precision 18 bytes per
+  parameter (2 weight + 4 fp32 grad + 4 fp32 master + 8 moments), with the distributed optimizer
+  ``6 + 12/n``; fp32 (the trainer's default) 16, distributed ``8 + 12/n`` as :mod:`service.spec.plan`
+  states. ``n`` is dp x cp for dense weights, expert dp for expert weights.
+* activations per Korthikanti et al. 2022 (arXiv 2205.05198) Table 2, re-derived for this model
+  (RMSNorm, SwiGLU, GQA, no dropout, flash attention), bytes per layer per microbatch in units of
+  ``s b h`` (s = seq / cp, 2-byte elements; fp32 doubles it): tensors every TP rank holds whole
+  without SP: 2 norm inputs + QKV input + fc1 input = 8; split over TP: Q 2, K and V 4 g/a, the
+  attention output 2, flash attention's fp32 log-sum-exp 4 a/h, SwiGLU's gate and up 4 f/h and its
+  product 2 f/h. With SP everything is split over TP. No ``5 a s / h`` softmax term (flash attention
+  keeps none), so selective recompute (the attention core) saves nothing here and is never chosen.
+  MoE replaces the MLP: norm 2, router input 2, fp32 router logits 4 E/h, routed tokens and their
+  outputs 4 k, the experts' SwiGLU 6 k f/h. Full recompute keeps each recomputed layer's input
+  (2) and, in backward, one recompute group whole. The first stage holds min(pp, microbatches)
+  microbatches in flight (1F1B), pp x (1 + (pp-1)/(pp vpp)) interleaved; the last stage one, plus
+  the output layer (its input and the fp32 logits ``4 s b V / tp``).
+
+**Step time** (:func:`step_time`): Megatron's FLOPs (``num_floating_point_operations``, causal
+attention halved) over peak x :data:`EFFICIENCY`; the bubble ``(pp-1)/(vpp m)`` of the work of one
+stage; TP, CP, EP and PP bytes from :mod:`service.spec.plan`'s traffic (one traffic model) over
+the bandwidth of each hop, the slowest rank counting (a ring moves at its slowest hop), not
+overlapped; DP gradients overlapped with the last microbatch's backward (the all-gather of the
+distributed optimizer after the step is not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+
+# Vendor figures per accelerator (SXM parts): dense bf16 TFLOP/s (without sparsity), memory in GB,
+# NVLink one direction (NVIDIA quotes both directions together: 600 / 900 / 900 / 1800 GB/s), and one
+# InfiniBand NIC per GPU one direction (HDR 200 Gb/s = 25 GB/s; NDR 400 Gb/s = 50 GB/s).
+# A100: A100 datasheet (312 TFLOPS bf16, 80 GB HBM2e, NVLink 600 GB/s); DGX A100: 8x HDR.
+# H100: H100 datasheet (989 TFLOPS bf16 dense = 1,979 with sparsity / 2, 80 GB, NVLink 900 GB/s); DGX H100: 8x NDR.
+# H200: H200 datasheet (989 TFLOPS bf16 dense, 141 GB HBM3e, NVLink 900 GB/s); 8x NDR.
+# B200: HGX B200 datasheet (2.25 PFLOPS bf16 dense = 4.5 sparse / 2, 180 GB HBM3e, NVLink 5 1,800 GB/s); DGX B200: 8x NDR.
+GPU_FIGURES: dict[str, dict[str, float]] = {
+    "A100": {"memory_gb": 80, "peak_tflops": 312, "intra_gbps": 300, "inter_gbps": 25},
+    "H100": {"memory_gb": 80, "peak_tflops": 989, "intra_gbps": 450, "inter_gbps": 50},
+    "H200": {"memory_gb": 141, "peak_tflops": 989, "intra_gbps": 450, "inter_gbps": 50},
+    "B200": {"memory_gb": 180, "peak_tflops": 2250, "intra_gbps": 900, "inter_gbps": 50},
+}
+SIMULATED_CPU = {"memory_gb": 16, "peak_tflops": 0.1, "intra_gbps": 2, "inter_gbps": 1}
+"""The simulated CPU cluster's figures (assumed, conservative; see the module docstring)."""
+
+EFFICIENCY = 0.5
+"""Achieved / peak FLOP/s of the GEMMs (model FLOPs utilisation before communication and bubble)."""
+
+MEMORY_MARGIN = 0.85
+"""A layout fits when its peak bytes are at most this share of the accelerator's memory (the rest:
+CUDA context, NCCL buffers, allocator fragmentation, temporaries)."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The figures the cost model uses, in bytes and seconds."""
+
+    name: str
+    memory_bytes: float
+    peak_flops: float
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "memory_gb": self.memory_bytes / GB, "peak_tflops": self.peak_flops / 1e12,
+                "intra_node_bandwidth_gbps": self.intra_bytes_per_s / GB,
+                "inter_node_bandwidth_gbps": self.inter_bytes_per_s / GB}
+
+
+def cluster_of(resources) -> Cluster:
+    """The cluster figures of a spec's ``resources`` section (validated: a type excludes memory and peak)."""
+    base = GPU_FIGURES[resources.gpu_type] if resources.gpu_type else SIMULATED_CPU
+    name = resources.gpu_type or "simulated-cpu"
+    given = {"memory_gb": resources.gpu_memory_gb, "peak_tflops": resources.gpu_peak_tflops,
+             "intra_gbps": resources.intra_node_bandwidth_gbps, "inter_gbps": resources.inter_node_bandwidth_gbps}
+    f = {k: (v if v is not None else base[k]) for k, v in given.items()}
+    if any(v is not None for v in given.values()):
+        name += " (as given)" if not resources.gpu_type else " (bandwidth as given)"
+    return Cluster(name, f["memory_gb"] * GB, f["peak_tflops"] * 1e12, f["intra_gbps"] * GB, f["inter_gbps"] * GB)
+
+
+def state_bytes(dense: float, expert: float, dense_shards: int, expert_shards: int, *, mixed: bool,
+                distributed: bool) -> dict[str, float]:
+    """Bytes of weights, gradients and optimizer state of one rank holding ``dense`` and ``expert``
+    parameters, whose optimizer state the distributed optimizer shards ``dense_shards`` /
+    ``expert_shards`` ways."""
+    params = dense + expert
+    weight, grad = (2, 4) if mixed else (4, 4)
+    shard = dense / dense_shards + expert / expert_shards
+    if mixed:  # fp32 master + 2 moments (12 bytes), sharded by the distributed optimizer
+        optimizer = 12 * (shard if distributed else params)
+    else:  # fp32: the moments (8), or with the distributed optimizer a master copy and the moments of a shard
+        optimizer = 12 * shard if distributed else 8 * params
+    return {"weights": weight * params, "gradients": grad * params, "optimizer": optimizer,
+            "total": (weight + grad) * params + optimizer}
+
+
+def layer_activation_units(s, *, tp: int, sp: bool) -> float:
+    """Activation bytes of one layer per ``s b h`` tokens-x-hidden, 2-byte elements (module docstring)."""
+    h, a, g, f = s.hidden, s.heads, s.groups, s.ffn
+    split_attention = 2 + 4 * g / a + 2 + 4 * a / h
+    whole_attention = 2 + 2
+    if s.experts:
+        split_mlp, whole_mlp = 2 + 4 * s.experts / h + 4 * s.topk + 6 * s.topk * f / h, 2
+    else:
+        split_mlp, whole_mlp = 6 * f / h, 2 + 2
+    split = (split_attention + split_mlp) / tp
+    whole = whole_attention + whole_mlp
+    return split + (whole / tp if sp else whole)
+
+
+def activation_bytes(s, *, tp: int, pp: int, cp: int, vpp: int | None, sp: bool, micro_batch_size: int,
+                     num_microbatches: int, recompute: str | None, recompute_method: str | None,
+                     recompute_num_layers: int | None, element_bytes: int) -> dict[str, float]:
+    """Peak activation bytes of the most loaded pipeline stage (first or last), with the parts."""
+    sbh = s.seq // cp * micro_batch_size * s.hidden * element_bytes / 2
+    full_layer = layer_activation_units(s, tp=tp, sp=sp) * sbh
+    layer_input = 2 * sbh / (tp if sp else 1)
+    stage_layers = s.layers // pp
+    if recompute == "full":
+        n = recompute_num_layers or 1
+        if recompute_method == "block":
+            kept, working = (stage_layers - n) * full_layer + n * layer_input, 0.0
+        else:  # uniform: one input per group of n layers; backward rebuilds one group whole
+            kept, working = -(-stage_layers // n) * layer_input, n * full_layer
+    else:  # none or selective (flash attention already keeps no s^2 tensor: the same bytes)
+        kept, working = stage_layers * full_layer, 0.0
+    if vpp:
+        in_flight = min(pp * (1 + (pp - 1) / (pp * vpp)), num_microbatches * 1.0)
+    else:
+        in_flight = min(pp, num_microbatches)
+    tokens = s.seq // cp * micro_batch_size
+    embedding = 8 * tokens * in_flight  # int64 token ids
+    output = 2 * sbh * 2 / (tp if sp else 1) + 4 * tokens * s.vocab / tp  # final norm in/out, fp32 logits
+    first = kept * in_flight + working + embedding
+    last = kept + working + output
+    if pp == 1:
+        first = last = kept + working + embedding + output
+    peak = max(first, last)
+    return {"layers": kept * (in_flight if first >= last else 1), "recompute_working": working,
+            "embedding": embedding if first >= last else 0.0, "output_layer": output if last > first or pp == 1
+            else 0.0, "in_flight_microbatches": in_flight if first >= last else 1, "total": peak}
+
+
+def megatron_flops(s, batch: int, *, recompute: str | None = None) -> float:
+    """Training FLOPs of ``batch`` sequences by Megatron's ``num_floating_point_operations``
+    (megatron/training/training.py): 12 s L h^2 x (attention (1 + g/a + s/(2h)) + MLP 1.5 f/h x topk
+    + logits V/(2 L h)), causal attention halved. Full recompute adds one forward of the layers."""
+    h, L = s.hidden, s.layers
+    routed = s.topk if s.experts else 1
+    attention = (1 + s.groups / s.heads + s.seq / h / 2) * (s.heads * s.head_dim / h)
+    mlp = s.ffn / h * routed * 1.5
+    logits = s.vocab / (2 * L * h)
+    total = 12 * batch * s.seq * L * h * h * (attention + mlp + logits)
+    if recompute == "full":
+        total += total * (attention + mlp) / (attention + mlp + logits) / 3
+    return total
+
+
+def comm_seconds(rank_bytes: dict[str, dict[int, tuple[float, float]]], cluster: Cluster,
+                 scale: dict[str, float]) -> dict[str, float]:
+    """Per kind, the slowest rank's time to send its bytes (in-node, cross-node) of one iteration."""
+    out = {}
+    for kind, per_rank in rank_bytes.items():
+        worst = 0.0
+        for in_node, cross in per_rank.values():
+            worst = max(worst, (in_node / cluster.intra_bytes_per_s + cross / cluster.inter_bytes_per_s)
+                        * scale.get(kind, 1.0))
+        out[kind] = worst
+    return out
+
+
+def step_time(s, *, world: int, pp: int, vpp: int | None, global_batch_size: int, num_microbatches: int,
+              recompute: str | None, comm: dict[str, float], cluster: Cluster,
+              distributed: bool) -> dict[str, float]:
+    """Predicted seconds of one iteration, by part (module docstring)."""
+    compute = megatron_flops(s, global_batch_size) / world / (cluster.peak_flops * EFFICIENCY)
+    recompute_s = (megatron_flops(s, global_batch_size, recompute=recompute) / world
+                   / (cluster.peak_flops * EFFICIENCY) - compute)
+    exposed = {k: comm.get(k, 0.0) for k in ("tp", "cp", "ep", "pp")}
+    work = compute + recompute_s + sum(exposed.values())
+    bubble = work * (pp - 1) / ((vpp or 1) * num_microbatches)
+    dp = comm.get("dp", 0.0)
+    window = compute * 2 / 3 / num_microbatches  # the last microbatch's backward on one stage
+    if distributed:  # reduce-scatter overlapped; the all-gather after the step is not
+        dp_exposed = max(0.0, dp / 2 - window) + dp / 2
+    else:
+        dp_exposed = max(0.0, dp - window)
+    total = work + bubble + dp_exposed
+    return {"compute": compute, "recompute": recompute_s, **exposed, "bubble": bubble, "dp": dp,
+            "dp_exposed": dp_exposed, "total": total}
