@@ -142,3 +142,14 @@ def test_memory_decides_when_it_is_short(capsys):
 def test_a_bad_cluster_is_named_once_for_an_auto_spec():
     problems = check_spec(small(gpu_type="H100", gpu_memory_gb=40)).problems
     assert [p["field"] for p in problems] == ["resources.gpu_memory_gb"]
+
+
+def test_a_world_too_large_to_search_is_refused_before_any_search():
+    """A spec is resolved where it is read (the REST server too), and the search grows with the
+    world: past AUTO_MAX_WORLD_SIZE ranks it is refused at once, naming the numbers and the fix."""
+    from service.spec.auto import AUTO_MAX_WORLD_SIZE
+
+    problems = check_spec(small(num_nodes=AUTO_MAX_WORLD_SIZE // 4 + 1, gpus_per_node=4)).problems
+    assert len(problems) == 1 and f"at most {AUTO_MAX_WORLD_SIZE} ranks" in problems[0]["message"], problems
+    assert problems[0]["field"] == "resources.num_nodes"
+    assert check_spec(small(num_nodes=2, gpus_per_node=4)).problems == []

@@ -166,6 +166,14 @@ def _candidate(spec, grid: ParallelGrid, data: dict, est: dict) -> dict:
             "cross_node_bytes": est["cross_node_bytes"], "step_seconds": step, "data": data}
 
 
+AUTO_MAX_WORLD_SIZE = 64
+"""The largest world an ``auto`` spec is searched for. The search counts every layout's traffic
+group by group (the plan's own traffic model), which grows with the world size: about 2 s for 16
+ranks, 5 s for 64, 37 s for 256 and minutes for 1024 on the 2-core machine; a spec is resolved
+where it is read (the REST server included), so larger worlds are refused until the traffic is
+counted per group kind rather than per group."""
+
+
 def search(data: dict, validate: Callable[[dict], object], top: int = TOP) -> dict:
     """Every valid layout of a spec's open fields, costed; the ``top`` fitting ones, best first.
 
@@ -185,6 +193,10 @@ def search(data: dict, validate: Callable[[dict], object], top: int = TOP) -> di
     if problems:  # every candidate would fail on them: say so once
         raise ValueError("; ".join(problems))
     c = _choices(base, open_)
+    if c["world"] > AUTO_MAX_WORLD_SIZE:
+        raise ValueError(f"parallel: auto searches layouts for at most {AUTO_MAX_WORLD_SIZE} ranks; this job has "
+                         f"{c['world']} (resources.num_nodes x gpus_per_node): give the parallel sizes yourself "
+                         f"(the cost of each is in `raytron plan SPEC`)")
     considered, valid, fitting, unfit, first_problem = 0, 0, [], [], None
     for tp, pp, vpp, cp, ep, sp in _layouts(c):
         for mbs in c["mbs"]:
