@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.parallel.clip import clip_coefficient, global_grad_norm, unscale_and_check
+from workers.parallel.clip import clip_by_norm, global_grad_norm, unscale_and_check
 from workers.parallel.data import DataParallelGrads, GradBuffer, ParamGroups
 
 
@@ -78,8 +78,7 @@ class FlatAdamW:
         """One AdamW step in place (decoupled weight decay, bias correction, as torch.optim's).
 
         Args:
-            grad_scale: the op divides the grads by it (and leaves them so): the clip coefficient
-                rides on it, saving a pass over the grads.
+            grad_scale: the op divides the grads by it (and leaves them so); None: no scaling.
         """
         self.step_t.fill_(step)
         for decay, (params, grads, exp_avgs, exp_avg_sqs) in self.groups.items():
@@ -161,14 +160,12 @@ class AdamWOverGrads:
         if not math.isfinite(norm):
             # Keep the weights finite; the caller sees the norm and fails the job.
             return StepInfo(grad_norm=norm, skipped=True)
-        grad_scale = None
-        coeff = clip_coefficient(self.clip_grad, norm) if self.clip_grad > 0 else 1.0
-        if coeff < 1.0:
-            # Clipping rides on the fused op's grad_scale (it divides, and leaves the grads
-            # clipped): one pass over the grads fewer than a separate mul_.
-            grad_scale = torch.full((), 1.0 / coeff, dtype=torch.float32, device=self.main_grads()[0].device)
+        if self.clip_grad > 0:
+            # A separate mul_ over the flat grads, not the fused op's grad_scale: on CPU the
+            # op's grad_scale path took 2x its plain time (measured, bench/step_bench.py).
+            clip_by_norm(self.main_grads(), self.clip_grad, norm)
         self.num_steps += 1
-        self._apply_updates(grad_scale)
+        self._apply_updates(None)
         return StepInfo(grad_norm=norm, skipped=False)
 
     def _update(self, flat: FlatAdamW, grad_scale: torch.Tensor | None) -> None:
