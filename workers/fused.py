@@ -140,7 +140,10 @@ class _SwiGLU(torch.autograd.Function):
     def forward(ctx, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         ctx.save_for_backward(gate_up)
-        return torch.nn.functional.silu(gate).mul_(up)
+        # silu of the strided gate half into a dense buffer: F.silu(gate) keeps the input's
+        # strides and took 3x as long on CPU (measured).
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        return torch.ops.aten.silu.out(gate, out=out).mul_(up)
 
     @staticmethod
     def backward(ctx, grad):
@@ -149,7 +152,7 @@ class _SwiGLU(torch.autograd.Function):
         out = torch.empty_like(gate_up)
         grad_gate, grad_up = out.chunk(2, dim=-1)
         torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
-        torch.mul(grad, torch.nn.functional.silu(gate), out=grad_up)
+        torch.ops.aten.silu.out(gate, out=grad_up).mul_(grad)
         return out
 
 
