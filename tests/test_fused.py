@@ -70,7 +70,8 @@ def test_rotary_qkv_matches_rotate_half_per_tensor():
         q = qkv[:, :, :, :per].reshape(s, b, groups * per, d)
         return _rotate_half(q, rotary), _rotate_half(qkv[:, :, :, per], rotary), qkv[:, :, :, per + 1]
 
-    _check(lambda qkv: rotary_qkv(qkv, rotary_qkv_tables(rotary, per + 2)), plain, [torch.randn(s, b, groups, per + 2, d)])
+    tables = rotary_qkv_tables(rotary, per + 2)
+    _check(lambda qkv: rotary_qkv(qkv, tables), plain, [torch.randn(s, b, groups, per + 2, d)])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -122,14 +122,18 @@ class Attention(nn.Module):
         proj = NormalInit(ctx.seed, f"{prefix}.proj", (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim),
                           cfg.init_method_std)
         self.proj = RowParallelLinear(proj, ctx.tp_group, sequence_parallel=sp)
-        self._rope = (None, None)  # (key of the rotary buffer, its per-slot tables)
+        self._rope_key = None  # which rotary buffer the RoPE tables below were built from
 
     def _rope_tables(self, rotary: torch.Tensor, slots: int):
-        # Built once per rotary buffer (it changes only when the chunk is cast or moved).
+        # Built once per rotary buffer (it changes only when the chunk is cast or moved). Kept
+        # as (non-persistent) buffers: constants of the layout, not activations, though the
+        # RoPE node saves them for backward.
         key = (rotary.data_ptr(), rotary.dtype, rotary.device, rotary._version, slots)
-        if self._rope[0] != key:
-            self._rope = (key, rotary_qkv_tables(rotary, slots))
-        return self._rope[1]
+        if self._rope_key != key:
+            for name, table in zip(("rope_cos", "rope_sin", "rope_sin_back"), rotary_qkv_tables(rotary, slots)):
+                self.register_buffer(name, table, persistent=False)
+            self._rope_key = key
+        return self.rope_cos, self.rope_sin, self.rope_sin_back
 
     def forward(self, x: torch.Tensor, rotary: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``x``, plus ``residual`` if given (folded into the output GEMM)."""
@@ -253,6 +257,8 @@ class ModelChunk(nn.Module):
             emb = _padded_table(ctx.seed, "embedding", cfg, vocab)
             self.embedding = VocabParallelEmbedding(emb, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, i) for i in layer_ids)
+        for layer in self.layers:  # the RoPE tables now, so they count as buffers from the start
+            layer.attention._rope_tables(self.rotary, cfg.num_attention_heads // cfg.num_query_groups + 2)
         if post_process:
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
             out = _padded_table(ctx.seed, "output", cfg, vocab)
