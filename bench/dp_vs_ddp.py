@@ -11,8 +11,9 @@ same loss (``sum of token losses / tokens in the global batch``) and AdamW:
   microbatch's backward, ``torch.optim.AdamW`` (the replicated optimizer);
 * DDP: ``DistributedDataParallel`` around the single-process ``ModelChunk`` (no groups), every
   microbatch but the last under ``no_sync()``, the loss scaled by dp because DDP averages,
-  ``torch.optim.AdamW`` with the same hyper-parameters, and the same loss all-reduce for the
-  reported value.
+  ``torch.optim.AdamW`` with the same hyper-parameters (weight decay on 2-D params only, the
+  same LR schedule), ``clip_grad_norm_`` at ``training.clip_grad``, batches from the same
+  ``training.split``, and the same loss all-reduce for the reported value.
 
 Iterations alternate (raytron, DDP, raytron, ...) so that load from other work on the machine
 hits both alike; the first ``--warmup`` of each are dropped and the median of the rest is
@@ -62,6 +63,7 @@ class DDPRunner:
         from torch.nn.parallel import DistributedDataParallel
 
         from workers.dataset import GlobalSampler
+        from workers.lr_schedule import LRSchedule
         from workers.model import ModelChunk, ShardContext
 
         m, t = job.model, job.training
@@ -69,9 +71,14 @@ class DDPRunner:
         model = ModelChunk(m, ShardContext(seed=t.seed), list(range(m.num_layers)), pre_process=True,
                            post_process=True, positions=torch.arange(m.seq_length))
         self.model = DistributedDataParallel(model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                                           eps=t.adam_eps, weight_decay=t.weight_decay)
-        self.sampler = GlobalSampler(t.data, m.seq_length, t.seed, t.global_batch_size)
+        params = list(self.model.parameters())
+        # raytron's rules, which are spec defaults: no decay on 1-D params, clipping, the split.
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for p in params if p.dim() > 1]},
+             {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
+            lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
+        self.lr_schedule = LRSchedule.from_config(t)
+        self.sampler = GlobalSampler(t.data, m.seq_length, t.seed, t.global_batch_size, split=t.split)
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * world_size)
         self.tokens_per_iteration = t.global_batch_size * m.seq_length
         self.iteration = 0
@@ -86,6 +93,8 @@ class DDPRunner:
 
         t0 = time.perf_counter()
         t = self.job.training
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_schedule.lr_for_update(self.iteration)
         self.optimizer.zero_grad()
         total = torch.zeros((), dtype=torch.float64)
         per_rank = t.global_batch_size // self.world_size
@@ -99,6 +108,8 @@ class DDPRunner:
                 # DDP averages over ranks; raytron sums: scale so both apply the same gradient.
                 (loss * self.world_size).backward()
             total += loss.detach()
+        if t.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.clip_grad)
         self.optimizer.step()
         dist.all_reduce(total)
         self.iteration += 1

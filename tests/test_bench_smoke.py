@@ -28,7 +28,7 @@ ONE_SAMPLE = {"global_batch_size": 1, "micro_batch_size": 1}
 
 
 def test_bench_modules_import():
-    for name in ("bench.comm_bench", "bench.dp_vs_ddp", "bench.cp_memory"):
+    for name in ("bench.comm_bench", "bench.dp_vs_ddp", "bench.cp_memory", "bench.step_bench"):
         assert callable(importlib.import_module(name).main)
 
 

@@ -21,10 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.config import ModelConfig
+from workers.fused import rms_norm, rotary_qkv, rotary_qkv_tables, swiglu
 from workers.parallel import comm
 from workers.parallel.context import context_parallel_attention, cp_positions
 from workers.parallel.expert import MoELayer
@@ -74,13 +74,15 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float, sequence_parallel: bool):
         super().__init__()
         self.eps = eps
+        # eps as a tensor: the fused norm adds it inside an addcmul (one op fewer per call).
+        self.register_buffer("eps_tensor", torch.tensor(eps, dtype=torch.float32), persistent=False)
         # On sequence shards each TP rank sees part of the tokens: its grad is partial.
         self.weight = mark_sequence_parallel(nn.Parameter(torch.ones(hidden)), sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32 under bf16/fp16 (as Megatron's fused norms); no-ops in fp32.
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        # Statistics in fp32 under bf16/fp16 (as Megatron's fused norms), in one op.
+        # The tensor eps only in fp32: ``.to(bf16)`` casts buffers, and a bf16 eps would change the math.
+        return rms_norm(x, self.weight, self.eps_tensor if x.dtype == torch.float32 else self.eps)
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> torch.Tensor:
@@ -91,14 +93,6 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> torch.
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     return torch.stack([angles.cos(), angles.sin()])[:, :, None, None, :]
-
-
-def apply_rotary(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding of ``x [s, b, heads, d]`` with :func:`rotary_tables`."""
-    cos, sin = rotary[0], rotary[1]
-    d = x.shape[-1]
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def _fused_qkv(cfg: ModelConfig, seed: int, prefix: str) -> Cat:
@@ -128,23 +122,33 @@ class Attention(nn.Module):
         proj = NormalInit(ctx.seed, f"{prefix}.proj", (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim),
                           cfg.init_method_std)
         self.proj = RowParallelLinear(proj, ctx.tp_group, sequence_parallel=sp)
+        self._rope_key = None  # which rotary buffer the RoPE tables below were built from
 
-    def forward(self, x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
+    def _rope_tables(self, rotary: torch.Tensor, slots: int):
+        # Built once per rotary buffer (it changes only when the chunk is cast or moved). Kept
+        # as (non-persistent) buffers: constants of the layout, not activations, though the
+        # RoPE node saves them for backward.
+        key = (rotary.data_ptr(), rotary.dtype, rotary.device, rotary._version, slots)
+        if self._rope_key != key:
+            for name, table in zip(("rope_cos", "rope_sin", "rope_sin_back"), rotary_qkv_tables(rotary, slots)):
+                self.register_buffer(name, table, persistent=False)
+            self._rope_key = key
+        return self.rope_cos, self.rope_sin, self.rope_sin_back
+
+    def forward(self, x: torch.Tensor, rotary: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of ``x``, plus ``residual`` if given (folded into the output GEMM)."""
         cfg, d = self.cfg, self.cfg.head_dim
         groups = cfg.num_query_groups // self.ctx.tp_size
         per_group = cfg.num_attention_heads // cfg.num_query_groups
         qkv = self.qkv(x)  # [s, b, groups * (per_group + 2) * d]
         s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, groups, per_group + 2, d)
-        q = qkv[:, :, :, :per_group].reshape(s, b, groups * per_group, d)
-        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
-        q = apply_rotary(q, rotary)
-        k = apply_rotary(k, rotary)
+        # RoPE on q and k and the split, as one autograd node (workers.fused).
+        q, k, v = rotary_qkv(qkv.view(s, b, groups, per_group + 2, d), self._rope_tables(rotary, per_group + 2))
         if self.cfg.recompute_granularity == "selective":
             out = checkpointed(self._core, q, k, v)  # Megatron's selective: the attention core
         else:
             out = self._core(q, k, v)
-        return self.proj(out.reshape(s, b, -1))
+        return self.proj(out.reshape(s, b, -1), residual)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return context_parallel_attention(q, k, v, group=self.ctx.cp_group, ranks=self.ctx.cp_ranks,
@@ -167,9 +171,9 @@ class MLP(nn.Module):
         self.down = RowParallelLinear(NormalInit(ctx.seed, f"{prefix}.down", (h, f), std), ctx.tp_group,
                                       sequence_parallel=sp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """SwiGLU MLP of ``x``, plus ``residual`` if given (folded into the down GEMM)."""
+        return self.down(swiglu(self.gate_up(x)), residual)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -217,7 +221,7 @@ class DecoderLayer(nn.Module):
         self.aux_loss_sum = None  # detached aux losses of the iteration's microbatches
 
     def forward(self, x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.input_norm(x), rotary)
+        x = self.attention(self.input_norm(x), rotary, residual=x)
         h = self.post_norm(x)
         if isinstance(self.mlp, MoELayer):
             y, aux = self.mlp(h)
@@ -226,7 +230,7 @@ class DecoderLayer(nn.Module):
             if aux.requires_grad:
                 y = _AttachAuxLoss.apply(y, aux, self.aux_scale)
         else:
-            y = self.mlp(h)
+            return self.mlp(h, residual=x)
         return x + y
 
 
@@ -253,6 +257,8 @@ class ModelChunk(nn.Module):
             emb = _padded_table(ctx.seed, "embedding", cfg, vocab)
             self.embedding = VocabParallelEmbedding(emb, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, i) for i in layer_ids)
+        for layer in self.layers:  # the RoPE tables now, so they count as buffers from the start
+            layer.attention._rope_tables(self.rotary, cfg.num_attention_heads // cfg.num_query_groups + 2)
         if post_process:
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
             out = _padded_table(ctx.seed, "output", cfg, vocab)

@@ -215,8 +215,8 @@ class Trainer:
 
         def loss_fn(mb: int, logits: torch.Tensor) -> torch.Tensor:
             target = labels.pop(mb) if mb in labels else microbatch(mb)[1]
-            # The cross-entropy runs in fp32 whatever the compute dtype (as Megatron's).
-            losses = vocab_parallel_cross_entropy(logits.float(), target, self.groups.tp_group)
+            # The cross-entropy runs in fp32 whatever the compute dtype (as Megatron's), inside.
+            losses = vocab_parallel_cross_entropy(logits, target, self.groups.tp_group)
             loss = losses.sum() / self.tokens_per_iteration
             return loss * loss_scale if loss_scale != 1.0 else loss
 

@@ -1,6 +1,7 @@
 """AdamW's elementwise math and the step sequence both optimizers share.
 
-:func:`adamw_update` is exactly ``torch.optim.AdamW``'s single-tensor math; :class:`AdamWOverGrads`
+:class:`FlatAdamW` runs ``torch.optim.AdamW``'s math (fused: ``torch._fused_adamw_``) over flat
+fp32 buffers, a couple of calls per step rather than ~9 kernels per param; :class:`AdamWOverGrads`
 holds the hyperparameters, the bucketed data-parallel grads and the step sequence of
 Megatron's ``MixedPrecisionOptimizer.step`` (finish the reduction; with a loss scaler, unscale
 and skip on overflow; global grad norm and clipping, :mod:`workers.parallel.clip`; update).
@@ -30,28 +31,61 @@ def _check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_dec
         raise ValueError(f"betas {tuple(betas)} must each lie in [0, 1), e.g. (0.9, 0.999)")
 
 
-@torch.no_grad()
-def adamw_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-                 step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 decay_mask: torch.Tensor | None = None) -> None:
-    """One AdamW step in place: exactly ``torch.optim.AdamW``'s single-tensor math (decoupled
-    weight decay, bias correction). Written out rather than calling torch.optim, whose first
-    use imports torch._dynamo (~2 CPU-seconds per rank at start-up).
+def decay_runs(mask: torch.Tensor) -> list[tuple[int, int, bool]]:
+    """Split a flat buffer into maximal runs of elements that do / do not decay.
 
-    ``decay_mask`` (bool, ``param``'s shape) limits weight decay to the elements where it is
-    True; the decayed elements are scaled by the same float as without a mask.
+    Args:
+        mask: bool ``[n]``, True where weight decay applies.
+
+    Returns:
+        ``[(start, end, decays), ...]`` covering ``[0, n)`` in order.
     """
-    beta1, beta2 = betas
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    if weight_decay and decay_mask is not None:
-        param.mul_(torch.where(decay_mask, torch.tensor(1 - lr * weight_decay, dtype=param.dtype), 1.0))
-    elif weight_decay:
-        param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    n = mask.numel()
+    if n == 0:
+        return []
+    cuts = (torch.nonzero(mask[1:] != mask[:-1]).flatten() + 1).tolist()
+    bounds = [0, *cuts, n]
+    return [(a, b, bool(mask[a])) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+class FlatAdamW:
+    """AdamW over flat fp32 buffers through ``torch._fused_adamw_``: one call per decay class.
+
+    The fused op takes one weight decay per call, so the flat range is cut into runs of params
+    that decay and runs that do not (:func:`decay_runs`, a handful per layer), passed as lists of
+    views: two calls per step, whatever the number of params. The op is elementwise and its
+    result does not depend on where a run starts (checked bitwise), so a ZeRO shard updates its
+    elements exactly as the single process does. ``torch._fused_adamw_`` is an aten op: calling
+    it does not import ``torch.optim`` / ``torch._dynamo`` (~2 CPU-seconds per rank at start-up).
+
+    Args:
+        param, grad, exp_avg, exp_avg_sq: flat fp32 buffers of one length (live: views are kept).
+        mask: bool, True where weight decay applies.
+    """
+
+    def __init__(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 mask: torch.Tensor):
+        self.groups = {}
+        for decay in (True, False):
+            runs = [(a, b) for a, b, d in decay_runs(mask) if d == decay]
+            self.groups[decay] = [[t[a:b] for a, b in runs] for t in (param, grad, exp_avg, exp_avg_sq)]
+        # The op reads the step count per tensor from a (float) tensor.
+        self.step_t = torch.zeros((), dtype=torch.float32, device=param.device)
+
+    @torch.no_grad()
+    def update(self, *, step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+               grad_scale: torch.Tensor | None = None) -> None:
+        """One AdamW step in place (decoupled weight decay, bias correction, as torch.optim's).
+
+        Args:
+            grad_scale: the op divides the grads by it (and leaves them so); None: no scaling.
+        """
+        self.step_t.fill_(step)
+        for decay, (params, grads, exp_avgs, exp_avg_sqs) in self.groups.items():
+            if params:
+                torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [self.step_t] * len(params),
+                                    lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay if decay else 0.0,
+                                    eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale)
 
 
 @dataclass(frozen=True)
@@ -109,7 +143,8 @@ class AdamWOverGrads:
         """``(param, grad piece)`` this rank counts in the global norm (see workers.parallel.clip)."""
         raise NotImplementedError
 
-    def _apply_updates(self) -> None:
+    def _apply_updates(self, grad_scale: torch.Tensor | None) -> None:
+        """Update every param; ``grad_scale`` (or None) divides the grads first (see FlatAdamW)."""
         raise NotImplementedError
 
     @torch.no_grad()
@@ -126,14 +161,16 @@ class AdamWOverGrads:
             # Keep the weights finite; the caller sees the norm and fails the job.
             return StepInfo(grad_norm=norm, skipped=True)
         if self.clip_grad > 0:
+            # A separate mul_ over the flat grads, not the fused op's grad_scale: on CPU the
+            # op's grad_scale path took 2x its plain time (measured, bench/step_bench.py).
             clip_by_norm(self.main_grads(), self.clip_grad, norm)
         self.num_steps += 1
-        self._apply_updates()
+        self._apply_updates(None)
         return StepInfo(grad_norm=norm, skipped=False)
 
-    def _update(self, param, grad, exp_avg, exp_avg_sq, *, decay: bool = True, decay_mask=None) -> None:
-        adamw_update(param, grad, exp_avg, exp_avg_sq, step=self.num_steps, lr=self.lr, betas=self.betas,
-                     eps=self.eps, weight_decay=self.weight_decay if decay else 0.0, decay_mask=decay_mask)
+    def _update(self, flat: FlatAdamW, grad_scale: torch.Tensor | None) -> None:
+        flat.update(step=self.num_steps, lr=self.lr, betas=self.betas, eps=self.eps,
+                    weight_decay=self.weight_decay, grad_scale=grad_scale)
 
 
 def check_full_state(state: dict, buffers: list[GradBuffer]) -> None:

@@ -65,6 +65,11 @@ def global_grad_norm(owned: Iterable[tuple[torch.Tensor, torch.Tensor]], *, tp_r
     return math.sqrt(float(total.item())) if math.isfinite(float(total.item())) else float(total.item())
 
 
+def clip_coefficient(max_norm: float, total_norm: float) -> float:
+    """Megatron's clip coefficient ``max_norm / (total_norm + 1e-6)``, capped at 1 (no clipping)."""
+    return min(1.0, max_norm / (total_norm + 1.0e-6))
+
+
 @torch.no_grad()
 def clip_by_norm(grads: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> float:
     """Scale ``grads`` in place by ``max_norm / (total_norm + 1e-6)`` when that is below 1
@@ -73,7 +78,7 @@ def clip_by_norm(grads: Iterable[torch.Tensor], max_norm: float, total_norm: flo
     Every rank scales every grad it holds (replicas included) by the same float, so replicas
     stay bit-identical.
     """
-    coeff = max_norm / (total_norm + 1.0e-6)
+    coeff = clip_coefficient(max_norm, total_norm)
     if not coeff < 1.0:
         return 1.0
     for g in grads:

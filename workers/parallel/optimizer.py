@@ -5,8 +5,8 @@ ZeRO-1 sharded.
 params). :class:`DistributedOptimizer` (Megatron's distributed optimizer, ZeRO-1) keeps the fp32
 master copy and Adam moments of this rank's 1/n slice of every reduce-scattered bucket and
 all-gathers the updated params. Both are built by :func:`build_optimizer` and share, from
-:mod:`workers.parallel.adamw`, the elementwise math (:func:`~workers.parallel.adamw.adamw_update`,
-exactly ``torch.optim.AdamW``'s), the rule that weight decay never touches 1-D parameters (norm
+:mod:`workers.parallel.adamw`, the elementwise math (:class:`~workers.parallel.adamw.FlatAdamW`:
+``torch.optim.AdamW``'s, fused over flat buffers), the rule that weight decay never touches 1-D parameters (norm
 weights, biases: decaying a norm's scale towards 0 only fights the normalisation; as Megatron)
 and the step sequence of :class:`~workers.parallel.adamw.AdamWOverGrads` (Megatron's
 ``MixedPrecisionOptimizer.step``): finish the gradient reduction; with a loss scaler, unscale
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from workers.parallel import comm
-from workers.parallel.adamw import AdamWOverGrads, StepInfo, adamw_update, check_full_state, decays  # noqa: F401
+from workers.parallel.adamw import AdamWOverGrads, FlatAdamW, StepInfo, check_full_state, decays  # noqa: F401
 from workers.parallel.data import DEFAULT_BUCKET_SIZE, GradBuffer, ParamGroups
 
 
@@ -54,6 +54,8 @@ class DistributedOptimizer(AdamWOverGrads):
             for p, a, b, s in buf.pieces():
                 mask[s : s + b - a] = decays(p)
             self.decay_masks.append(mask)
+        self.flat = [FlatAdamW(s["param"], buf.shard_grad, s["exp_avg"], s["exp_avg_sq"], mask)
+                     for buf, s, mask in zip(self.grads.buffers, self.shards, self.decay_masks)]
         self._cast_params()
 
     @staticmethod
@@ -70,16 +72,15 @@ class DistributedOptimizer(AdamWOverGrads):
             for p, a, b, s in buf.pieces():
                 yield p, buf.shard_grad[s : s + b - a]
 
-    def _apply_updates(self) -> None:
+    def _apply_updates(self, grad_scale) -> None:
         """Update this rank's shard of the fp32 main params, all-gather the model params."""
-        for buf, state, mask in zip(self.grads.buffers, self.shards, self.decay_masks):
-            master, exp_avg, exp_avg_sq = state["param"], state["exp_avg"], state["exp_avg_sq"]
+        for buf, state, flat in zip(self.grads.buffers, self.shards, self.flat):
             if not self.low_precision:
                 # fp32 params hold exactly the master values; re-reading them keeps the master
                 # right if model weights were loaded after this optimizer was built.
-                self._load_master(buf, master)
-            self._update(master, buf.shard_grad.float(), exp_avg, exp_avg_sq, decay_mask=mask)
-            self._gather_params(buf, master)
+                self._load_master(buf, state["param"])
+            self._update(flat, grad_scale)
+            self._gather_params(buf, state["param"])
 
     def _gather_params(self, buf: GradBuffer, master: torch.Tensor) -> None:
         # Gathered in the params' dtype: bf16 halves the traffic (Megatron gathers model params).
@@ -147,22 +148,39 @@ class DistributedOptimizer(AdamWOverGrads):
 class ReplicatedOptimizer(AdamWOverGrads):
     """The plain data-parallel path: all-reduced buckets + AdamW on the full params.
 
-    Same interface as :class:`DistributedOptimizer` (and the same math, :func:`adamw_update`);
+    Same interface as :class:`DistributedOptimizer` (and the same math, :class:`FlatAdamW`);
     every rank holds the full state.
+
+    The fp32 main params and both moments are flat buffers laid out as the gradient buffer, so
+    one fused AdamW covers them all (per-param ``moments`` / ``masters`` are views into them,
+    what checkpoints read and write). In fp32 the model params become views of the main buffer
+    themselves; in bf16/fp16 views of a flat low-precision copy, refreshed by one ``copy_``.
     """
 
     def __init__(self, param_groups: ParamGroups, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE, **kwargs):
         super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=False, **kwargs)
-        self.moments = [[self._zeros(p) for p in buf.params] for buf in self.grads.buffers]
-        # The fp32 main params: the params themselves in fp32, else an fp32 copy of each.
-        self.masters = [[p.detach().clone() if self.low_precision else p for p in buf.params]
-                        for buf in self.grads.buffers]
-        self._cast_params()
-
-    @staticmethod
-    def _zeros(p: torch.Tensor) -> dict:
-        return {"exp_avg": torch.zeros_like(p, dtype=torch.float32), "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
+        self.moments, self.masters, self.flat, self.flat_masters, self.flat_models = [], [], [], [], []
+        for buf in self.grads.buffers:
+            master, exp_avg, exp_avg_sq = (torch.zeros(buf.numel, dtype=torch.float32, device=buf.grad.device)
+                                           for _ in range(3))
+            mask = torch.zeros(buf.numel, dtype=torch.bool, device=buf.grad.device)
+            for p in buf.params:
+                a = buf.offsets[id(p)]
+                master[a : a + p.numel()].copy_(p.detach().reshape(-1))
+                mask[a : a + p.numel()] = decays(p)
+            model = master.to(self.param_dtype) if self.low_precision else master
+            self.moments.append([{"exp_avg": _view(buf, exp_avg, p), "exp_avg_sq": _view(buf, exp_avg_sq, p)}
+                                 for p in buf.params])
+            self.masters.append([_view(buf, master, p) if self.low_precision else p for p in buf.params])
+            self.flat.append(FlatAdamW(master, buf.grad, exp_avg, exp_avg_sq, mask))
+            self.flat_masters.append(master)
+            self.flat_models.append(model)
+            for p in buf.params:
+                p.data = _view(buf, model, p)  # the fused update writes the params in place
+                if self.low_precision:
+                    p.grad = None
+            buf.main_grads = self.low_precision
 
     def main_grads(self) -> list[torch.Tensor]:
         return [buf.grad for buf in self.grads.buffers]
@@ -173,12 +191,11 @@ class ReplicatedOptimizer(AdamWOverGrads):
             if buf.rank == 0:
                 yield from ((p, buf.view(p)) for p in buf.params)
 
-    def _apply_updates(self) -> None:
-        for buf, moments, masters in zip(self.grads.buffers, self.moments, self.masters):
-            for p, m, master in zip(buf.params, moments, masters):
-                self._update(master, buf.view(p), m["exp_avg"], m["exp_avg_sq"], decay=decays(p))
-                if master is not p:
-                    p.detach().copy_(master)
+    def _apply_updates(self, grad_scale) -> None:
+        for flat, master, model in zip(self.flat, self.flat_masters, self.flat_models):
+            self._update(flat, grad_scale)
+            if model is not master:
+                model.copy_(master)  # one rounding copy for every bf16/fp16 param
 
     def state_dict(self) -> dict:
         # A copy: the live moment tensors change at the next step.
@@ -199,6 +216,12 @@ class ReplicatedOptimizer(AdamWOverGrads):
             for p, m, e in zip(buf.params, moments, entries):
                 for k in m:
                     m[k].copy_(e[k].to(m[k]))
+
+
+def _view(buf: GradBuffer, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``p``'s slice of a flat buffer laid out as ``buf``'s gradient buffer, shaped as ``p``."""
+    a = buf.offsets[id(p)]
+    return flat[a : a + p.numel()].view_as(p)
 
 
 def build_optimizer(param_groups: ParamGroups, *, distributed: bool, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,

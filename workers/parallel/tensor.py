@@ -194,11 +194,20 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.weight = _shard(full_weight, 1, group, "RowParallelLinear", "input size")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T`` reduced over the group, plus ``residual`` (shaped as the output) if given."""
+        if residual is not None and comm.world_size(self.group) == 1 and x.dtype == torch.float32:
+            # No reduction between the GEMM and the residual add: one addmm does both. Not in
+            # bf16/fp16: addmm rounds the sum once where a TP layout rounds the reduced GEMM and
+            # then the sum, an asymmetry that flips MoE routing between layouts.
+            y = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), self.weight.t())
+            return y.view(residual.shape)
         y = F.linear(x, self.weight)  # partial sum over this rank's input features
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(y, self.group)
-        return reduce_from_tensor_parallel_region(y, self.group)
+            y = reduce_scatter_to_sequence_parallel_region(y, self.group)
+        else:
+            y = reduce_from_tensor_parallel_region(y, self.group)
+        return y if residual is None else residual + y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -247,40 +256,46 @@ def _all_reduce_max(t: torch.Tensor, group) -> None:
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Saves the logits as they came (bf16 stays bf16) and the per-token log-sum-exp; backward
+    rebuilds the softmax from them. No fp32 ``[tokens, vocab]`` tensor outlives the forward
+    (the old one kept an fp32 softmax, and the caller an fp32 copy of the logits: PERF_NOTES 7);
+    the fp32 math happens in the one temporary the subtraction of the max makes."""
+
     @staticmethod
     def forward(ctx, logits, target, group):
         per = logits.shape[-1]
         start = comm.rank(group) * per
+        tp = comm.world_size(group) > 1
         # Shift by the global max so exp never overflows; the loss does not depend on it.
-        logits_max = logits.amax(dim=-1)
-        _all_reduce_max(logits_max, group)
-        shifted = logits - logits_max.unsqueeze(-1)
-
-        outside = (target < start) | (target >= start + per)
-        local_target = (target - start).masked_fill(outside, 0)
-        predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        predicted = predicted.masked_fill(outside, 0.0)
-        exp = shifted.exp_()
-        sum_exp = exp.sum(dim=-1)
-        # One all-reduce for both per-token sums: exactly one rank holds each target logit.
-        packed = torch.stack([predicted, sum_exp])
-        comm.all_reduce(packed, group)
-        predicted, sum_exp = packed[0], packed[1]
-        loss = sum_exp.log() - predicted
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside)
-        return loss
+        logits_max = logits.amax(dim=-1).float()
+        if tp:
+            _all_reduce_max(logits_max, group)
+            outside = (target < start) | (target >= start + per)
+            local_target = (target - start).masked_fill(outside, 0)
+        else:
+            outside, local_target = None, target
+        predicted = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float()
+        # logits - max promotes to fp32 in the subtraction itself: no separate fp32 copy.
+        sum_exp = torch.sub(logits, logits_max.unsqueeze(-1)).exp_().sum(dim=-1)
+        if tp:
+            predicted = predicted.masked_fill(outside, 0.0)
+            # One all-reduce for both per-token sums: exactly one rank holds each target logit.
+            packed = torch.stack([predicted, sum_exp])
+            comm.all_reduce(packed, group)
+            predicted, sum_exp = packed[0], packed[1]
+        lse = sum_exp.log_().add_(logits_max)
+        ctx.save_for_backward(logits, lse, local_target, *(() if outside is None else (outside,)))
+        return lse - predicted
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, outside = ctx.saved_tensors
+        logits, lse, local_target, *outside = ctx.saved_tensors
         # d loss / d logits = softmax - one_hot(target), on the local vocab shard only.
         grad_loss = grad_loss.unsqueeze(-1)
-        grad = softmax * grad_loss
-        hit = (~outside).to(grad.dtype).unsqueeze(-1)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit * grad_loss)
-        return grad, None, None
+        grad = torch.sub(logits, lse.unsqueeze(-1)).exp_().mul_(grad_loss)
+        hit = -grad_loss if not outside else (-grad_loss).masked_fill(outside[0].unsqueeze(-1), 0.0)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), hit.expand(local_target.unsqueeze(-1).shape).to(grad.dtype))
+        return grad.to(logits.dtype), None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
@@ -294,7 +309,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
             reduction="none")``).
 
     Returns:
-        ``[s, b]`` float loss per token, identical on every TP rank (no reduction).
+        ``[s, b]`` fp32 loss per token, identical on every TP rank (no reduction), computed
+        in fp32 whatever the logits' dtype (as Megatron's), without an fp32 copy of them.
     """
     if logits.shape[:-1] != target.shape:
         raise ValueError(
