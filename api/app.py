@@ -17,6 +17,7 @@ from fastapi import Depends, FastAPI
 from api import http_errors
 from api.deps import require_token
 from api.http_errors import error_response
+from api.job_cache import JobCache
 from api.routes import cluster as cluster_routes, console, health, jobs, plan, streams
 from service.server.runners import JobRunners
 from service.server.scheduler import ClusterView, Scheduler
@@ -101,6 +102,7 @@ def create_app(settings: Settings, *, store: JobStore, runners: JobRunners, clus
                               "`Authorization: Bearer <token>`.")
     app.state.settings, app.state.store, app.state.scheduler, app.state.cluster = settings, store, scheduler, cluster
     app.state.runners = runners
+    app.state.jobs = JobCache(store, lambda row: jobs.job_views(store, row))
     http_errors.install(app)
     api = [jobs.router, jobs.states_router, streams.router, plan.router, cluster_routes.router]
     for router in api:

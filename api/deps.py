@@ -12,6 +12,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.auth import token_matches
+from api.job_cache import JobCache
 from api.http_errors import ApiError
 from service.server.scheduler import ClusterView, Scheduler
 from service.server.store import JobStore
@@ -21,6 +22,10 @@ _bearer = HTTPBearer(auto_error=False, description="the token of RAYTRON_API_TOK
 
 def get_store(request: Request) -> JobStore:
     return request.app.state.store
+
+
+def get_job_cache(request: Request) -> JobCache:
+    return request.app.state.jobs
 
 
 def get_scheduler(request: Request) -> Scheduler:
@@ -45,6 +50,7 @@ def require_token(request: Request,
 
 
 StoreDep = Annotated[JobStore, Depends(get_store)]
+JobCacheDep = Annotated[JobCache, Depends(get_job_cache)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 ClusterDep = Annotated[ClusterView, Depends(get_cluster)]
 SettingsDep = Annotated[object, Depends(get_settings)]

@@ -106,6 +106,16 @@ def wait_for(client: httpx.Client, job_id: str, states, timeout_s: float = 120) 
     raise AssertionError(f"job {job_id} still {job['state']} after {timeout_s}s")
 
 
+def job_losses(client: httpx.Client, job_id: str, page: int = 10000) -> list[float]:
+    """The job's whole loss curve, one value per iteration, walked page by page (``next_after``)."""
+    losses, after = [], 0
+    while after is not None:
+        body = client.get(f"/jobs/{job_id}/metrics", params={"names": "loss", "after": after, "limit": page}).json()
+        losses += body["loss"]
+        after = body["next_after"]
+    return losses
+
+
 def pid_alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -271,9 +281,14 @@ def test_submit_runs_to_succeeded_with_the_cli_losses(server, api, tmp_path):
     assert r.json()["sizes"]["tp"] == 2 and r.json()["world_size"] == 2
     job = wait_for(api, job_id, ("SUCCEEDED", "FAILED"))
     assert job["state"] == "SUCCEEDED", job
-    assert job["losses"] == pytest.approx(_run_cli_losses(tmp_path, spec), rel=1e-6)
+    curve = api.get(f"/jobs/{job_id}/metrics").json()
+    assert curve["iterations"] == [1, 2, 3] and curve["next_after"] is None and curve["attempt"] == [1, 1, 1]
+    assert curve["loss"] == pytest.approx(_run_cli_losses(tmp_path, spec), rel=1e-6)
+    assert set(job["metric_names"]) >= {"loss", "lr", "tokens_per_s"} and set(curve) >= set(job["metric_names"])
     assert job["iteration"] == 3 and job["restarts"] == 0 and len(job["attempts"]) == 1
-    assert job["tokens_per_s"] > 0 and job["error"] is None
+    assert job["loss"] == curve["loss"][-1] and job["tokens_per_s"] == curve["tokens_per_s"][-1] > 0
+    assert job["error"] is None and "losses" not in job and job["last_seq"] == len(
+        api.get(f"/jobs/{job_id}/events").json()["events"])
 
     placement = api.get(f"/jobs/{job_id}/placement").json()
     ranks = placement["ranks"]
@@ -298,13 +313,13 @@ def test_submit_runs_to_succeeded_with_the_cli_losses(server, api, tmp_path):
     assert listed[0]["id"] == job_id and "losses" not in listed[0]
     # what the console's jobs page shows of a job, in the list itself (no request per job)
     assert (listed[0]["iteration"], listed[0]["loss"], listed[0]["restarts"], listed[0]["sizes"]) == (
-        3, job["losses"][-1], 0, job["sizes"]) and listed[0]["sizes"]["tp"] == 2
+        3, job["loss"], 0, job["sizes"]) and listed[0]["sizes"]["tp"] == 2
     assert api.get("/job-states").json() == {
         "states": ["QUEUED", "STARTING", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "CANCELLED"],
         "terminal": ["SUCCEEDED", "FAILED", "CANCELLED"]}
     metrics = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert 'raytron_jobs{state="SUCCEEDED"}' in metrics and "raytron_queue_length 0.0" in metrics
-    assert f'raytron_job_loss{{job_id="{job_id}",name="parity"}} {job["losses"][-1]}' in metrics
+    assert f'raytron_job_loss{{job_id="{job_id}",name="parity"}} {job["loss"]}' in metrics
     assert f'raytron_job_iteration{{job_id="{job_id}",name="parity"}} 3.0' in metrics
     assert "raytron_job_tokens_per_second" in metrics and "raytron_job_restarts" in metrics
     cluster = api.get("/cluster").json()
