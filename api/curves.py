@@ -48,7 +48,7 @@ def downsample(values: list[float | None], attempts: list, points: int) -> list[
     keep = {0, n - 1} | {i for i in range(1, n) if attempts[i] != attempts[i - 1]}
     if len(keep) > points:
         starts = sorted(keep - {0, n - 1})
-        step = len(starts) / (points - 2)
+        step = len(starts) / max(1, points - 2)
         return sorted({0, n - 1} | {starts[int(k * step)] for k in range(points - 2)})
     buckets = (points - len(keep)) // 2
     inner = n - 2

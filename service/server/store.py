@@ -207,6 +207,15 @@ class JobStore:
         with self._write() as conn:
             return self._append(conn, job_id, self._lock(conn, job_id), event, seq)
 
+    def append_events(self, job_id: str, events_: list[dict]) -> int:
+        """Store several events in one transaction, each as :meth:`append_event` with the next seq
+        (a writer that batches, an import); all or none. Returns the last seq."""
+        with self._write() as conn:
+            seq = 0
+            for event in events_:
+                seq = self._append(conn, job_id, self._lock(conn, job_id), event, None)
+            return seq
+
     def events(self, job_id: str, after_seq: int | None = None, *, kind: str | None = None,
                limit: int | None = None) -> list[dict]:
         """The job's events in order, each with its ``seq``; only those after ``after_seq`` and of
@@ -258,9 +267,12 @@ class JobStore:
 
     def _lock(self, conn: Connection, job_id: str):
         """Lock the job's row for this transaction (PostgreSQL; SQLite holds the file lock); its
-        ``state`` and ``metric_names``."""
-        row = conn.execute(sa.select(jobs.c.state, jobs.c.metric_names).where(jobs.c.id == job_id)
-                           .with_for_update()).first()
+        ``state``, ``metric_names``, ``last_seq`` and current ``attempt`` (one query: every
+        iteration of every job passes here)."""
+        attempt = (sa.select(sa.func.max(attempts.c.number)).where(attempts.c.job_id == job_id)
+                   .scalar_subquery().label("attempt"))
+        row = conn.execute(sa.select(jobs.c.state, jobs.c.metric_names, jobs.c.last_seq, attempt)
+                           .where(jobs.c.id == job_id).with_for_update(of=jobs)).first()
         if row is None:
             raise UnknownJob(f"no job {job_id!r}")
         return row
@@ -278,7 +290,7 @@ class JobStore:
         if not isinstance(kind, str) or state not in STATES or not isinstance(event.get("time"), (int, float)):
             raise ValueError(f"an event needs a time, a kind and a state among {', '.join(STATES)}; got {event!r}")
         if seq is None:
-            seq = _last_seq(conn, job_id) + 1
+            seq = row.last_seq + 1  # the row keeps it (schema v2): no max() over the events
         else:
             if seq < 1:
                 raise ValueError(f"event seq starts at 1, got {seq}")
@@ -304,7 +316,7 @@ class JobStore:
             names = set(row.metric_names or ())
             if not names.issuperset(k for k in data if k != "iteration"):
                 values["metric_names"] = sorted(names.union(k for k in data if k != "iteration"))
-            _put_metrics(conn, job_id, data["iteration"], data)
+            _put_metrics(conn, job_id, data["iteration"], data, row.attempt)
         conn.execute(events.insert().values(job_id=job_id, seq=seq, time=event["time"], kind=kind, state=state,
                                             message=event.get("message", ""), data=data))
         conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
@@ -344,8 +356,7 @@ def _apply_attempts(conn: Connection, job_id: str, state: str, event: dict, data
                                               from_checkpoint=data.get("from_checkpoint")))
 
 
-def _put_metrics(conn: Connection, job_id: str, iteration: int, data: dict) -> None:
+def _put_metrics(conn: Connection, job_id: str, iteration: int, data: dict, attempt: int | None) -> None:
     key = (metrics.c.job_id == job_id) & (metrics.c.iteration == iteration)
-    attempt = conn.execute(sa.select(sa.func.max(attempts.c.number)).where(attempts.c.job_id == job_id)).scalar()
     conn.execute(metrics.delete().where(key))
     conn.execute(metrics.insert().values(job_id=job_id, iteration=iteration, data=data, attempt=attempt))
