@@ -14,7 +14,7 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI
 
-from api import http_errors
+from api import http_errors, openapi
 from api.deps import require_token
 from api.http_errors import error_response
 from api.job_cache import JobCache
@@ -38,6 +38,9 @@ class Settings:
     """Larger request bodies are refused with 413 before they are read."""
     poll_s: float = 0.5
     """How often the scheduler looks at runners and the queue."""
+    max_stream_s: float | None = None
+    """A followed event or log stream ends after this long (clients reconnect: Last-Event-ID, offset);
+    None: it lasts until the job ends. Bounded for proxies that cut long responses, and for fuzzers."""
 
 
 class BodyLimit:
@@ -104,6 +107,7 @@ def create_app(settings: Settings, *, store: JobStore, runners: JobRunners, clus
     app.state.runners = runners
     app.state.jobs = JobCache(store, lambda row: jobs.job_views(store, row))
     http_errors.install(app)
+    openapi.install(app)
     api = [jobs.router, jobs.states_router, streams.router, plan.router, cluster_routes.router]
     for router in api:
         app.include_router(router, prefix=API_PREFIX, dependencies=[Depends(require_token)])

@@ -134,8 +134,8 @@ class RaytronClient:
         """The job's events after seq ``after`` (0: all), live (SSE), until it ends; reconnects after a
         dropped connection and resumes after the last event seen (``Last-Event-ID``), so nothing
         arrives twice."""
-        last = after
-        for attempt in range(reconnects + 1):
+        last, failures = after, 0
+        while True:  # a stream the server ended before the job's end (serve --max-stream-s) is resumed too
             try:
                 headers = {"Accept": "text/event-stream", **({"Last-Event-ID": str(last)} if last else {})}
                 with self.http.stream("GET", f"/jobs/{job_id}/events", headers=headers, timeout=None) as r:
@@ -157,9 +157,10 @@ class RaytronClient:
                             yield event
                         fields = {}
             except httpx.TransportError:
-                if attempt == reconnects:
+                failures += 1
+                if failures > reconnects:
                     raise ServerUnreachable(f"lost the event stream of job {job_id} at {self.server}") from None
-                time.sleep(min(5.0, 0.5 * (attempt + 1)))
+                time.sleep(min(5.0, 0.5 * failures))
 
     def follow_logs(self, job_id: str) -> Iterator[str]:
         try:

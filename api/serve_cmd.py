@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a failure drill applied to every job this server runs (for fault-tolerance drills; "
                         "repeatable; each fires once per job, in the first attempt that reaches that iteration), "
                         "as raytron run --fault; a job whose ranks do not include RANK runs without it")
+    p.add_argument("--max-stream-s", type=float, default=None, metavar="SECONDS",
+                   help="end a followed event or log stream after this long (clients resume with Last-Event-ID "
+                        "or the log offset); default: it lasts until the job ends")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
 
 
@@ -104,7 +107,8 @@ def build_app(args, ray_session=None):
     data_dir.mkdir(parents=True, exist_ok=True)
     database_url = args.database_url or sqlite_url(data_dir)
     store = JobStore(database_url)
-    settings = Settings(data_dir=data_dir, api_token=load_or_create_token(data_dir))
+    settings = Settings(data_dir=data_dir, api_token=load_or_create_token(data_dir),
+                        max_stream_s=getattr(args, "max_stream_s", None))
     faults = list(args.fault or [])  # drills for every job (--fault)
     if ray_session is None:
         runners = LocalProcessRunners(data_dir, database_url, faults=faults)

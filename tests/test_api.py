@@ -308,6 +308,15 @@ def test_submit_runs_to_succeeded_with_the_cli_losses(server, api, tmp_path):
     logs = api.get(f"/jobs/{job_id}/logs")
     assert logs.status_code == 200 and "iteration 3 loss" in logs.text and "SUCCEEDED" in logs.text
     assert api.get(f"/jobs/{job_id}/logs", params={"offset": 10 ** 9}).text == ""
+    for offset in (2**50, 2**53 - 1):  # past any file system's seek limit: empty, never a 500
+        r = api.get(f"/jobs/{job_id}/logs", params={"offset": offset})
+        assert r.status_code == 200 and r.text == "" and r.headers["x-log-offset"] == str(offset)
+        with api.stream("GET", f"/jobs/{job_id}/logs", params={"offset": offset, "follow": "true"}) as r:
+            assert r.status_code == 200 and r.read() == b""  # the followed stream ends whole (the job has ended)
+    for offset in (2**53, 44434288718764080):  # beyond the documented bound: a 422 (was a 500: OSError)
+        assert api.get(f"/jobs/{job_id}/logs", params={"offset": offset}).status_code == 422
+    r = api.request("OPTIONS", "/jobs")  # two routes on one path: Allow names both
+    assert r.status_code == 405 and r.headers["allow"] == "GET, POST"  # mutation: Starlette's Allow -> "POST"
 
     listed = api.get("/jobs").json()["jobs"]
     assert listed[0]["id"] == job_id and "losses" not in listed[0]
@@ -353,8 +362,11 @@ def test_events_stream_live_until_the_end_and_resume(api):
     assert sum(1 for _, kind, _ in stream if kind == "iteration") == 4
     resumed = _sse(api, job_id, last_event_id=seqs[-3])
     assert [int(i) for i, _, _ in resumed[:-1]] == seqs[-2:]  # mutation: Last-Event-ID ignored -> all again
-    assert api.get(f"/jobs/{job_id}/events", headers={"Accept": "text/event-stream",
-                                                       "Last-Event-ID": "x"}).status_code == 400
+    for bad in ("x", "null", "-1"):  # a declared integer header: a documented 422, never a 400 or 500
+        r = api.get(f"/jobs/{job_id}/events", headers={"Accept": "text/event-stream", "Last-Event-ID": bad})
+        assert r.status_code == 422 and r.json()["code"] == "invalid_request", bad
+    history = api.get(f"/jobs/{job_id}/events", params={"exclude_kind": "iteration"}).json()["events"]
+    assert history and all(e["kind"] != "iteration" for e in history)
 
 
 def test_logs_follow_streams_until_the_job_ends(api):

@@ -19,7 +19,9 @@ def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/metrics", dependencies=[Depends(require_token)], response_class=Response)
+@router.get("/metrics", dependencies=[Depends(require_token)], response_class=Response,
+            responses={200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {
+                "type": "string"}}}}})
 def metrics(store: StoreDep, scheduler: SchedulerDep) -> Response:
     """Jobs by state, queue length, and per active (or recent) job: iteration, loss, tokens/s, restarts."""
     from prometheus_client import CollectorRegistry, generate_latest

@@ -28,9 +28,9 @@ from service.server.store import STATES, TERMINAL_STATES, JobStore, UnknownJob
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 states_router = APIRouter(tags=["jobs"])
 
-SPEC_BODY = {"requestBody": {"required": True, "content": {"application/json": {
-    "schema": {"type": "object", "description": "a job spec (JobSpec in service/spec/spec.py; examples/*.yaml "
-               "are specs) plus an optional integer priority; unknown fields are refused"},
+SPEC_BODY = {"x-raytron-spec": True, "requestBody": {"required": True, "content": {"application/json": {
+    # api/openapi.py puts JobSpec's schema here (service/spec/spec.py; examples/*.yaml are specs)
+    "schema": {"type": "object"},
     "example": {"name": "tiny", "priority": 0, "model": {"num_layers": 2, "hidden_size": 32,
                 "num_attention_heads": 4}, "training": {"train_iters": 5, "global_batch_size": 4,
                 "micro_batch_size": 1}, "resources": {"num_nodes": 1, "gpus_per_node": 1}}}}}}

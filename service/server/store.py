@@ -217,14 +217,17 @@ class JobStore:
             return seq
 
     def events(self, job_id: str, after_seq: int | None = None, *, kind: str | None = None,
-               limit: int | None = None) -> list[dict]:
-        """The job's events in order, each with its ``seq``; only those after ``after_seq`` and of
-        ``kind`` when given (``events(id, kind="placement")[-1]`` is where the ranks last were)."""
+               exclude_kind: str | None = None, limit: int | None = None) -> list[dict]:
+        """The job's events in order, each with its ``seq``; only those after ``after_seq``, of
+        ``kind`` and not of ``exclude_kind`` when given (``events(id, kind="placement")[-1]`` is
+        where the ranks last were; ``exclude_kind="iteration"`` is a long job's history without its curve)."""
         query = sa.select(events).where(events.c.job_id == job_id).order_by(events.c.seq).limit(limit)
         if after_seq is not None:
             query = query.where(events.c.seq > after_seq)
         if kind is not None:
             query = query.where(events.c.kind == kind)
+        if exclude_kind is not None:
+            query = query.where(events.c.kind != exclude_kind)
         with self.engine.connect() as conn:
             rows = [_drop_job_id(r) for r in conn.execute(query).mappings()]
             if not rows:
