@@ -52,12 +52,17 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        too_big = error_response(413, "body_too_large", f"the request body is larger than {self.limit} bytes")
+        length = next((v for k, v in scope.get("headers") or () if k == b"content-length"), None)
+
+        def too_big():  # built when needed: most requests (every GET) carry no body
+            return error_response(413, "body_too_large", f"the request body is larger than {self.limit} bytes")
+
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             if not length.isdigit():
                 return await error_response(400, "bad_request", "invalid Content-Length")(scope, receive, send)
-            return await too_big(scope, receive, send)
+            return await too_big()(scope, receive, send)
+        if length is None and scope.get("method") in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
         seen = 0
 
         async def limited_receive():
@@ -72,7 +77,7 @@ class BodyLimit:
         try:
             await self.app(scope, limited_receive, send)
         except _TooBig:
-            await too_big(scope, receive, send)
+            await too_big()(scope, receive, send)
 
 
 class _TooBig(Exception):
