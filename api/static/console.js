@@ -255,6 +255,7 @@ const CHARTS = [
   { title: "grad norm", series: [["grad_norm", "#8e44ad"]] },
   { title: "loss scale", series: [["loss_scale", "#7f8c8d"]] },
   { title: "MoE aux loss", series: [["moe_aux_loss", "#c0392b"]] },
+  { title: "throughput (tokens/s)", series: [["tokens_per_s", "#27ae60"]] },
 ];
 
 async function showJob(jobId, signal) {
