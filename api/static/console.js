@@ -388,6 +388,39 @@ async function showJob(jobId, signal) {
   }, signal);
 }
 
+// ---- compare view (#/compare/ID,ID,...) ------------------------------------------------------------
+
+const PALETTE = ["#2f6fdf", "#e67e22", "#16a085", "#8e44ad", "#c0392b", "#7f8c8d", "#27ae60", "#d35400"];
+const COMPARED = [["loss", "loss"], ["tokens_per_s", "throughput (tokens/s)"]];
+
+/** Two or more jobs' curves on shared charts, each job one series, from one downsampled request per job. */
+async function showCompare(ids) {
+  show("compare-view");
+  $("#compare-title").textContent = ids.join(" vs ");
+  $("#compare-error").textContent = "";
+  const curves = await Promise.all(ids.map((id) => getJSON(
+    `${API}/jobs/${encodeURIComponent(id)}/metrics?points=${HISTORY_POINTS}&names=${COMPARED.map(([n]) => n).join(",")}`)));
+  const boxes = COMPARED.map(([name, title]) => {
+    const series = curves.map((c, k) => ({
+      name: ids[k], colour: PALETTE[k % PALETTE.length],
+      points: c.iterations.map((it, i) => [it, c[name][i]]).filter(([, v]) => typeof v === "number"),
+    })).filter((s) => s.points.length);
+    const box = document.createElement("div");
+    box.className = "chart";
+    box.dataset.chart = name;
+    if (series.length) drawChart(box, { title, xMax: 0, series });
+    return box;
+  });
+  $("#compare-charts").replaceChildren(...boxes);
+}
+
+$("#compare-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const others = $("#compare-with").value.split(",").map((x) => x.trim()).filter(Boolean);
+  const current = $("#job-id").textContent;
+  if (others.length) location.hash = `#/compare/${[current, ...others].join(",")}`;
+});
+
 // ---- routing -------------------------------------------------------------------------------------
 
 async function route() {
@@ -400,7 +433,13 @@ async function route() {
       `${c.queue_length} queued`;
   }).catch(() => {});
   const match = location.hash.match(/^#\/jobs\/([\w.-]+)/);
-  if (match) {
+  const compare = location.hash.match(/^#\/compare\/([\w.,-]+)/);
+  if (compare) {
+    showCompare(compare[1].split(",").filter(Boolean)).catch((err) => {
+      show("compare-view");
+      $("#compare-error").textContent = err.message;
+    });
+  } else if (match) {
     showJob(match[1], view.signal).catch((err) => {
       show("job-view");
       $("#job-error").textContent = err.message;
