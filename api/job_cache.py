@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from service.server.store import JobStore
@@ -38,6 +38,16 @@ class JobView:
     """:class:`api.schemas.JobPublic`'s fields (``GET /jobs/{id}``)."""
     body: bytes
     """``public`` as JSON, encoded once."""
+    memo: dict = field(default_factory=dict)
+    """Answers derived from the job at this version (a downsampled curve): dropped with the view."""
+
+    def remember(self, key, compute: Callable[[], Any], max_entries: int = 16):
+        """``compute()``, once per key while the job stays at this version."""
+        if key not in self.memo:
+            if len(self.memo) >= max_entries:
+                self.memo.clear()
+            self.memo[key] = compute()
+        return self.memo[key]
 
 
 class JobCache:

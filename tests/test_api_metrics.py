@@ -128,7 +128,13 @@ def test_paging_with_after_walks_the_curve_exactly_once(api, long_server):
 
 def test_points_downsample_keeps_ends_restarts_and_spikes(api, long_server):
     _, job_id = long_server
+    t0 = time.perf_counter()
     body = api.get(f"/jobs/{job_id}/metrics", params={"points": 500, "names": "loss,lr"}).json()
+    t1 = time.perf_counter()
+    again = api.get(f"/jobs/{job_id}/metrics", params={"points": 500, "names": "loss,lr"}).json()
+    print(f"?points=500 of {ITERS}: {1000 * (t1 - t0):.0f} ms, again (remembered) "
+          f"{1000 * (time.perf_counter() - t1):.0f} ms")
+    assert again == body
     its = body["iterations"]
     assert len(its) <= 500 and len(body["loss"]) == len(body["lr"]) == len(its)
     assert its[0] == 1 and its[-1] == ITERS and its == sorted(set(its))  # both ends, ascending, once each

@@ -143,7 +143,7 @@ def get_metrics(job_id: str, cache: JobCacheDep, store: StoreDep, names: str | N
                 limit: int = Query(1000, ge=1, le=10000, description="at most this many iterations (a page)"),
                 points: int | None = Query(None, ge=2, le=10000, description="downsampled for a plot: at most this "
                                            "many of the iterations after `after`, the first, the last and each "
-                                           "restart's or resize's first kept (replaces paging)")) -> JSONResponse:
+                                           "restart's or resize's first kept (replaces paging)")) -> Response:
     """A job's per-iteration metrics: a page of ``limit`` iterations after ``after`` (follow ``next_after``
     to walk the whole curve once), or, with ``points``, the whole curve downsampled (min/max buckets)."""
     view = cache.current(job_id)
@@ -154,15 +154,17 @@ def get_metrics(job_id: str, cache: JobCacheDep, store: StoreDep, names: str | N
     if reserved := [n for n in wanted if n in curves.RESERVED]:
         raise ApiError(422, "invalid_request", f"{', '.join(reserved)} is not a metric name; the metrics are "
                        f"{', '.join(view.public['metric_names']) or '(none reported yet)'}")
-    if points is not None:
-        rows = store.metric_rows(job_id, after_iteration=after)
-        main = "loss" if "loss" in wanted else (wanted[0] if wanted else "loss")
-        chosen = curves.downsample([curves.value(r[2].get(main)) for r in rows], [r[1] for r in rows], points)
-        rows, next_after = [rows[i] for i in chosen], None
-    else:
-        rows = store.metric_rows(job_id, after_iteration=after, limit=limit + 1)
-        next_after = rows[limit - 1][0] if len(rows) > limit else None
-        rows = rows[:limit]
+    if points is not None:  # reads the whole curve: once per version of the job (a finished one: once)
+        def plot() -> bytes:
+            rows = store.metric_rows(job_id, after_iteration=after)
+            main = "loss" if "loss" in wanted else (wanted[0] if wanted else "loss")
+            chosen = curves.downsample([curves.value(r[2].get(main)) for r in rows], [r[1] for r in rows], points)
+            return json.dumps({"job_id": job_id, **curves.columns([rows[i] for i in chosen], wanted),
+                               "next_after": None}, separators=(",", ":")).encode()
+        return Response(view.remember(("points", tuple(wanted), after, points), plot), media_type="application/json")
+    rows = store.metric_rows(job_id, after_iteration=after, limit=limit + 1)
+    next_after = rows[limit - 1][0] if len(rows) > limit else None
+    rows = rows[:limit]
     return JSONResponse({"job_id": job_id, **curves.columns(rows, wanted), "next_after": next_after})
 
 
