@@ -413,3 +413,34 @@ def test_whole_cluster_jobs_run_one_after_the_other_in_priority_order(api):
     spans = {j: (job["attempts"][0]["started_at"], job["attempts"][0]["ended_at"]) for j, job in jobs.items()}
     # each needs the whole cluster: no overlap, and the higher priority went first although submitted later
     assert spans[first][1] <= spans[high][0] and spans[high][1] <= spans[low][0]
+
+
+def test_the_openapi_types_what_the_server_checks(server):
+    """The document schemathesis is run against (tests/test_api_fuzz.py): the spec typed, the bearer
+    scheme, each operation's error statuses with the one error body, typed parameters."""
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    spec_ref = {"$ref": "#/components/schemas/JobSpec"}
+    for path in ("/api/v1/jobs", "/api/v1/plan"):
+        body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == spec_ref  # mutation: the untyped object again
+    spec = doc["components"]["schemas"]["JobSpec"]
+    assert spec["minProperties"] == 1 and spec["additionalProperties"] is False
+    assert {"model", "parallel", "training", "resources"} <= set(spec["properties"])
+    assert doc["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    error = {"$ref": "#/components/schemas/ErrorBody"}
+    for path, operations in doc["paths"].items():
+        for method, op in operations.items():
+            errors = {c: r for c, r in op["responses"].items() if c.startswith("4")}
+            assert all(r["content"]["application/json"]["schema"] == error for r in errors.values()), (path, method)
+            assert ("401" in errors) == (path != "/healthz"), (path, method)
+            assert ("404" in errors) == ("{job_id}" in path), (path, method)
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    params = {p["name"]: p["schema"] for p in doc["paths"]["/api/v1/jobs"]["get"]["parameters"]}
+    assert doc["components"]["schemas"]["JobState"]["enum"] == list(STATES_IN_ORDER) and "$ref" in params["state"]
+    events = {p["name"]: p for p in doc["paths"]["/api/v1/jobs/{job_id}/events"]["get"]["parameters"]}
+    assert events["last-event-id"]["in"] == "header" and events["last-event-id"]["schema"]["type"] == "integer"
+    logs = {p["name"]: p["schema"] for p in doc["paths"]["/api/v1/jobs/{job_id}/logs"]["get"]["parameters"]}
+    assert logs["offset"]["type"] == "integer" and logs["offset"]["maximum"] == 2**53 - 1
+
+
+STATES_IN_ORDER = ("QUEUED", "STARTING", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "CANCELLED")
