@@ -14,9 +14,10 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI
 
-from api import http_errors
+from api import http_errors, openapi
 from api.deps import require_token
 from api.http_errors import error_response
+from api.job_cache import JobCache
 from api.routes import cluster as cluster_routes, console, health, jobs, plan, streams
 from service.server.runners import JobRunners
 from service.server.scheduler import ClusterView, Scheduler
@@ -37,6 +38,9 @@ class Settings:
     """Larger request bodies are refused with 413 before they are read."""
     poll_s: float = 0.5
     """How often the scheduler looks at runners and the queue."""
+    max_stream_s: float | None = None
+    """A followed event or log stream ends after this long (clients reconnect: Last-Event-ID, offset);
+    None: it lasts until the job ends. Bounded for proxies that cut long responses, and for fuzzers."""
 
 
 class BodyLimit:
@@ -48,12 +52,17 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        too_big = error_response(413, "body_too_large", f"the request body is larger than {self.limit} bytes")
+        length = next((v for k, v in scope.get("headers") or () if k == b"content-length"), None)
+
+        def too_big():  # built when needed: most requests (every GET) carry no body
+            return error_response(413, "body_too_large", f"the request body is larger than {self.limit} bytes")
+
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             if not length.isdigit():
                 return await error_response(400, "bad_request", "invalid Content-Length")(scope, receive, send)
-            return await too_big(scope, receive, send)
+            return await too_big()(scope, receive, send)
+        if length is None and scope.get("method") in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
         seen = 0
 
         async def limited_receive():
@@ -68,7 +77,7 @@ class BodyLimit:
         try:
             await self.app(scope, limited_receive, send)
         except _TooBig:
-            await too_big(scope, receive, send)
+            await too_big()(scope, receive, send)
 
 
 class _TooBig(Exception):
@@ -101,7 +110,9 @@ def create_app(settings: Settings, *, store: JobStore, runners: JobRunners, clus
                               "`Authorization: Bearer <token>`.")
     app.state.settings, app.state.store, app.state.scheduler, app.state.cluster = settings, store, scheduler, cluster
     app.state.runners = runners
+    app.state.jobs = JobCache(store, lambda row: jobs.job_views(store, row))
     http_errors.install(app)
+    openapi.install(app)
     api = [jobs.router, jobs.states_router, streams.router, plan.router, cluster_routes.router]
     for router in api:
         app.include_router(router, prefix=API_PREFIX, dependencies=[Depends(require_token)])

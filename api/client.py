@@ -80,7 +80,34 @@ class RaytronClient:
         return self._call("POST", "/jobs", json=spec)
 
     def jobs(self, limit: int = 100) -> list[dict]:
-        return self._call("GET", "/jobs", params={"limit": limit})["jobs"]
+        """The newest ``limit`` jobs (the first page)."""
+        return self.jobs_page(limit=limit)["jobs"]
+
+    def jobs_page(self, *, limit: int = 100, cursor: str | None = None, state: str | None = None,
+                  name: str | None = None) -> dict:
+        """One page of the job list: ``{"jobs", "count", "next_cursor"}``."""
+        params = {k: v for k, v in (("limit", limit), ("cursor", cursor), ("state", state), ("name", name))
+                  if v is not None}
+        return self._call("GET", "/jobs", params=params)
+
+    def metrics(self, job_id: str, *, names: list[str] | None = None, after: int = 0, limit: int | None = None,
+                points: int | None = None) -> dict:
+        """A page of the job's per-iteration metrics (or, with ``points``, the downsampled curve)."""
+        params = {"after": after, **({"names": ",".join(names)} if names is not None else {}),
+                  **({"limit": limit} if limit is not None else {}), **({"points": points} if points else {})}
+        return self._call("GET", f"/jobs/{job_id}/metrics", params=params)
+
+    def curve(self, job_id: str, names: list[str] | None = None, page: int = 10000) -> dict:
+        """The job's whole curves, page by page (each iteration once): ``{"iterations": [...], name: [...]}``."""
+        out: dict = {}
+        after: int | None = 0
+        while after is not None:
+            got = self.metrics(job_id, names=names, after=after, limit=page)
+            for key, values in got.items():
+                if isinstance(values, list):
+                    out.setdefault(key, []).extend(values)
+            after = got["next_after"]
+        return out
 
     def job(self, job_id: str) -> dict:
         return self._call("GET", f"/jobs/{job_id}")
@@ -103,11 +130,12 @@ class RaytronClient:
     def logs(self, job_id: str, offset: int = 0) -> str:
         return self._call("GET", f"/jobs/{job_id}/logs", params={"offset": offset})
 
-    def follow_events(self, job_id: str, *, reconnects: int = 20) -> Iterator[dict]:
-        """Every event of the job, live (SSE), until it ends; reconnects after a dropped connection
-        and resumes after the last event seen (``Last-Event-ID``), so nothing arrives twice."""
-        last = 0
-        for attempt in range(reconnects + 1):
+    def follow_events(self, job_id: str, *, after: int = 0, reconnects: int = 20) -> Iterator[dict]:
+        """The job's events after seq ``after`` (0: all), live (SSE), until it ends; reconnects after a
+        dropped connection and resumes after the last event seen (``Last-Event-ID``), so nothing
+        arrives twice."""
+        last, failures = after, 0
+        while True:  # a stream the server ended before the job's end (serve --max-stream-s) is resumed too
             try:
                 headers = {"Accept": "text/event-stream", **({"Last-Event-ID": str(last)} if last else {})}
                 with self.http.stream("GET", f"/jobs/{job_id}/events", headers=headers, timeout=None) as r:
@@ -129,9 +157,10 @@ class RaytronClient:
                             yield event
                         fields = {}
             except httpx.TransportError:
-                if attempt == reconnects:
+                failures += 1
+                if failures > reconnects:
                     raise ServerUnreachable(f"lost the event stream of job {job_id} at {self.server}") from None
-                time.sleep(min(5.0, 0.5 * (attempt + 1)))
+                time.sleep(min(5.0, 0.5 * failures))
 
     def follow_logs(self, job_id: str) -> Iterator[str]:
         try:

@@ -39,7 +39,7 @@ def add_parsers(sub) -> None:
     _common(p)
     p.set_defaults(func=cmd_submit)
     p = sub.add_parser("status", help="list jobs, or show one", description="Without JOB: the jobs, newest first. "
-                       "With JOB: its state, losses, attempts and placement; -f follows it.")
+                       "With JOB: its state, loss, attempts and placement; -f follows what happens from now on.")
     p.add_argument("job", nargs="?", help="job id")
     p.add_argument("-f", "--follow", action="store_true", help="follow the job until it ends")
     _common(p)
@@ -144,15 +144,16 @@ def cmd_status(args) -> int:
                     print(_job_line(j))
             return 0
         if args.follow:
-            return follow(client, args.job, args.json)
+            return follow(client, args.job, args.json, from_now=True)
         job = client.job(args.job)
         placement = client.placement(args.job)
         if args.json:
             _print_json({**job, "placement": placement["ranks"]})
             return 0
-        losses = job["losses"]
+        first = client.metrics(args.job, names=["loss"], limit=1)["loss"] if job["loss"] is not None else []
+        curve = f", loss {first[0]:.4f} -> {job['loss']:.4f}" if first and first[0] is not None else ""
         print(f"{job['id']}: {job['state']}, iteration {job['iteration']}/{job['train_iters']}, restarts "
-              f"{job['restarts']}" + (f", loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else ""))
+              f"{job['restarts']}" + curve)
         if job.get("error"):
             print(f"error: {job['error'].get('message')}")
         if placement["ranks"]:
@@ -162,19 +163,20 @@ def cmd_status(args) -> int:
         return 0
 
 
-def follow(client, job_id: str, as_json: bool) -> int:
+def follow(client, job_id: str, as_json: bool, *, from_now: bool = False) -> int:
     """Follow a job to its end: a progress bar with loss and tokens/s (or the events as JSON lines);
-    0 when it succeeded, 1 otherwise."""
+    0 when it succeeded, 1 otherwise. ``from_now``: only what happens after this call (the bar
+    starts at the job's iteration; its history is not fetched again), else every event."""
     from tqdm import tqdm
 
     from api.render import progress_postfix
 
     job = client.job(job_id)
     bar = None if as_json else tqdm(total=job["train_iters"], desc=job["name"], unit="it", file=sys.stderr,
-                                    dynamic_ncols=True)
+                                    dynamic_ncols=True, initial=job["iteration"] if from_now else 0)
     state = job["state"]
     try:
-        for event in client.follow_events(job_id):
+        for event in client.follow_events(job_id, after=job["last_seq"] if from_now else 0):
             if as_json:
                 _print_json(event)
             elif event["kind"] == "iteration":

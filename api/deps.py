@@ -1,7 +1,9 @@
 """Dependencies of the routes: the app's store, scheduler, cluster and settings, and the token check.
 
 Everything lives on ``app.state`` (set by :func:`api.app.create_app`); nothing is module-level,
-so a test builds as many apps as it likes.
+so a test builds as many apps as it likes. They are ``async def`` though they never wait: FastAPI
+runs a plain ``def`` dependency in its thread pool, a hop that cost more than the whole of a
+cached ``GET /jobs/{id}`` (bench/api_bench.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.auth import token_matches
+from api.job_cache import JobCache
 from api.http_errors import ApiError
 from service.server.scheduler import ClusterView, Scheduler
 from service.server.store import JobStore
@@ -19,23 +22,27 @@ from service.server.store import JobStore
 _bearer = HTTPBearer(auto_error=False, description="the token of RAYTRON_API_TOKEN or DATA_DIR/api_token")
 
 
-def get_store(request: Request) -> JobStore:
+async def get_store(request: Request) -> JobStore:
     return request.app.state.store
 
 
-def get_scheduler(request: Request) -> Scheduler:
+async def get_job_cache(request: Request) -> JobCache:
+    return request.app.state.jobs
+
+
+async def get_scheduler(request: Request) -> Scheduler:
     return request.app.state.scheduler
 
 
-def get_cluster(request: Request) -> ClusterView:
+async def get_cluster(request: Request) -> ClusterView:
     return request.app.state.cluster
 
 
-def get_settings(request: Request):
+async def get_settings(request: Request):
     return request.app.state.settings
 
 
-def require_token(request: Request,
+async def require_token(request: Request,
                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)] = None) -> None:
     """401 unless the request carries ``Authorization: Bearer <the token>``."""
     given = f"Bearer {credentials.credentials}" if credentials is not None else request.headers.get("authorization")
@@ -45,6 +52,7 @@ def require_token(request: Request,
 
 
 StoreDep = Annotated[JobStore, Depends(get_store)]
+JobCacheDep = Annotated[JobCache, Depends(get_job_cache)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 ClusterDep = Annotated[ClusterView, Depends(get_cluster)]
 SettingsDep = Annotated[object, Depends(get_settings)]

@@ -36,6 +36,18 @@ def error_response(status: int, code: str, message: str, headers: dict | None = 
     return JSONResponse({"code": code, "message": message, **extra}, status_code=status, headers=headers)
 
 
+def allowed_methods(request: Request) -> list[str] | None:
+    """Every method the API documents on the request's path (its OpenAPI paths, where a ``{param}``
+    is one path segment); None for a path outside them (the console's, the docs')."""
+    import re
+
+    methods: set[str] = set()
+    for template, operations in request.app.openapi().get("paths", {}).items():
+        if re.fullmatch(re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(template)), request.url.path):
+            methods |= {m.upper() for m in operations}
+    return sorted(methods) or None
+
+
 def install(app: FastAPI) -> None:
     """Register the handlers on ``app``."""
 
@@ -73,7 +85,16 @@ def install(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}; see /docs"
-        return error_response(exc.status_code, code, message, getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:
+            # Starlette's Allow names the methods of the first route that matched the path only;
+            # /jobs is two routes (GET lists, POST submits): name every one
+            allowed = allowed_methods(request)
+            if allowed:
+                headers = {**(headers or {}), "Allow": ", ".join(allowed)}
+            allowed_text = (headers or {}).get("Allow", "see /docs")
+            message = f"{request.method} is not allowed on {request.url.path}; allowed: {allowed_text}"
+        return error_response(exc.status_code, code, message, headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):  # a bug: logged, answered without a traceback

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Problem(BaseModel):
@@ -44,21 +44,40 @@ class JobSummary(BaseModel):
     world_size: int
     sizes: dict[str, int] | None = Field(None, description="the parallel sizes it runs at now (tp, pp, dp, ...)")
     loss: float | None = Field(None, description="the LM loss of the latest iteration")
+    tokens_per_s: float | None = Field(None, description="of the latest iteration")
     restarts: int = Field(description="restarts after a failure; a resize starts an attempt but is no restart")
     ray_job_id: str | None = None
     error: dict | None = None
 
 
 class JobPublic(JobSummary):
-    losses: list[float] = Field(description="the LM loss of every iteration so far")
-    tokens_per_s: float | None = Field(None, description="of the latest iteration")
+    """One job. Its size does not grow with the run's length: the curves are at ``/jobs/{id}/metrics``."""
+
     attempts: list[Attempt] = Field(description="one per start: the first, each restart and each resize")
+    metric_names: list[str] = Field(description="the per-iteration metrics the job reports (GET /jobs/{id}/metrics)")
+    last_seq: int = Field(description="the seq of its latest event: follow the events after it to see only what is new")
     spec: dict[str, Any]
 
 
 class JobList(BaseModel):
     jobs: list[JobSummary]
-    count: int
+    count: int = Field(description="jobs on this page")
+    next_cursor: str | None = Field(None, description="pass as ?cursor= for the next (older) page; null on the last")
+
+
+class MetricsPage(BaseModel):
+    """Per-iteration metrics as parallel lists: ``iterations[i]``'s ``loss`` is ``loss[i]``; one more
+    list per requested name (a number, or null where that iteration did not report it)."""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, list[float | None]] = Field(init=False)
+
+    job_id: str
+    iterations: list[int] = Field(description="ascending")
+    attempt: list[int | None] = Field(description="the attempt that ran each iteration (a restart or resize begins "
+                                      "where it changes); null for iterations stored before this was recorded")
+    next_after: int | None = Field(description="pass as ?after= for the next page; null when this page reaches the end "
+                                   "(always null with ?points=)")
 
 
 class EventPublic(BaseModel):

@@ -3,6 +3,12 @@
 ``add_parser(sub)`` registers the sub-command on the CLI's sub-parsers; ``python -m api.serve_cmd``
 runs it alone. SIGTERM and SIGINT stop the server cleanly (uvicorn's handlers): the scheduler
 stops, running jobs keep running, and a server started again with the same data dir re-attaches.
+
+One uvicorn process, not several workers: the scheduler (the queue, admission, the runners it
+watches) must be one per data dir, and the job views are cached in that process
+(:mod:`api.job_cache`); a second worker would run a second scheduler. uvicorn picks uvloop and
+httptools when they are installed (``uvicorn[standard]``); a cached ``GET /jobs/{id}`` costs the
+server about 0.3 ms of CPU (bench/api_bench.py).
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a failure drill applied to every job this server runs (for fault-tolerance drills; "
                         "repeatable; each fires once per job, in the first attempt that reaches that iteration), "
                         "as raytron run --fault; a job whose ranks do not include RANK runs without it")
+    p.add_argument("--max-stream-s", type=float, default=None, metavar="SECONDS",
+                   help="end a followed event or log stream after this long (clients resume with Last-Event-ID "
+                        "or the log offset); default: it lasts until the job ends")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
 
 
@@ -104,7 +113,8 @@ def build_app(args, ray_session=None):
     data_dir.mkdir(parents=True, exist_ok=True)
     database_url = args.database_url or sqlite_url(data_dir)
     store = JobStore(database_url)
-    settings = Settings(data_dir=data_dir, api_token=load_or_create_token(data_dir))
+    settings = Settings(data_dir=data_dir, api_token=load_or_create_token(data_dir),
+                        max_stream_s=getattr(args, "max_stream_s", None))
     faults = list(args.fault or [])  # drills for every job (--fault)
     if ray_session is None:
         runners = LocalProcessRunners(data_dir, database_url, faults=faults)

@@ -7,8 +7,14 @@ then measures
 * ``GET /api/v1/jobs/{id}`` latency (p50, p99) and rate under ``--clients`` concurrent clients, each
   sending ``--requests`` requests one after the other (one asyncio process of clients, so the
   figures include the client's own cost on the same cores);
+* the server's own CPU time per GET (user + system of its process over the GET phase), and the
+  clients' (this process): the figures that hold when other work shares the cores, as the rate
+  and latencies do not;
 * submissions per second: ``--submissions`` ``POST /api/v1/jobs`` from 8 concurrent clients.
 
+The server runs as ``raytron serve`` runs by default: one process (its scheduler and job cache
+are one per data dir), uvicorn with uvloop and httptools when installed (``uvicorn[standard]``),
+``--log-level warning`` (no access log line per request); ``--server-log-level info`` logs each.
 At the end every job is cancelled and the server stopped. Prints one table.
 """
 
@@ -51,6 +57,38 @@ async def _get_latencies(url: str, token: str, job_id: str, clients: int, reques
         return latencies, time.perf_counter() - t0
 
 
+async def _raw_get_latencies(url: str, token: str, job_id: str, clients: int,
+                            requests: int) -> tuple[list[float], float]:
+    """As :func:`_get_latencies`, each client one keep-alive HTTP/1.1 connection written and read by
+    hand (a wrk-like load generator: httpx spends ~5 ms of CPU per request, six times the server's,
+    so on a 2-core machine it measures itself). Every answer must be a 200 with its whole body."""
+    parsed = httpx.URL(url)
+    request = (f"GET {parsed.raw_path.decode()}/jobs/{job_id} HTTP/1.1\r\nHost: {parsed.host}:{parsed.port}\r\n"
+               f"Authorization: Bearer {token}\r\n\r\n").encode()
+    latencies: list[float] = []
+
+    async def one_client():
+        reader, writer = await asyncio.open_connection(parsed.host, parsed.port)
+        try:
+            for _ in range(requests):
+                t0 = time.perf_counter()
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                status = head.split(b" ", 2)[1]
+                length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                await reader.readexactly(length)
+                latencies.append(time.perf_counter() - t0)
+                if status != b"200":
+                    raise RuntimeError(f"GET /jobs/{job_id} answered {status.decode()}")
+        finally:
+            writer.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one_client() for _ in range(clients)))
+    return latencies, time.perf_counter() - t0
+
+
 async def _submit(url: str, token: str, count: int, clients: int = 8) -> tuple[list[str], float]:
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as http:
         ids: list[str] = []
@@ -67,6 +105,12 @@ async def _submit(url: str, token: str, count: int, clients: int = 8) -> tuple[l
         return ids, time.perf_counter() - t0
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -77,9 +121,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--requests", type=int, default=10, help="GET requests per client")
     parser.add_argument("--submissions", type=int, default=200)
+    parser.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                        help="the GET clients: keep-alive connections written by hand (default), or httpx")
+    parser.add_argument("--server-log-level", default="warning", choices=("debug", "info", "warning", "error"))
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="raytron-bench-") as tmp:
-        srv = Server(Path(tmp) / "data", simulate="1x1").start()
+        srv = Server(Path(tmp) / "data", simulate="1x1", extra_args=("--log-level", args.server_log_level)).start()
         url = f"{srv.url}/api/v1"
         runner = None
         try:
@@ -90,7 +137,10 @@ def main(argv: list[str] | None = None) -> dict:
                 runner = json.loads((srv.data_dir / "jobs" / blocker / "runner.json").read_text())["pid"]
                 os.killpg(runner, signal.SIGSTOP)
                 ids, submit_s = asyncio.run(_submit(url, srv.token, args.submissions))
-                lat, get_s = asyncio.run(_get_latencies(url, srv.token, ids[0], args.clients, args.requests))
+                cpu0, client0 = cpu_s(srv.proc.pid), time.process_time()
+                measure = _raw_get_latencies if args.client == "raw" else _get_latencies
+                lat, get_s = asyncio.run(measure(url, srv.token, ids[0], args.clients, args.requests))
+                server_cpu, client_cpu = cpu_s(srv.proc.pid) - cpu0, time.process_time() - client0
                 os.killpg(runner, signal.SIGCONT)
                 for job_id in ids + [blocker]:
                     api.post(f"/jobs/{job_id}/cancel")
@@ -109,13 +159,18 @@ def main(argv: list[str] | None = None) -> dict:
     if errors:
         print("server log errors:\n" + "\n".join(errors[:10]))
     result = {"get_p50_ms": 1000 * statistics.median(lat), "get_p99_ms": 1000 * pct(lat, 0.99),
-              "get_per_s": len(lat) / get_s, "submissions_per_s": len(ids) / submit_s}
+              "get_per_s": len(lat) / get_s, "server_cpu_ms_per_get": 1000 * server_cpu / len(lat),
+              "client_cpu_ms_per_get": 1000 * client_cpu / len(lat),
+              "submissions_per_s": len(ids) / submit_s, "client": args.client, "load_average": os.getloadavg()[0]}
     print(f"{'measure':<44}{'value':>12}")
     print(f"{f'GET /jobs/{{id}} p50, {args.clients} clients':<44}{result['get_p50_ms']:>9.1f} ms")
     print(f"{f'GET /jobs/{{id}} p99, {args.clients} clients':<44}{result['get_p99_ms']:>9.1f} ms")
     print(f"{'GET /jobs/{id} requests/s':<44}{result['get_per_s']:>12.0f}")
+    print(f"{'server CPU per GET':<44}{result['server_cpu_ms_per_get']:>9.2f} ms")
+    print(f"{f'client CPU per GET ({args.client}, this process)':<44}{result['client_cpu_ms_per_get']:>9.2f} ms")
     print(f"{f'POST /jobs submissions/s ({len(ids)}, 8 clients)':<44}{result['submissions_per_s']:>12.1f}")
-    print(f"(machine: {os.cpu_count()} CPUs, client and server on the same machine)")
+    print(f"(machine: {os.cpu_count()} CPUs, load average {result['load_average']:.1f} at the end; client and "
+          f"server on the same machine)")
     return result
 
 

@@ -254,7 +254,10 @@ def run(seed: int, n: int, iters: int, kinds: tuple[str, ...], keep: bool) -> in
                   + (f"next iteration after {got[0]:6.2f} s, {got[1]} iteration(s) lost" if got else "NOT RECOVERED"),
                   flush=True)
         job = wait_until(server, job_id, lambda j: j["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"), 900, "the end")
-        losses = server.get(f"/jobs/{job_id}")["losses"]
+        losses, after = [], 0  # the whole curve, page by page (GET /jobs/{id} carries only the latest loss)
+        while after is not None:
+            page = server.get(f"/jobs/{job_id}/metrics", names="loss", after=after, limit=10000)
+            losses, after = losses + page["loss"], page["next_after"]
     finally:
         server.stop()
         from service.ranks.proc_tree import marked

@@ -109,6 +109,16 @@ def wait_for(client: httpx.Client, job_id: str, states, timeout_s: float = 120) 
     raise AssertionError(f"job {job_id} still {job['state']} after {timeout_s}s")
 
 
+def job_losses(client: httpx.Client, job_id: str, page: int = 10000) -> list[float]:
+    """The job's whole loss curve, one value per iteration, walked page by page (``next_after``)."""
+    losses, after = [], 0
+    while after is not None:
+        body = client.get(f"/jobs/{job_id}/metrics", params={"names": "loss", "after": after, "limit": page}).json()
+        losses += body["loss"]
+        after = body["next_after"]
+    return losses
+
+
 def pid_alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -274,9 +284,14 @@ def test_submit_runs_to_succeeded_with_the_cli_losses(server, api, tmp_path):
     assert r.json()["sizes"]["tp"] == 2 and r.json()["world_size"] == 2
     job = wait_for(api, job_id, ("SUCCEEDED", "FAILED"))
     assert job["state"] == "SUCCEEDED", job
-    assert job["losses"] == pytest.approx(_run_cli_losses(tmp_path, spec), rel=1e-6)
+    curve = api.get(f"/jobs/{job_id}/metrics").json()
+    assert curve["iterations"] == [1, 2, 3] and curve["next_after"] is None and curve["attempt"] == [1, 1, 1]
+    assert curve["loss"] == pytest.approx(_run_cli_losses(tmp_path, spec), rel=1e-6)
+    assert set(job["metric_names"]) >= {"loss", "lr", "tokens_per_s"} and set(curve) >= set(job["metric_names"])
     assert job["iteration"] == 3 and job["restarts"] == 0 and len(job["attempts"]) == 1
-    assert job["tokens_per_s"] > 0 and job["error"] is None
+    assert job["loss"] == curve["loss"][-1] and job["tokens_per_s"] == curve["tokens_per_s"][-1] > 0
+    assert job["error"] is None and "losses" not in job and job["last_seq"] == len(
+        api.get(f"/jobs/{job_id}/events").json()["events"])
 
     placement = api.get(f"/jobs/{job_id}/placement").json()
     ranks = placement["ranks"]
@@ -296,18 +311,27 @@ def test_submit_runs_to_succeeded_with_the_cli_losses(server, api, tmp_path):
     logs = api.get(f"/jobs/{job_id}/logs")
     assert logs.status_code == 200 and "iteration 3 loss" in logs.text and "SUCCEEDED" in logs.text
     assert api.get(f"/jobs/{job_id}/logs", params={"offset": 10 ** 9}).text == ""
+    for offset in (2**50, 2**53 - 1):  # past any file system's seek limit: empty, never a 500
+        r = api.get(f"/jobs/{job_id}/logs", params={"offset": offset})
+        assert r.status_code == 200 and r.text == "" and r.headers["x-log-offset"] == str(offset)
+        with api.stream("GET", f"/jobs/{job_id}/logs", params={"offset": offset, "follow": "true"}) as r:
+            assert r.status_code == 200 and r.read() == b""  # the followed stream ends whole (the job has ended)
+    for offset in (2**53, 44434288718764080):  # beyond the documented bound: a 422 (was a 500: OSError)
+        assert api.get(f"/jobs/{job_id}/logs", params={"offset": offset}).status_code == 422
+    r = api.request("OPTIONS", "/jobs")  # two routes on one path: Allow names both
+    assert r.status_code == 405 and r.headers["allow"] == "GET, POST"  # mutation: Starlette's Allow -> "POST"
 
     listed = api.get("/jobs").json()["jobs"]
     assert listed[0]["id"] == job_id and "losses" not in listed[0]
     # what the console's jobs page shows of a job, in the list itself (no request per job)
     assert (listed[0]["iteration"], listed[0]["loss"], listed[0]["restarts"], listed[0]["sizes"]) == (
-        3, job["losses"][-1], 0, job["sizes"]) and listed[0]["sizes"]["tp"] == 2
+        3, job["loss"], 0, job["sizes"]) and listed[0]["sizes"]["tp"] == 2
     assert api.get("/job-states").json() == {
         "states": ["QUEUED", "STARTING", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "CANCELLED"],
         "terminal": ["SUCCEEDED", "FAILED", "CANCELLED"]}
     metrics = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert 'raytron_jobs{state="SUCCEEDED"}' in metrics and "raytron_queue_length 0.0" in metrics
-    assert f'raytron_job_loss{{job_id="{job_id}",name="parity"}} {job["losses"][-1]}' in metrics
+    assert f'raytron_job_loss{{job_id="{job_id}",name="parity"}} {job["loss"]}' in metrics
     assert f'raytron_job_iteration{{job_id="{job_id}",name="parity"}} 3.0' in metrics
     assert "raytron_job_tokens_per_second" in metrics and "raytron_job_restarts" in metrics
     cluster = api.get("/cluster").json()
@@ -341,8 +365,11 @@ def test_events_stream_live_until_the_end_and_resume(api):
     assert sum(1 for _, kind, _ in stream if kind == "iteration") == 4
     resumed = _sse(api, job_id, last_event_id=seqs[-3])
     assert [int(i) for i, _, _ in resumed[:-1]] == seqs[-2:]  # mutation: Last-Event-ID ignored -> all again
-    assert api.get(f"/jobs/{job_id}/events", headers={"Accept": "text/event-stream",
-                                                       "Last-Event-ID": "x"}).status_code == 400
+    for bad in ("x", "null", "-1"):  # a declared integer header: a documented 422, never a 400 or 500
+        r = api.get(f"/jobs/{job_id}/events", headers={"Accept": "text/event-stream", "Last-Event-ID": bad})
+        assert r.status_code == 422 and r.json()["code"] == "invalid_request", bad
+    history = api.get(f"/jobs/{job_id}/events", params={"exclude_kind": "iteration"}).json()["events"]
+    assert history and all(e["kind"] != "iteration" for e in history)
 
 
 def test_logs_follow_streams_until_the_job_ends(api):
@@ -389,3 +416,34 @@ def test_whole_cluster_jobs_run_one_after_the_other_in_priority_order(api):
     spans = {j: (job["attempts"][0]["started_at"], job["attempts"][0]["ended_at"]) for j, job in jobs.items()}
     # each needs the whole cluster: no overlap, and the higher priority went first although submitted later
     assert spans[first][1] <= spans[high][0] and spans[high][1] <= spans[low][0]
+
+
+def test_the_openapi_types_what_the_server_checks(server):
+    """The document schemathesis is run against (tests/test_api_fuzz.py): the spec typed, the bearer
+    scheme, each operation's error statuses with the one error body, typed parameters."""
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    spec_ref = {"$ref": "#/components/schemas/JobSpec"}
+    for path in ("/api/v1/jobs", "/api/v1/plan"):
+        body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == spec_ref  # mutation: the untyped object again
+    spec = doc["components"]["schemas"]["JobSpec"]
+    assert spec["minProperties"] == 1 and spec["additionalProperties"] is False
+    assert {"model", "parallel", "training", "resources"} <= set(spec["properties"])
+    assert doc["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    error = {"$ref": "#/components/schemas/ErrorBody"}
+    for path, operations in doc["paths"].items():
+        for method, op in operations.items():
+            errors = {c: r for c, r in op["responses"].items() if c.startswith("4")}
+            assert all(r["content"]["application/json"]["schema"] == error for r in errors.values()), (path, method)
+            assert ("401" in errors) == (path != "/healthz"), (path, method)
+            assert ("404" in errors) == ("{job_id}" in path), (path, method)
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    params = {p["name"]: p["schema"] for p in doc["paths"]["/api/v1/jobs"]["get"]["parameters"]}
+    assert doc["components"]["schemas"]["JobState"]["enum"] == list(STATES_IN_ORDER) and "$ref" in params["state"]
+    events = {p["name"]: p for p in doc["paths"]["/api/v1/jobs/{job_id}/events"]["get"]["parameters"]}
+    assert events["last-event-id"]["in"] == "header" and events["last-event-id"]["schema"]["type"] == "integer"
+    logs = {p["name"]: p["schema"] for p in doc["paths"]["/api/v1/jobs/{job_id}/logs"]["get"]["parameters"]}
+    assert logs["offset"]["type"] == "integer" and logs["offset"]["maximum"] == 2**53 - 1
+
+
+STATES_IN_ORDER = ("QUEUED", "STARTING", "RUNNING", "RESTARTING", "SUCCEEDED", "FAILED", "CANCELLED")

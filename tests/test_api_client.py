@@ -46,15 +46,20 @@ def test_submit_follow_status_logs(server, tmp_path):
     table = raytron(server, "status")
     assert table.returncode == 0 and job_id in table.stdout and "SUCCEEDED" in table.stdout
     one = json.loads(raytron(server, "status", job_id, "--json").stdout)
-    assert len(one["losses"]) == 3 and one["placement"][0]["rank"] == 0
+    assert one["iteration"] == 3 and one["loss"] > 0 and one["placement"][0]["rank"] == 0
+    assert "losses" not in one  # the curve is at /jobs/{id}/metrics, not in every status
     text = raytron(server, "status", job_id).stdout
-    assert "SUCCEEDED, iteration 3/3" in text and "node_id" in text
+    assert "SUCCEEDED, iteration 3/3" in text and "node_id" in text and f"-> {one['loss']:.4f}" in text
     logs = raytron(server, "logs", job_id)
     assert logs.returncode == 0 and "iteration 3 loss" in logs.stdout
     assert "iteration 3 loss" in raytron(server, "logs", job_id, "-f").stdout
-    # the same job followed again as JSON lines: every event once, ending with the final state
-    lines = [json.loads(x) for x in raytron(server, "status", job_id, "-f", "--json").stdout.splitlines()]
+    # `submit -f --json`: every event once, in order, ending with the final state
+    p = raytron(server, "submit", write(tmp_path, tiny("cli-json", world=1, iters=2)), "-f", "--json")
+    lines = [json.loads(x) for x in p.stdout.splitlines()]
     assert [e["seq"] for e in lines] == list(range(1, len(lines) + 1)) and lines[-1]["state"] == "SUCCEEDED"
+    # `status -f` follows from now on: an ended job has nothing new (its history is not sent again)
+    again = raytron(server, "status", job_id, "-f", "--json")
+    assert again.returncode == 0 and again.stdout == ""  # mutation: followed from seq 0 -> every event again
 
 
 def test_followed_job_that_fails_exits_1(server, tmp_path):

@@ -26,6 +26,21 @@ def store(tmp_path):
     s.close()
 
 
+def get_job(job_id: str, store: JobStore) -> dict:
+    """What GET /api/v1/jobs/{id} answers (its view, built as the route's cache builds it)."""
+    from api.routes.jobs import job_public
+
+    return job_public(store, store.get_job(job_id))
+
+
+def list_jobs(store: JobStore) -> list:
+    """What GET /api/v1/jobs lists (the summaries, newest first)."""
+    from api.routes.jobs import job_summary
+    from api.schemas import JobSummary
+
+    return [JobSummary(**job_summary(store, r)) for r in store.list_jobs()]
+
+
 def elastic_spec(num_nodes=4, gpus_per_node=1, pp=1) -> dict:
     """The spec of test_elastic's job (make_job()): elastic down to 1 node, a checkpoint every 2 iterations."""
     return {"name": "el", "model": dict(MODEL), "parallel": {"pipeline_model_parallel_size": pp},
@@ -64,7 +79,6 @@ def test_a_resized_job_counts_its_restarts_as_the_controller_does(store):
     """One restart (the lost node) and two resizes (the shrink, the grow): three attempts, one
     restart, in ``raytron run --json`` (the controller's result), GET /jobs/{id}, the list and /metrics."""
     from api.routes.health import metrics
-    from api.routes.jobs import get_job, list_jobs
 
     nodes, reached = [4], [0]
     result = run_recorded(store, "el-1", shrink_then_grow(nodes, reached), nodes)
@@ -74,7 +88,7 @@ def test_a_resized_job_counts_its_restarts_as_the_controller_does(store):
     starts = [e["message"] for e in store.events("el-1", kind="state") if e["state"] == "STARTING"]
     assert "(attempt 2)" in starts[1] and "(attempt 3)" in starts[2], starts  # the controller numbers them alike
     assert job["restarts"] == result["restarts"]  # mutation: restarts = attempts - 1 -> 2
-    assert list_jobs(store, limit=100, state=None)["jobs"][0].restarts == result["restarts"]
+    assert list_jobs(store)[0].restarts == result["restarts"]
     text = metrics(store, SimpleNamespace(queue_length=lambda: 0)).body.decode()
     assert 'raytron_job_restarts{job_id="el-1",name="el"} 1.0' in text
 
@@ -82,8 +96,6 @@ def test_a_resized_job_counts_its_restarts_as_the_controller_does(store):
 def test_a_shrink_while_waiting_for_nodes_is_not_a_restart(store):
     """A node lost while an attempt waits for its placement: the launcher's InsufficientResources
     makes the controller size the job again (a new attempt, no restart)."""
-    from api.routes.jobs import get_job
-
     nodes, reached = [4], [0]
 
     def make(attempt, attempt_job, grid):
@@ -108,17 +120,16 @@ def test_a_shrink_while_waiting_for_nodes_is_not_a_restart(store):
 def test_the_list_carries_what_the_jobs_page_shows(store):
     """Each summary of GET /jobs has the row's state, sizes (as resized), iteration, latest loss and
     restarts, so that the console's jobs page needs no request per job; the curve stays out."""
-    from api.routes.jobs import get_job, list_jobs
     from api.schemas import JobSummary
 
     nodes, reached = [4], [0]
     result = run_recorded(store, "el-3", shrink_then_grow(nodes, reached), nodes)
     store.create_job(elastic_spec(), job_id="queued-1")
-    queued, listed = list_jobs(store, limit=100, state=None)["jobs"]
+    queued, listed = list_jobs(store)
     job = get_job("el-3", store)
     assert (listed.id, listed.state, listed.iteration, listed.train_iters) == ("el-3", "SUCCEEDED", 8, 8)
     assert listed.sizes == result["sizes"] == job["sizes"] and listed.sizes["dp"] == 4  # grown back
-    assert listed.loss == result["losses"][-1] == job["losses"][-1] == 1 / 8
+    assert listed.loss == result["losses"][-1] == job["loss"] == 1 / 8
     assert listed.restarts == job["restarts"] == 1
     assert (queued.iteration, queued.loss, queued.restarts) == (0, None, 0)
     assert "losses" not in JobSummary.model_fields and "loss" in job

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.test_api import ROOT, TOKEN, Server, tiny, wait_for
+from tests.test_api import ROOT, TOKEN, Server, job_losses, tiny, wait_for
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[test]')")
 from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
@@ -226,7 +226,7 @@ def test_submit_watch_the_curve_grow_to_succeeded_and_the_placement(server, brow
     assert job["state"] == "SUCCEEDED", job
     assert browser.find_element(By.ID, "job-state").text == "SUCCEEDED"
     line = browser.find_element(By.CSS_SELECTOR, "#charts polyline[data-series=loss]")
-    assert json.loads(line.get_attribute("data-values")) == job["losses"]  # mutation: plots the wrong series
+    assert json.loads(line.get_attribute("data-values")) == job_losses(api, job_id)  # mutation: the wrong series
     assert json.loads(line.get_attribute("data-iterations")) == list(range(1, ITERS + 1))
     assert len(line.get_attribute("points").split()) == ITERS
     assert seen == sorted(seen) and any(0 < n < ITERS for n in seen), seen  # it grew while the job ran

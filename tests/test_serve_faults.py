@@ -19,7 +19,7 @@ import pytest
 from service.control.jobs import start_job
 from service.ranks.process_launcher import ProcessLauncher
 from service.spec.spec import parse_spec, to_job_config
-from tests.test_api import Server, wait_for
+from tests.test_api import Server, job_losses, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -161,7 +161,8 @@ def test_crash_in_the_middle_of_a_save_restarts_from_the_previous_complete_check
     job = wait_for(api, job_id, DONE, timeout_s=300)
     assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
     assert job["restarts"] == 1  # the drill fires once
-    assert close(job["losses"], expected), (job["losses"], expected)
+    losses = job_losses(api, job_id)
+    assert close(losses, expected), (losses, expected)
     named = [f for f in failures(api, job_id) if f.get("rank") == 3]
     assert named and named[0]["code"] == "rank_died" and "died" in named[0]["message"], failures(api, job_id)
     froms = [a["from_checkpoint"] for a in job["attempts"]]
@@ -187,7 +188,8 @@ def signal_drill(api, s: dict, *, at: int, rank: int, sig: int) -> tuple[str, di
     job = wait_for(api, job_id, DONE, timeout_s=300)
     assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
     assert job["restarts"] >= 1
-    assert close(job["losses"], expected), story(api, job_id, job["losses"], expected)
+    losses = job_losses(api, job_id)
+    assert close(losses, expected), story(api, job_id, losses, expected)
     return job_id, job, victim
 
 
@@ -243,7 +245,8 @@ def test_lost_node_shrinks_dp_with_the_same_global_batch_and_curve(api):
     assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
     assert job["sizes"]["dp"] == 2 and job["sizes"]["tp"] == 1  # 3 nodes left: dp 3 does not divide 8
     assert job["spec"]["training"]["global_batch_size"] == 8
-    assert close(job["losses"], expected), story(api, job_id, job["losses"], expected)
+    losses = job_losses(api, job_id)
+    assert close(losses, expected), story(api, job_id, losses, expected)
     resize = [e for e in events(api, job_id) if e["kind"] == "resize"]
     assert resize and resize[0]["data"]["old"]["sizes"]["dp"] == 4 and resize[0]["data"]["new"]["sizes"]["dp"] == 2
     assert len(api.get(f"/jobs/{job_id}/placement").json()["ranks"]) == 2

@@ -16,7 +16,7 @@ import pytest
 
 from service.ranks.proc_tree import marked, matching
 from service.ranks.ray_cluster import CLUSTER_MARK
-from tests.test_api import Server, wait_for
+from tests.test_api import Server, job_losses, wait_for
 from tests.test_serve_faults import (DONE, _raylet_of, close, events, failures, ray_server_client, spec, story,
                                      submit, undisturbed, wait_iteration)
 
@@ -58,7 +58,8 @@ def test_server_killed_and_started_again_reattaches_to_its_simulated_cluster(tmp
         with again.client() as api:
             job = wait_for(api, job_id, DONE, timeout_s=300)
             assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
-            assert close(job["losses"], expected), story(api, job_id, job["losses"], expected)
+            losses = job_losses(api, job_id)
+            assert close(losses, expected), story(api, job_id, losses, expected)
             log = whole_and_once(api, job_id, 24)
             assert [e for e in log if e["kind"] == "runner"] == [] and job["restarts"] == 0  # the runner lived on
             assert sum(e["kind"] == "admission" for e in log) == 1
@@ -105,7 +106,8 @@ def test_server_killed_and_started_again_reattaches_to_the_ray_jobs_of_an_outsid
         with again.client() as api:
             job = wait_for(api, job_id, DONE, timeout_s=300)
             assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
-            assert close(job["losses"], expected), story(api, job_id, job["losses"], expected)
+            losses = job_losses(api, job_id)
+            assert close(losses, expected), story(api, job_id, losses, expected)
             log = whole_and_once(api, job_id, 24)
             assert [e for e in log if e["kind"] == "runner"] == [] and job["restarts"] == 0  # re-attached
             assert sum(e["kind"] == "admission" for e in log) == 1
@@ -139,7 +141,8 @@ def test_a_killed_runner_is_started_again_and_goes_on_from_the_record(api):
     expected = undisturbed(s)
     job = wait_for(api, job_id, DONE, timeout_s=300)
     assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
-    assert close(job["losses"], expected), story(api, job_id, job["losses"], expected)
+    losses = job_losses(api, job_id)
+    assert close(losses, expected), story(api, job_id, losses, expected)
     log = whole_and_once(api, job_id, 20)
     started = [e for e in log if e["kind"] == "runner"]
     assert len(started) == 1 and started[0]["data"]["reason"] == "runner_exited", started
@@ -163,6 +166,7 @@ def test_a_lost_node_with_min_nodes_below_num_nodes_shrinks_and_the_job_finishes
     job = wait_for(api, job_id, DONE, timeout_s=400)
     assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
     assert job["sizes"]["dp"] == 2 and job["sizes"]["tp"] == 2  # 3 nodes left: dp 3 does not divide 8
-    assert close(job["losses"], expected), story(api, job_id, job["losses"], expected)
+    losses = job_losses(api, job_id)
+    assert close(losses, expected), story(api, job_id, losses, expected)
     whole_and_once(api, job_id, 40)
     assert [e for e in events(api, job_id) if e["kind"] == "runner"] == []  # the runner lived on

@@ -250,7 +250,7 @@ def _set_version(url: str, version: int) -> None:
 def test_a_newer_schema_is_refused_with_the_fix(url):
     JobStore(url).close()
     _set_version(url, 99)
-    with pytest.raises(SchemaError, match=r"schema version 99, newer than 1.*Upgrade raytron.*--database-url"):
+    with pytest.raises(SchemaError, match=rf"schema version 99, newer than {schema_mod.SCHEMA_VERSION}.*Upgrade raytron.*--database-url"):
         JobStore(url)
 
 
@@ -264,20 +264,117 @@ def test_an_older_schema_is_migrated_once(url, monkeypatch):
         calls.append(1)
         conn.execute(sa.text("ALTER TABLE jobs ADD COLUMN note VARCHAR(64)"))
 
-    monkeypatch.setattr(schema_mod, "SCHEMA_VERSION", 2)
-    monkeypatch.setattr(schema_mod, "MIGRATIONS", {1: add_note})
+    v = schema_mod.SCHEMA_VERSION
+    monkeypatch.setattr(schema_mod, "SCHEMA_VERSION", v + 1)
+    monkeypatch.setattr(schema_mod, "MIGRATIONS", {v: add_note})
     s = JobStore(url)
     s.close()
     JobStore(url).close()
     engine = sa.create_engine(url)
     with engine.connect() as conn:
-        assert conn.execute(schema_mod.schema_version.select()).scalar_one() == 2
+        assert conn.execute(schema_mod.schema_version.select()).scalar_one() == v + 1
         assert conn.execute(sa.text("SELECT name, note FROM jobs")).all() == [("old", None)]
     engine.dispose()
     assert calls == [1]
-    monkeypatch.setattr(schema_mod, "SCHEMA_VERSION", 3)
-    with pytest.raises(SchemaError, match="no migration leads from 2 to 3"):
+    monkeypatch.setattr(schema_mod, "SCHEMA_VERSION", v + 2)
+    with pytest.raises(SchemaError, match=f"no migration leads from {v + 1} to {v + 2}"):
         JobStore(url)
+
+
+# The tables of schema version 1, as SQLAlchemy created them on SQLite (raytron before the v2 aggregates).
+V1_SQLITE = """
+CREATE TABLE jobs (number INTEGER NOT NULL, id VARCHAR(128) NOT NULL, name VARCHAR(256) NOT NULL,
+    spec JSON NOT NULL, priority INTEGER NOT NULL, state VARCHAR(16) NOT NULL, submitted_at DOUBLE NOT NULL,
+    updated_at DOUBLE NOT NULL, ray_job_id VARCHAR(128), error JSON, sizes JSON, iteration INTEGER NOT NULL,
+    PRIMARY KEY (number), UNIQUE (id));
+CREATE INDEX ix_jobs_state ON jobs (state);
+CREATE TABLE schema_version (version INTEGER NOT NULL);
+CREATE TABLE events (job_id VARCHAR(128) NOT NULL, seq INTEGER NOT NULL, time DOUBLE NOT NULL,
+    kind VARCHAR(32) NOT NULL, state VARCHAR(16) NOT NULL, message TEXT NOT NULL, data JSON,
+    PRIMARY KEY (job_id, seq), FOREIGN KEY(job_id) REFERENCES jobs (id) ON DELETE CASCADE);
+CREATE TABLE attempts (job_id VARCHAR(128) NOT NULL, number INTEGER NOT NULL, started_at DOUBLE NOT NULL,
+    ended_at DOUBLE, reason TEXT, from_checkpoint TEXT, PRIMARY KEY (job_id, number),
+    FOREIGN KEY(job_id) REFERENCES jobs (id) ON DELETE CASCADE);
+CREATE TABLE metrics (job_id VARCHAR(128) NOT NULL, iteration INTEGER NOT NULL, data JSON NOT NULL,
+    PRIMARY KEY (job_id, iteration), FOREIGN KEY(job_id) REFERENCES jobs (id) ON DELETE CASCADE);
+INSERT INTO schema_version VALUES (1);
+INSERT INTO jobs VALUES (1, 'old-1', 'old', '{}', 0, 'RUNNING', 1.0, 2.0, NULL, NULL, NULL, 2);
+INSERT INTO events VALUES ('old-1', 1, 1.0, 'state', 'QUEUED', 'submitted', '{}');
+INSERT INTO events VALUES ('old-1', 2, 1.5, 'iteration', 'RUNNING', '', '{"iteration": 1, "loss": 5.0}');
+INSERT INTO events VALUES ('old-1', 3, 1.6, 'iteration', 'RUNNING', '', '{"iteration": 2, "loss": 4.0, "lr": 0.1}');
+INSERT INTO metrics VALUES ('old-1', 1, '{"iteration": 1, "loss": 5.0}');
+INSERT INTO metrics VALUES ('old-1', 2, '{"iteration": 2, "loss": 4.0, "lr": 0.1}');
+INSERT INTO metrics VALUES ('old-1', 3, '{"iteration": 3, "loss": 3.0, "tokens_per_s": 7.0}');
+"""
+
+
+def test_a_v1_database_gets_the_v2_aggregates_from_its_rows(tmp_path):
+    """A database of schema v1 (no aggregate columns) is migrated: the job's latest loss and its
+    metric names are filled from its rows (the current iteration's, not a later stale row's)."""
+    path = tmp_path / "raytron.db"
+    with sqlite3.connect(path) as db:
+        db.executescript(V1_SQLITE)
+    s = JobStore(f"sqlite:///{path}")
+    try:
+        job = s.get_job("old-1")
+        assert (job["loss"], job["tokens_per_s"], job["last_seq"]) == (4.0, None, 3)
+        assert job["metric_names"] == ["loss", "lr", "tokens_per_s"]  # mutation: names not backfilled -> None
+        assert [r[:2] for r in s.metric_rows("old-1")] == [(1, None), (2, None), (3, None)]
+        s.append_event("old-1", ev("iteration", "RUNNING", "", {"iteration": 3, "loss": 2.5}))
+        assert (s.get_job("old-1")["loss"], s.get_job("old-1")["last_seq"]) == (2.5, 4)
+    finally:
+        s.close()
+
+
+def test_the_job_row_carries_its_latest_metrics_and_names(store):
+    """Reading a job reads no metrics row: its latest loss, tokens/s, metric names and last seq are
+    columns, written with each event; each metrics row knows the attempt that wrote it."""
+    job = store.create_job({"name": "agg"})["id"]
+    assert (store.get_job(job)["last_seq"], store.get_job(job)["loss"]) == (1, None)
+    store.append_event(job, ev("state", "STARTING", "", {"from": "QUEUED"}))
+    for i in (1, 2, 3):
+        store.append_event(job, ev("iteration", "RUNNING", "", {"iteration": i, "loss": 6.0 - i, "tokens_per_s": 10.0 * i}))
+    row = store.get_job(job)
+    assert (row["iteration"], row["loss"], row["tokens_per_s"], row["last_seq"]) == (3, 3.0, 30.0, 5)
+    assert row["metric_names"] == ["loss", "tokens_per_s"]
+    store.append_event(job, ev("state", "RESTARTING", "rank lost", {"from": "RUNNING"}))
+    store.append_event(job, ev("state", "STARTING", "", {"from": "RESTARTING"}))
+    store.append_event(job, ev("iteration", "RUNNING", "", {"iteration": 2, "loss": 4.5, "grad_norm": 1.0}))
+    row = store.get_job(job)
+    # after a restart from a checkpoint: the iteration run again, not the earlier attempt's further one
+    assert (row["iteration"], row["loss"], row["tokens_per_s"]) == (2, 4.5, None)  # mutation: loss kept -> 3.0
+    assert row["metric_names"] == ["grad_norm", "loss", "tokens_per_s"]
+    assert [r[:2] for r in store.metric_rows(job)] == [(1, 1), (2, 2), (3, 1)]  # mutation: attempt not stored
+    assert [r[0] for r in store.metric_rows(job, after_iteration=1, limit=1)] == [2]
+    assert store.job_version(job) == (row["last_seq"], row["updated_at"]) and store.job_version("nope") is None
+
+
+def test_change_token_moves_with_every_commit_from_anywhere(store, url):
+    """The cache's cheap check: any commit, from this store or another one on the same database, changes it."""
+    if store.dialect != "sqlite":
+        assert store.change_token() is None
+        return
+    job = store.create_job({"name": "tok"})["id"]
+    before = store.change_token()
+    assert store.change_token() == before  # reads do not move it
+    store.append_event(job, ev("iteration", "RUNNING", "", {"iteration": 1, "loss": 1.0}))
+    after_own = store.change_token()
+    assert after_own != before
+    other = JobStore(url)
+    try:
+        other.update_job(job, ray_job_id="r-1")
+    finally:
+        other.close()
+    assert store.change_token() != after_own  # mutation: a constant token -> equal
+
+
+def test_list_jobs_pages_by_number_and_filters_by_name(store):
+    ids = [store.create_job({"name": "a" if i % 2 else "b"})["id"] for i in range(5)]
+    first = store.list_jobs(limit=2)
+    assert [j["id"] for j in first] == ids[:-3:-1]
+    second = store.list_jobs(limit=2, before=first[-1]["number"])
+    assert [j["id"] for j in second] == [ids[2], ids[1]]
+    assert [j["id"] for j in store.list_jobs(name="a")] == [ids[3], ids[1]]
 
 
 def test_store_imports_no_controller_api_or_workers():

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
 from api.deps import SchedulerDep, StoreDep, require_token
-from api.routes.jobs import job_restarts, latest_metrics
+from api.routes.jobs import job_restarts
 from api.schemas import Health
 from service.server.store import STATES, TERMINAL_STATES
 
@@ -19,7 +19,9 @@ def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/metrics", dependencies=[Depends(require_token)], response_class=Response)
+@router.get("/metrics", dependencies=[Depends(require_token)], response_class=Response,
+            responses={200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {
+                "type": "string"}}}}})
 def metrics(store: StoreDep, scheduler: SchedulerDep) -> Response:
     """Jobs by state, queue length, and per active (or recent) job: iteration, loss, tokens/s, restarts."""
     from prometheus_client import CollectorRegistry, generate_latest
@@ -46,12 +48,10 @@ def metrics(store: StoreDep, scheduler: SchedulerDep) -> Response:
     for r in shown:
         labels = [r["id"], r["name"]]
         it.add_metric(labels, r["iteration"])
-        last = latest_metrics(store, r)
-        if last:
-            if last.get("loss") is not None:
-                loss.add_metric(labels, last["loss"])
-            if last.get("tokens_per_s") is not None:
-                tps.add_metric(labels, last["tokens_per_s"])
+        if r["loss"] is not None:  # the latest iteration's, kept on the job's row
+            loss.add_metric(labels, r["loss"])
+        if r["tokens_per_s"] is not None:
+            tps.add_metric(labels, r["tokens_per_s"])
         restarts.add_metric(labels, job_restarts(store, r["id"]))
     families += [it, loss, tps, restarts]
 

@@ -1,4 +1,10 @@
-"""``/api/v1/jobs``: submit, list, read, place, cancel; ``/api/v1/job-states``: the states a job goes through."""
+"""``/api/v1/jobs``: submit, list, read, curves, place, cancel; ``/api/v1/job-states``: the states a job goes through.
+
+Reading a job costs the same at iteration 10 and at iteration 10^6: the job row carries its latest
+iteration's figures (the store writes them with each event), its view is built once per change
+and served from memory (:mod:`api.job_cache`), and the curves are read apart, a page or a
+downsampled plot at a time (``GET /jobs/{id}/metrics``, :mod:`api.curves`).
+"""
 
 from __future__ import annotations
 
@@ -6,22 +12,25 @@ import json
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
-from api.deps import SchedulerDep, StoreDep
+from api import curves
+from api.deps import JobCacheDep, SchedulerDep, StoreDep
 from api.http_errors import ApiError
 from api.placement_view import placement_view
-from api.schemas import ErrorBody, JobList, JobPublic, JobStates, JobSummary, PlacementPublic
+from api.schemas import ErrorBody, JobList, JobPublic, JobStates, MetricsPage, PlacementPublic
 from service.control.controller import count_restarts
-from service.control.events import JobEvent
+from service.control.events import JobEvent, JobState
 from service.spec.check import check_spec
 from service.server.store import STATES, TERMINAL_STATES, JobStore, UnknownJob
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 states_router = APIRouter(tags=["jobs"])
 
-SPEC_BODY = {"requestBody": {"required": True, "content": {"application/json": {
-    "schema": {"type": "object", "description": "a job spec (JobSpec in service/spec/spec.py; examples/*.yaml "
-               "are specs) plus an optional integer priority; unknown fields are refused"},
+SPEC_BODY = {"x-raytron-spec": True, "requestBody": {"required": True, "content": {"application/json": {
+    # api/openapi.py puts JobSpec's schema here (service/spec/spec.py; examples/*.yaml are specs)
+    "schema": {"type": "object"},
     "example": {"name": "tiny", "priority": 0, "model": {"num_layers": 2, "hidden_size": 32,
                 "num_attention_heads": 4}, "training": {"train_iters": 5, "global_batch_size": 4,
                 "micro_batch_size": 1}, "resources": {"num_nodes": 1, "gpus_per_node": 1}}}}}}
@@ -43,41 +52,34 @@ async def read_spec(request: Request):
     return check
 
 
-def job_summary(store: JobStore, row: dict, metrics: list[dict] | None = None) -> dict[str, Any]:
+def job_summary(store: JobStore, row: dict) -> dict[str, Any]:
     """A job as the list shows it (:class:`~api.schemas.JobSummary`): everything the console's jobs
-    page draws. ``metrics``: the job's, when the caller has read them already."""
+    page draws, from the row and its state events (no metrics row is read)."""
     spec = row["spec"] or {}
     res, training = spec.get("resources") or {}, spec.get("training") or {}
-    latest = latest_metrics(store, row, metrics)
     return {**{k: row[k] for k in ("id", "name", "state", "priority", "submitted_at", "updated_at", "iteration",
                                    "ray_job_id", "error", "sizes")},
             "train_iters": training.get("train_iters", 0),
             "world_size": res.get("num_nodes", 1) * res.get("gpus_per_node", 1),
-            "loss": latest.get("loss") if latest else None, "restarts": job_restarts(store, row["id"])}
+            "loss": curves.value(row["loss"]), "tokens_per_s": curves.value(row["tokens_per_s"]),
+            "restarts": job_restarts(store, row["id"])}
+
+
+def job_views(store: JobStore, row: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The job's summary and its public view (:class:`~api.schemas.JobPublic`): a few rows whatever its length."""
+    summary = job_summary(store, row)
+    return summary, {**summary, "attempts": store.attempts(row["id"]), "metric_names": row["metric_names"] or [],
+                     "last_seq": row["last_seq"], "spec": row["spec"]}
 
 
 def job_public(store: JobStore, row: dict) -> dict[str, Any]:
-    metrics = store.metrics(row["id"])
-    return {**job_summary(store, row, metrics), "losses": [m["loss"] for m in metrics if "loss" in m],
-            "tokens_per_s": metrics[-1].get("tokens_per_s") if metrics else None,
-            "attempts": store.attempts(row["id"]), "spec": row["spec"]}
+    return job_views(store, row)[1]
 
 
 def job_restarts(store: JobStore, job_id: str) -> int:
     """The job's restarts by the controller's rule (:func:`service.control.controller.is_restart`:
     a resize starts an attempt but is no restart), counted in its recorded state events."""
     return count_restarts(JobEvent.from_dict(e) for e in store.events(job_id, kind="state"))
-
-
-def latest_metrics(store: JobStore, row: dict, metrics: list[dict] | None = None) -> dict | None:
-    """The metrics of the job's current iteration (after a restart from a checkpoint, those of the
-    iteration run again, not the earlier attempt's further ones); None before the first.
-    ``metrics``: the job's, when read already (else only that iteration's are read)."""
-    if not row["iteration"]:
-        return None
-    if metrics is None:
-        metrics = store.metrics(row["id"], after_iteration=row["iteration"] - 1)
-    return next((m for m in metrics if m["iteration"] == row["iteration"]), None)
 
 
 def get_row(store: JobStore, job_id: str) -> dict:
@@ -91,8 +93,6 @@ def get_row(store: JobStore, job_id: str) -> dict:
              responses={**_ERRORS, 400: {"model": ErrorBody}, 409: {"model": ErrorBody}, 422: {"model": ErrorBody}})
 async def submit_job(request: Request, scheduler: SchedulerDep, store: StoreDep) -> dict:
     """Store a job QUEUED; it starts when the cluster can hold all of its ranks at once."""
-    from starlette.concurrency import run_in_threadpool
-
     from service.spec.placement import plan_placement
     from service.spec.spec import grid_of
 
@@ -108,19 +108,64 @@ async def submit_job(request: Request, scheduler: SchedulerDep, store: StoreDep)
 
 
 @router.get("", response_model=JobList, responses=_ERRORS)
-def list_jobs(store: StoreDep, limit: int = Query(100, ge=1, le=1000),
-              state: str | None = Query(None, description=f"only jobs in this state: {', '.join(STATES)}")) -> dict:
-    """Jobs, newest first."""
-    if state is not None and state not in STATES:
-        raise ApiError(422, "invalid_request", f"unknown state {state!r}; one of {', '.join(STATES)}")
-    rows = store.list_jobs(limit=limit, states=(state,) if state else None)
-    return {"jobs": [JobSummary(**job_summary(store, r)) for r in rows], "count": len(rows)}
+def list_jobs(cache: JobCacheDep, store: StoreDep, limit: int = Query(100, ge=1, le=1000),
+              cursor: str | None = Query(None, pattern=r"^[0-9]{1,18}$",
+                                         description="the next_cursor of the previous page"),
+              state: JobState | None = Query(None, description="only jobs in this state"),
+              name: str | None = Query(None, max_length=256, description="only jobs of this name")) -> JSONResponse:
+    """Jobs, newest first, a page at a time (``next_cursor`` leads to the next one)."""
+    rows = store.list_jobs(limit=limit + 1, states=(state.value,) if state else None, name=name,
+                           before=int(cursor) if cursor is not None else None)
+    page = rows[:limit]
+    more = len(rows) > limit
+    return JSONResponse({"jobs": [cache.from_row(r).summary for r in page], "count": len(page),
+                         "next_cursor": str(page[-1]["number"]) if more else None})
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=_ERRORS)
-def get_job(job_id: str, store: StoreDep) -> dict:
-    """State, iteration, losses, restarts, attempts, sizes, ray_job_id and error of one job."""
-    return job_public(store, get_row(store, job_id))
+async def get_job(job_id: str, cache: JobCacheDep) -> Response:
+    """State, iteration, latest loss and tokens/s, restarts, attempts, sizes, ray_job_id, error and spec
+    of one job: the same size at any length of the run (its curves: ``GET /jobs/{id}/metrics``)."""
+    # a hit costs microseconds and stays on the event loop; a miss reads the store in a thread
+    view = cache.fresh(job_id) or await run_in_threadpool(cache.current, job_id)
+    if view is None:
+        raise UnknownJob(f"no job {job_id!r}")
+    return Response(view.body, media_type="application/json")
+
+
+_NAMES = Query(None, max_length=1000, pattern=r"^[A-Za-z0-9_.,-]*$",
+               description="comma-separated metric names (default: every one the job reports, its metric_names)")
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsPage, responses=_ERRORS)
+def get_metrics(job_id: str, cache: JobCacheDep, store: StoreDep, names: str | None = _NAMES,
+                after: int = Query(0, ge=0, le=2**31 - 1, description="only iterations after this one"),
+                limit: int = Query(1000, ge=1, le=10000, description="at most this many iterations (a page)"),
+                points: int | None = Query(None, ge=2, le=10000, description="downsampled for a plot: at most this "
+                                           "many of the iterations after `after`, the first, the last and each "
+                                           "restart's or resize's first kept (replaces paging)")) -> Response:
+    """A job's per-iteration metrics: a page of ``limit`` iterations after ``after`` (follow ``next_after``
+    to walk the whole curve once), or, with ``points``, the whole curve downsampled (min/max buckets)."""
+    view = cache.current(job_id)
+    if view is None:
+        raise UnknownJob(f"no job {job_id!r}")
+    wanted = [n for n in (names.split(",") if names is not None else view.public["metric_names"]) if n]
+    wanted = list(dict.fromkeys(wanted))
+    if reserved := [n for n in wanted if n in curves.RESERVED]:
+        raise ApiError(422, "invalid_request", f"{', '.join(reserved)} is not a metric name; the metrics are "
+                       f"{', '.join(view.public['metric_names']) or '(none reported yet)'}")
+    if points is not None:  # reads the whole curve: once per version of the job (a finished one: once)
+        def plot() -> bytes:
+            rows = store.metric_rows(job_id, after_iteration=after)
+            main = "loss" if "loss" in wanted else (wanted[0] if wanted else "loss")
+            chosen = curves.downsample([curves.value(r[2].get(main)) for r in rows], [r[1] for r in rows], points)
+            return json.dumps({"job_id": job_id, **curves.columns([rows[i] for i in chosen], wanted),
+                               "next_after": None}, separators=(",", ":")).encode()
+        return Response(view.remember(("points", tuple(wanted), after, points), plot), media_type="application/json")
+    rows = store.metric_rows(job_id, after_iteration=after, limit=limit + 1)
+    next_after = rows[limit - 1][0] if len(rows) > limit else None
+    rows = rows[:limit]
+    return JSONResponse({"job_id": job_id, **curves.columns(rows, wanted), "next_after": next_after})
 
 
 @router.get("/{job_id}/placement", response_model=PlacementPublic, responses=_ERRORS)
@@ -175,7 +220,7 @@ def job_states() -> dict:
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobPublic,
              responses={**_ERRORS, 409: {"model": ErrorBody}})
-def cancel_job(job_id: str, scheduler: SchedulerDep, store: StoreDep) -> dict:
+def cancel_job(job_id: str, scheduler: SchedulerDep, cache: JobCacheDep) -> Response:
     """Cancel a job: a queued one at once; a running one is stopped (its ranks too) in the background."""
     scheduler.cancel(job_id)
-    return job_public(store, get_row(store, job_id))
+    return Response(cache.current(job_id).body, media_type="application/json", status_code=202)

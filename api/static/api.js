@@ -48,11 +48,12 @@ export const getJSON = async (path, opts) => (await request(path, opts)).json();
 export const postJSON = async (path, body) => (await request(path, { method: "POST", body })).json();
 
 /**
- * Follow a job's event stream until its `end` event: `onEvent(kind, data)` per event.
- * Reconnects after a dropped connection with Last-Event-ID, so no event is seen twice.
+ * Follow a job's event stream until its `end` event: `onEvent(kind, data)` per event after seq
+ * `after` (0: all of them; a job's `last_seq`: only what is new). Reconnects after a dropped
+ * connection with Last-Event-ID, so no event is seen twice.
  */
-export async function followEvents(jobId, onEvent, signal) {
-  let last = 0;
+export async function followEvents(jobId, onEvent, signal, after = 0) {
+  let last = after;
   while (!signal.aborted) {
     let ended = false;
     try {

@@ -1,5 +1,7 @@
 // The raytron console: login, the jobs page (live list, submit, plan, cancel) and a job page
-// (curves from the SSE event stream, events, log tail, placement map). Routes live in the
+// (curves: the history downsampled once, then each new point from the SSE event stream; events,
+// log tail, placement map). Nothing is fetched twice: a page opened on a long run asks for a few
+// hundred points of its history, not for every iteration. Routes live in the
 // URL fragment (#/, #/jobs/ID); the token never does.
 
 import { API, ApiError, followEvents, followLog, getJSON, postJSON, request, setOnUnauthorized, token } from "./api.js";
@@ -8,6 +10,7 @@ import { colourChoices, drawPlacement } from "./placement.js";
 
 const $ = (sel, root = document) => root.querySelector(sel);
 const POLL_MS = 1500;
+const HISTORY_POINTS = 1000;  // points of a job's history drawn when its page opens
 let view = null;  // the live view's AbortController: leaving a page stops its streams and polls
 let terminal = null;  // the final job states (a Set), from GET /api/v1/job-states: asked once per page load
 
@@ -252,6 +255,7 @@ const CHARTS = [
   { title: "grad norm", series: [["grad_norm", "#8e44ad"]] },
   { title: "loss scale", series: [["loss_scale", "#7f8c8d"]] },
   { title: "MoE aux loss", series: [["moe_aux_loss", "#c0392b"]] },
+  { title: "throughput (tokens/s)", series: [["tokens_per_s", "#27ae60"]] },
 ];
 
 async function showJob(jobId, signal) {
@@ -263,7 +267,20 @@ async function showJob(jobId, signal) {
   $("#placement-map").replaceChildren();
   const [job, final] = await Promise.all([getJSON(`${API}/jobs/${jobId}`), terminalStates()]);
   const metrics = new Map();  // iteration -> that iteration's metrics (the latest attempt's wins)
+  const attemptOf = new Map();  // iteration -> the attempt that ran it (restarts and resizes begin where it changes)
   let placedAt = null;
+  // The history as it is now: downsampled curves and the events but the iterations; the stream
+  // below starts after job.last_seq, so it brings only what is new.
+  const [history, past] = await Promise.all([
+    getJSON(`${API}/jobs/${jobId}/metrics?points=${HISTORY_POINTS}`),
+    getJSON(`${API}/jobs/${jobId}/events?exclude_kind=iteration`),
+  ]);
+  history.iterations.forEach((it, i) => {
+    const m = {};
+    for (const name of job.metric_names) if (history[name]) m[name] = history[name][i];
+    metrics.set(it, m);
+    attemptOf.set(it, history.attempt[i]);
+  });
 
   const render = (j) => {
     $("#job-name").textContent = j.name;
@@ -280,6 +297,11 @@ async function showJob(jobId, signal) {
 
   const drawCharts = () => {
     const rows = [...metrics.entries()].sort((a, b) => a[0] - b[0]);
+    const marks = [];  // where a new attempt began: a restart or a resize
+    for (let i = 1; i < rows.length; i++) {
+      const a = attemptOf.get(rows[i][0]), b = attemptOf.get(rows[i - 1][0]);
+      if (a != null && b != null && a !== b) marks.push(rows[i][0]);
+    }
     const boxes = [];
     for (const chart of CHARTS) {
       const series = chart.series.map(([name, colour]) => ({
@@ -289,7 +311,7 @@ async function showJob(jobId, signal) {
       const box = document.createElement("div");
       box.className = "chart";
       box.dataset.chart = chart.series[0][0];
-      drawChart(box, { title: chart.title, xMax: job.train_iters, series });
+      drawChart(box, { title: chart.title, xMax: job.train_iters, series, marks });
       boxes.push(box);
     }
     if (!boxes.length) boxes.push(Object.assign(document.createElement("p"), { className: "muted", textContent: "No iterations yet." }));
@@ -307,7 +329,10 @@ async function showJob(jobId, signal) {
   };
   drawMap().catch(() => {});
 
+  const seen = new Set();  // event seqs shown (the history and the stream may overlap by a few)
   const addEvent = (e) => {
+    if (seen.has(e.seq)) return;
+    seen.add(e.seq);
     const li = document.createElement("li");
     li.className = `ev-${e.kind}`;
     li.dataset.kind = e.kind;
@@ -330,6 +355,9 @@ async function showJob(jobId, signal) {
     requestAnimationFrame(() => { pending = false; drawCharts(); });
   };
 
+  for (const e of past.events) addEvent(e);
+  let attempt = job.attempts.length || null;  // the attempt that runs the iterations streamed next
+
   followEvents(jobId, async (kind, e) => {
     if (kind === "end") {
       render(await getJSON(`${API}/jobs/${jobId}`));
@@ -339,14 +367,16 @@ async function showJob(jobId, signal) {
     }
     if (kind === "iteration") {
       metrics.set(e.data.iteration, e.data);
+      attemptOf.set(e.data.iteration, attempt);
       redraw();
       $("#job-iter").textContent = `${e.data.iteration} / ${job.train_iters}`;
       return;
     }
     addEvent(e);
+    if (kind === "state" && e.state === "STARTING") attempt = (attempt || 0) + 1;
     if (kind === "placement" && e.time !== placedAt) { placedAt = e.time; drawMap().catch(() => {}); }
     if (kind === "state") render(await getJSON(`${API}/jobs/${jobId}`));
-  }, signal);
+  }, signal, job.last_seq);
 
   const logs = $("#logs");
   let text = "";
@@ -357,6 +387,39 @@ async function showJob(jobId, signal) {
     if (atEnd) logs.scrollTop = logs.scrollHeight;
   }, signal);
 }
+
+// ---- compare view (#/compare/ID,ID,...) ------------------------------------------------------------
+
+const PALETTE = ["#2f6fdf", "#e67e22", "#16a085", "#8e44ad", "#c0392b", "#7f8c8d", "#27ae60", "#d35400"];
+const COMPARED = [["loss", "loss"], ["tokens_per_s", "throughput (tokens/s)"]];
+
+/** Two or more jobs' curves on shared charts, each job one series, from one downsampled request per job. */
+async function showCompare(ids) {
+  show("compare-view");
+  $("#compare-title").textContent = ids.join(" vs ");
+  $("#compare-error").textContent = "";
+  const curves = await Promise.all(ids.map((id) => getJSON(
+    `${API}/jobs/${encodeURIComponent(id)}/metrics?points=${HISTORY_POINTS}&names=${COMPARED.map(([n]) => n).join(",")}`)));
+  const boxes = COMPARED.map(([name, title]) => {
+    const series = curves.map((c, k) => ({
+      name: ids[k], colour: PALETTE[k % PALETTE.length],
+      points: c.iterations.map((it, i) => [it, c[name][i]]).filter(([, v]) => typeof v === "number"),
+    })).filter((s) => s.points.length);
+    const box = document.createElement("div");
+    box.className = "chart";
+    box.dataset.chart = name;
+    if (series.length) drawChart(box, { title, xMax: 0, series });
+    return box;
+  });
+  $("#compare-charts").replaceChildren(...boxes);
+}
+
+$("#compare-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const others = $("#compare-with").value.split(",").map((x) => x.trim()).filter(Boolean);
+  const current = $("#job-id").textContent;
+  if (others.length) location.hash = `#/compare/${[current, ...others].join(",")}`;
+});
 
 // ---- routing -------------------------------------------------------------------------------------
 
@@ -370,7 +433,13 @@ async function route() {
       `${c.queue_length} queued`;
   }).catch(() => {});
   const match = location.hash.match(/^#\/jobs\/([\w.-]+)/);
-  if (match) {
+  const compare = location.hash.match(/^#\/compare\/([\w.,-]+)/);
+  if (compare) {
+    showCompare(compare[1].split(",").filter(Boolean)).catch((err) => {
+      show("compare-view");
+      $("#compare-error").textContent = err.message;
+    });
+  } else if (match) {
     showJob(match[1], view.signal).catch((err) => {
       show("job-view");
       $("#job-error").textContent = err.message;

@@ -26,9 +26,11 @@ const fmt = (v) => (Math.abs(v) >= 1e4 || (Math.abs(v) < 1e-3 && v !== 0) ? v.to
 /**
  * Draw (or redraw) a chart into `container`.
  * @param {HTMLElement} container
- * @param {{title: string, xMax: number, series: {name: string, colour: string, points: [number, number][]}[]}} chart
+ * @param {{title: string, xMax: number, series: {name: string, colour: string, points: [number, number][]}[],
+ *          marks?: number[]}} chart  marks: iterations where a new attempt began (a restart or a resize),
+ *          drawn as dashed vertical lines
  */
-export function drawChart(container, { title, xMax, series }) {
+export function drawChart(container, { title, xMax, series, marks = [] }) {
   const all = series.flatMap((s) => s.points);
   const svg = el("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": title });
   svg.append(el("text", { x: M.left, y: 16, class: "legend", fill: "#1d2430" }, title));
@@ -56,6 +58,12 @@ export function drawChart(container, { title, xMax, series }) {
   svg.append(el("line", { x1: M.left, x2: M.left, y1: M.top, y2: H - M.bottom, class: "axis" }));
   svg.append(el("line", { x1: M.left, x2: W - M.right, y1: H - M.bottom, y2: H - M.bottom, class: "axis" }));
   svg.append(el("text", { x: W - M.right, y: H - 2, "text-anchor": "end" }, "iteration"));
+  for (const x of marks) {
+    const mark = el("line", { x1: sx(x), x2: sx(x), y1: M.top, y2: H - M.bottom, class: "attempt-mark",
+                              stroke: "#c0392b", "stroke-dasharray": "4 3", "data-iteration": x });
+    mark.append(el("title", {}, `a new attempt (restart or resize) from iteration ${x}`));
+    svg.append(mark);
+  }
   for (const s of series) {
     const line = el("polyline", {
       points: s.points.map(([x, y]) => `${sx(x).toFixed(1)},${sy(y).toFixed(1)}`).join(" "),

@@ -34,9 +34,12 @@ def log_path(data_dir: str | Path, job_id: str) -> Path:
 
 def read_log(path: Path, offset: int = 0, limit: int = 1 << 20) -> tuple[bytes, int]:
     """Up to ``limit`` bytes of the log from ``offset``; returns (bytes, next offset). A log that
-    does not exist yet reads as empty."""
+    does not exist yet, and any offset past the end (even one the file system cannot seek to),
+    read as empty."""
     try:
         with open(path, "rb") as f:
+            if offset >= os.fstat(f.fileno()).st_size:
+                return b"", offset
             f.seek(offset)
             data = f.read(limit)
     except FileNotFoundError:

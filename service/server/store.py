@@ -18,14 +18,20 @@ appending one brings the job's row in step in the same transaction, so a control
 * ``"state"``: the job's state (nothing leaves a terminal state), its attempts (STARTING opens
   attempt n+1, RESTARTING or a terminal state closes it) and, on FAILED or CANCELLED, its error
   (the event's ``data["error"]``, else the last ``"failure"`` event's data);
-* ``"iteration"``: the job's current iteration and that iteration's metrics row (the latest
-  attempt's value wins after a restart).
+* ``"iteration"``: the job's current iteration, its latest ``loss`` and ``tokens_per_s`` and the
+  names of the metrics it reports (columns of the row, so reading a job never reads its curve),
+  and that iteration's metrics row, tagged with the attempt that wrote it (the latest attempt's
+  value wins after a restart).
+
+Every event also sets the row's ``last_seq`` and ``updated_at``: together they are the job's
+:meth:`JobStore.job_version`, which a reader's cache compares instead of reading the job again.
 
 The schema (tables, version, migrations) is :mod:`service.server.store_schema`.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -82,9 +88,43 @@ class JobStore:
         self._writer = self.engine.execution_options(raytron_write=True)
         with self._write() as conn:
             store_schema.init_schema(conn, self.url, self.dialect)
+        self._watch = None  # SQLite: a connection kept only to ask PRAGMA data_version
+        self._watch_lock = threading.Lock()
 
     def close(self) -> None:
+        with self._watch_lock:
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
         self.engine.dispose()
+
+    # ---- change detection (for readers' caches) ---------------------------------------------
+    def change_token(self) -> int | None:
+        """A value that changes whenever anyone (this store, another thread or another process)
+        commits a write; ``None`` where the database cannot tell cheaply (not SQLite), and then a
+        cache compares :meth:`job_version` on every read.
+
+        On SQLite this is ``PRAGMA data_version`` of a connection that never writes: it changes
+        when any other connection, in this process or another, commits (microseconds: SQLite
+        looks at the WAL index in shared memory, no table is read).
+        """
+        if self.dialect != "sqlite":
+            return None
+        with self._watch_lock:
+            if self._watch is None:
+                self._watch = self.engine.raw_connection()
+            cur = self._watch.cursor()
+            try:
+                version = cur.execute("PRAGMA data_version").fetchone()[0]
+            finally:
+                cur.close()
+        return version
+
+    def job_version(self, job_id: str) -> tuple | None:
+        """``(last_seq, updated_at)`` of the job: changes with each of its writes; None when no such job."""
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(jobs.c.last_seq, jobs.c.updated_at).where(jobs.c.id == job_id)).first()
+        return tuple(row) if row is not None else None
 
     # ---- jobs -------------------------------------------------------------------------------
     def create_job(self, spec: dict, *, name: str | None = None, priority: int | None = None,
@@ -98,7 +138,8 @@ class JobStore:
             with self._write() as conn:
                 queued = JobState.QUEUED.value
                 conn.execute(jobs.insert().values(id=job_id, name=name, spec=spec, priority=priority, state=queued,
-                                                  submitted_at=now, updated_at=now, sizes=sizes, iteration=0))
+                                                  submitted_at=now, updated_at=now, sizes=sizes, iteration=0,
+                                                  last_seq=1))
                 conn.execute(events.insert().values(job_id=job_id, seq=1, time=now, kind="state", state=queued,
                                                     message="submitted", data={"priority": priority}))
                 return self._job(conn, job_id)
@@ -112,13 +153,19 @@ class JobStore:
             row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().first()
         return dict(row) if row is not None else None
 
-    def list_jobs(self, *, limit: int = 100, states: tuple[str, ...] | None = None) -> list[dict]:
-        """Newest first, at most ``limit``, optionally only jobs in ``states``."""
+    def list_jobs(self, *, limit: int = 100, states: tuple[str, ...] | None = None, name: str | None = None,
+                  before: int | None = None) -> list[dict]:
+        """Newest first, at most ``limit``, optionally only jobs in ``states``, named ``name``, or
+        submitted before the job whose ``number`` is ``before`` (the next page after that job)."""
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
         query = sa.select(jobs).order_by(jobs.c.number.desc()).limit(limit)
         if states:
             query = query.where(jobs.c.state.in_(_check_states(states)))
+        if name is not None:
+            query = query.where(jobs.c.name == name)
+        if before is not None:
+            query = query.where(jobs.c.number < before)
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(query).mappings()]
 
@@ -133,10 +180,11 @@ class JobStore:
         """Change a job's fields; a ``state`` change is also appended as a "state" event (so the
         history stays whole) and is refused out of a terminal state. Returns the job."""
         with self._write() as conn:
-            current = self._lock(conn, job_id)
+            row = self._lock(conn, job_id)
+            current = row.state
             if state is not None and (state != current or current in TERMINAL_STATES):
                 data = {"from": current, **({"error": error} if error is not None else {})}
-                self._append(conn, job_id, current, {"time": time.time(), "kind": "state", "state": state,
+                self._append(conn, job_id, row, {"time": time.time(), "kind": "state", "state": state,
                                                      "message": message, "data": data}, None)
             values = {k: v for k, v in (("ray_job_id", ray_job_id), ("error", error), ("sizes", sizes)) if v is not None}
             conn.execute(jobs.update().where(jobs.c.id == job_id).values(updated_at=time.time(), **values))
@@ -159,15 +207,27 @@ class JobStore:
         with self._write() as conn:
             return self._append(conn, job_id, self._lock(conn, job_id), event, seq)
 
+    def append_events(self, job_id: str, events_: list[dict]) -> int:
+        """Store several events in one transaction, each as :meth:`append_event` with the next seq
+        (a writer that batches, an import); all or none. Returns the last seq."""
+        with self._write() as conn:
+            seq = 0
+            for event in events_:
+                seq = self._append(conn, job_id, self._lock(conn, job_id), event, None)
+            return seq
+
     def events(self, job_id: str, after_seq: int | None = None, *, kind: str | None = None,
-               limit: int | None = None) -> list[dict]:
-        """The job's events in order, each with its ``seq``; only those after ``after_seq`` and of
-        ``kind`` when given (``events(id, kind="placement")[-1]`` is where the ranks last were)."""
+               exclude_kind: str | None = None, limit: int | None = None) -> list[dict]:
+        """The job's events in order, each with its ``seq``; only those after ``after_seq``, of
+        ``kind`` and not of ``exclude_kind`` when given (``events(id, kind="placement")[-1]`` is
+        where the ranks last were; ``exclude_kind="iteration"`` is a long job's history without its curve)."""
         query = sa.select(events).where(events.c.job_id == job_id).order_by(events.c.seq).limit(limit)
         if after_seq is not None:
             query = query.where(events.c.seq > after_seq)
         if kind is not None:
             query = query.where(events.c.kind == kind)
+        if exclude_kind is not None:
+            query = query.where(events.c.kind != exclude_kind)
         with self.engine.connect() as conn:
             rows = [_drop_job_id(r) for r in conn.execute(query).mappings()]
             if not rows:
@@ -193,18 +253,32 @@ class JobStore:
         with self.engine.connect() as conn:
             return [{**r.data, "iteration": r.iteration} for r in conn.execute(query)]
 
+    def metric_rows(self, job_id: str, *, after_iteration: int = 0, limit: int | None = None) -> list[tuple]:
+        """``(iteration, attempt, data)`` per iteration after ``after_iteration``, in order, at most
+        ``limit`` (a page of the curve); ``attempt`` is None in rows written before schema v2."""
+        query = (sa.select(metrics.c.iteration, metrics.c.attempt, metrics.c.data)
+                 .where((metrics.c.job_id == job_id) & (metrics.c.iteration > after_iteration))
+                 .order_by(metrics.c.iteration).limit(limit))
+        with self.engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(query)]
+
     # ---- internals --------------------------------------------------------------------------
     @contextmanager
     def _write(self) -> Iterator[Connection]:
         with self._writer.begin() as conn:
             yield conn
 
-    def _lock(self, conn: Connection, job_id: str) -> str:
-        """Lock the job's row for this transaction (PostgreSQL; SQLite holds the file lock); its state."""
-        row = conn.execute(sa.select(jobs.c.state).where(jobs.c.id == job_id).with_for_update()).first()
+    def _lock(self, conn: Connection, job_id: str):
+        """Lock the job's row for this transaction (PostgreSQL; SQLite holds the file lock); its
+        ``state``, ``metric_names``, ``last_seq`` and current ``attempt`` (one query: every
+        iteration of every job passes here)."""
+        attempt = (sa.select(sa.func.max(attempts.c.number)).where(attempts.c.job_id == job_id)
+                   .scalar_subquery().label("attempt"))
+        row = conn.execute(sa.select(jobs.c.state, jobs.c.metric_names, jobs.c.last_seq, attempt)
+                           .where(jobs.c.id == job_id).with_for_update(of=jobs)).first()
         if row is None:
             raise UnknownJob(f"no job {job_id!r}")
-        return row.state
+        return row
 
     def _require(self, conn: Connection, job_id: str) -> None:
         if conn.execute(sa.select(jobs.c.id).where(jobs.c.id == job_id)).first() is None:
@@ -213,12 +287,13 @@ class JobStore:
     def _job(self, conn: Connection, job_id: str) -> dict:
         return dict(conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one())
 
-    def _append(self, conn: Connection, job_id: str, current: str, event: dict, seq: int | None) -> int:
+    def _append(self, conn: Connection, job_id: str, row, event: dict, seq: int | None) -> int:
+        current = row.state
         kind, state, data = event.get("kind"), event.get("state"), event.get("data") or {}
         if not isinstance(kind, str) or state not in STATES or not isinstance(event.get("time"), (int, float)):
             raise ValueError(f"an event needs a time, a kind and a state among {', '.join(STATES)}; got {event!r}")
         if seq is None:
-            seq = _last_seq(conn, job_id) + 1
+            seq = row.last_seq + 1  # the row keeps it (schema v2): no max() over the events
         else:
             if seq < 1:
                 raise ValueError(f"event seq starts at 1, got {seq}")
@@ -229,7 +304,7 @@ class JobStore:
                     return seq  # a replay: stored once
                 raise ValueError(f"event {seq} of job {job_id} is already a {old.kind!r} event of time {old.time}; "
                                  f"number new events from last_seq + 1")
-        values: dict = {"updated_at": time.time()}
+        values: dict = {"updated_at": time.time(), "last_seq": sa.case((jobs.c.last_seq > seq, jobs.c.last_seq), else_=seq)}
         if kind == "state":
             if current in TERMINAL_STATES:
                 raise InvalidTransition(f"job {job_id} is {current}, which is final; it cannot become {state}")
@@ -239,8 +314,12 @@ class JobStore:
                 values["error"] = data.get("error") or _last_failure(conn, job_id, state) or {
                     "code": state.lower(), "message": event.get("message", "")}
         elif kind == "iteration" and isinstance(data.get("iteration"), int):
-            values["iteration"] = data["iteration"]
-            _put_metrics(conn, job_id, data["iteration"], data)
+            values.update(iteration=data["iteration"], loss=store_schema.number(data.get("loss")),
+                          tokens_per_s=store_schema.number(data.get("tokens_per_s")))
+            names = set(row.metric_names or ())
+            if not names.issuperset(k for k in data if k != "iteration"):
+                values["metric_names"] = sorted(names.union(k for k in data if k != "iteration"))
+            _put_metrics(conn, job_id, data["iteration"], data, row.attempt)
         conn.execute(events.insert().values(job_id=job_id, seq=seq, time=event["time"], kind=kind, state=state,
                                             message=event.get("message", ""), data=data))
         conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
@@ -280,7 +359,7 @@ def _apply_attempts(conn: Connection, job_id: str, state: str, event: dict, data
                                               from_checkpoint=data.get("from_checkpoint")))
 
 
-def _put_metrics(conn: Connection, job_id: str, iteration: int, data: dict) -> None:
+def _put_metrics(conn: Connection, job_id: str, iteration: int, data: dict, attempt: int | None) -> None:
     key = (metrics.c.job_id == job_id) & (metrics.c.iteration == iteration)
     conn.execute(metrics.delete().where(key))
-    conn.execute(metrics.insert().values(job_id=job_id, iteration=iteration, data=data))
+    conn.execute(metrics.insert().values(job_id=job_id, iteration=iteration, data=data, attempt=attempt))

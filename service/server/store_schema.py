@@ -2,6 +2,12 @@
 
 The version lives in the ``schema_version`` table; an older database is upgraded by
 :data:`MIGRATIONS` (one step per version, inside one transaction), a newer one refused.
+
+Version 2 keeps a job's read O(1) in its length: the ``jobs`` row carries the aggregates of
+its latest iteration (``loss``, ``tokens_per_s``), the names of the metrics it reported and its
+last event's seq, written with each event; each metrics row carries the attempt that wrote it
+(where a restart or resize begins on the curve); events are indexed by kind, so that the few
+state or placement events of a long job are found without reading its iteration events.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from typing import Callable
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
 """``MIGRATIONS[v](conn)`` brings a version-``v`` database to ``v + 1`` (inside one transaction)."""
 
@@ -31,6 +37,11 @@ jobs = sa.Table(
     sa.Column("error", _json),
     sa.Column("sizes", _json),
     sa.Column("iteration", sa.Integer, nullable=False),
+    # v2: the latest iteration's aggregates, written with each event (never recomputed from all rows)
+    sa.Column("loss", sa.Double),
+    sa.Column("tokens_per_s", sa.Double),
+    sa.Column("metric_names", _json),  # every metric name the job reported, sorted
+    sa.Column("last_seq", sa.Integer, nullable=False, server_default="0"),
 )
 
 
@@ -46,6 +57,7 @@ events = sa.Table(
     sa.Column("state", sa.String(16), nullable=False),
     sa.Column("message", sa.Text, nullable=False),
     sa.Column("data", _json),
+    sa.Index("ix_events_kind", "job_id", "kind", "seq"),
 )
 attempts = sa.Table(
     "attempts", _md, _job_fk(),
@@ -59,6 +71,7 @@ metrics = sa.Table(
     "metrics", _md, _job_fk(),
     sa.Column("iteration", sa.Integer, primary_key=True, autoincrement=False),
     sa.Column("data", _json, nullable=False),
+    sa.Column("attempt", sa.Integer),  # v2: the attempt that wrote it (NULL in rows migrated from v1)
 )
 schema_version = sa.Table("schema_version", _md, sa.Column("version", sa.Integer, nullable=False))
 
@@ -90,6 +103,34 @@ def init_schema(conn: Connection, url: str, dialect: str) -> None:
                               f"{step} to {step + 1}; start from a fresh data dir")
         MIGRATIONS[step](conn)
     conn.execute(schema_version.update().values(version=SCHEMA_VERSION))
+
+
+def _v1_to_v2(conn: Connection) -> None:
+    """Add the v2 columns and index, and fill the aggregates from the rows already there (once)."""
+    for table, column in [("jobs", "loss DOUBLE PRECISION"), ("jobs", "tokens_per_s DOUBLE PRECISION"),
+                          ("jobs", "metric_names JSON"), ("jobs", "last_seq INTEGER NOT NULL DEFAULT 0"),
+                          ("metrics", "attempt INTEGER")]:
+        conn.execute(sa.text(f"ALTER TABLE {table} ADD COLUMN {column}"))
+    next(i for i in events.indexes if i.name == "ix_events_kind").create(conn)
+    for job_id, iteration in conn.execute(sa.select(jobs.c.id, jobs.c.iteration)).all():
+        last = conn.execute(sa.select(sa.func.max(events.c.seq)).where(events.c.job_id == job_id)).scalar() or 0
+        names: set[str] = set()
+        latest: dict = {}
+        for it, data in conn.execute(sa.select(metrics.c.iteration, metrics.c.data).where(metrics.c.job_id == job_id)):
+            names.update(k for k in data if k != "iteration")
+            if it == iteration:
+                latest = data
+        conn.execute(jobs.update().where(jobs.c.id == job_id).values(
+            last_seq=last, loss=number(latest.get("loss")), tokens_per_s=number(latest.get("tokens_per_s")),
+            metric_names=sorted(names) or None))
+
+
+def number(value) -> float | None:
+    """A metric as a float column: numbers as they are, anything else (a missing value, a bool) None."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+MIGRATIONS[1] = _v1_to_v2
 
 
 def sqlite_pragmas(engine: sa.Engine, busy_timeout_s: float) -> None:
