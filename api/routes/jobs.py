@@ -44,7 +44,9 @@ async def read_spec(request: Request):
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, "invalid_json", f"the request body is not valid JSON: {e}") from None
-    check = check_spec(data)
+    # In a worker thread: a spec with `auto` fields is resolved by a layout search (seconds), which
+    # must not stall the event loop every other request is served on.
+    check = await run_in_threadpool(check_spec, data)
     if check.problems:
         n = len(check.problems)
         raise ApiError(422, "invalid_spec", f"the job spec has {n} problem{'s' if n > 1 else ''}: " +
