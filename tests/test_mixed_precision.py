@@ -14,8 +14,11 @@ MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
 # the loss and ~1e-3 in the grad norm here; the bounds leave room for other shapes.
 BF16_TOL = {"loss_rtol": 1e-2, "grad_rtol": 5e-2, "norm_rtol": 1e-2}
 # A token whose top-k logits nearly tie can switch experts under bf16 rounding: an expert's
-# gradient then moves by that token's share (measured 8e-2 of the largest element).
-BF16_MOE_TOL = {**BF16_TOL, "grad_rtol": 0.2}
+# gradient then moves by that token's share (measured 8e-2 of the largest element), and the
+# gradient norm with it: 1.6e-2 at moe-aux1-tp2-sp-cp2 once ring attention kept bf16 on the wire
+# and the norm, RoPE and SwiGLU were fused (each alone stayed under 1e-2; fp32 parity of the same
+# layout holds at 1e-6, so the math is the same).
+BF16_MOE_TOL = {**BF16_TOL, "grad_rtol": 0.2, "norm_rtol": 3e-2}
 
 BF16_LAYOUTS = {
     "tp2-sp": (False, 2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
