@@ -18,7 +18,8 @@ iterations Megatron evaluates after.
 On the dense path an iteration makes one host sync: clipping, the non-finite-norm skip and
 fp16's overflow skip are decided on the device (``AdamWOverGrads.step_on_device``), and the
 loss, the grad norm and the skip flags are read together by one ``tolist`` at the end (MoE
-layers add their own routing reads, evaluation its loss).
+layers add their own routing reads, evaluation its loss). On CUDA the batches go up from
+pinned memory with ``non_blocking`` copies.
 
 ``train_step()`` returns the iteration's metrics, the same on every rank:
 
@@ -162,6 +163,12 @@ class Trainer:
         tokens, labels = tokens.t(), labels.t()  # [s, b]: Megatron's sequence-first layout
         if g.cp > 1:
             tokens, labels = cp_split(tokens, g.cp, c["cp"]), cp_split(labels, g.cp, c["cp"])
+        if self.device.type == "cuda":
+            # Pinned, so the copies are async DMA that overlap the previous microbatch's
+            # kernels instead of blocking the host on pageable memory (the caching host
+            # allocator keeps the pinned buffer alive until its copy has run).
+            return (tokens.pin_memory().to(self.device, non_blocking=True),
+                    labels.pin_memory().to(self.device, non_blocking=True))
         return tokens.to(self.device), labels.to(self.device)
 
     def train_step(self) -> dict:
