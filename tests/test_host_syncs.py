@@ -89,3 +89,27 @@ def test_fp16_overflow_is_still_skipped_on_the_device():
         assert ok["skipped"] == 0 and ok["grad_norm"] > 0 and trainer.optimizer.num_steps == 1
     finally:
         trainer.close()
+
+
+def test_non_finite_grad_norm_is_reported_and_leaves_the_weights():
+    """A nan grad (fp32): the step reports the nan norm for the controller's finite check and
+    skips the update on the device, without a second read."""
+    import math
+
+    import torch
+
+    from workers.train import Trainer
+
+    trainer = Trainer(_job({}), 0, 1)
+    try:
+        before = [p.detach().clone() for p in trainer.chunks[0].parameters()]
+        hook = trainer.chunks[0].parameters().__next__().register_hook(lambda g: torch.full_like(g, float("nan")))
+        with HostSyncCounter() as counter:
+            metrics = trainer.train_step()
+        hook.remove()
+        assert math.isnan(metrics["grad_norm"]) and metrics["skipped"] == 1 and trainer.optimizer.num_steps == 0
+        assert all(torch.equal(a, b) for a, b in zip(before, trainer.chunks[0].parameters()))
+        # The sampler's 8 CPU-generator reads (not device syncs), then the step's one read.
+        assert counter.events.count("tolist") == 1 and len(counter.events) <= 1 + 8, counter.events
+    finally:
+        trainer.close()
