@@ -1,6 +1,6 @@
 """One process, CPU: where a training step's time and memory go, measured side by side (run by hand).
 
-    .venv/bin/python bench/step_bench.py [--iters 6] [--warmup 2] [--only ops,bytes,adamw,step]
+    .venv/bin/python bench/step_bench.py [--iters 6] [--warmup 2] [--only ops,bytes,adamw,syncs,step]
 
 Prints, each figure next to its reference:
 
@@ -11,6 +11,9 @@ Prints, each figure next to its reference:
   each storage counted once), in units of the hidden size ``h``;
 * ``adamw``: raytron's optimizer ``step()`` (replicated and ZeRO-1, with clipping) over 4M fp32
   elements vs a bare ``torch._fused_adamw_`` over the same buffers;
+* ``syncs``: host syncs in one training step (fp32, bf16, fp16), counted by
+  :class:`bench.moe_bench.HostSyncCounter`; the data sampler's reads of its CPU generator
+  (host memory, no device wait) apart from the rest (each of which drains a CUDA queue);
 * ``step``: raytron's single-process trainer vs the loop a user writes with transformers'
   ``LlamaForCausalLM`` + ``torch.optim.AdamW`` on the same model (weights copied over), the same
   batches and the same math (clipping, weight decay on 2-D params only); iterations
@@ -226,6 +229,32 @@ class HFLoop:
         return {"loss": total}
 
 
+def host_syncs_per_step(job) -> dict:
+    """Host syncs in one ``train_step`` after a warm-up one: ``step`` (the trainer's own) and
+    ``loader`` (inside ``sampler.batch``), with the trainer's events by name."""
+    from bench.moe_bench import HostSyncCounter
+    from workers.train import Trainer
+
+    trainer = Trainer(job, 0, 1)
+    try:
+        trainer.train_step()
+        real, counter, loader = trainer.sampler.batch, HostSyncCounter(), []
+
+        def batch(*args, **kwargs):
+            before = len(counter.events)
+            out = real(*args, **kwargs)
+            loader.append(len(counter.events) - before)
+            del counter.events[before:]
+            return out
+
+        trainer.sampler.batch = batch
+        with counter:
+            trainer.train_step()
+        return {"step": counter.count, "loader": sum(loader), "events": counter.events}
+    finally:
+        trainer.close()
+
+
 def step_times(iters: int, warmup: int) -> dict:
     """Alternate raytron's single-process trainer and the HF loop; median step seconds, losses."""
     from workers.train import Trainer
@@ -251,7 +280,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=6, help="timed steps of each (step)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each (step)")
-    ap.add_argument("--only", default="ops,bytes,adamw,step", help="comma-separated subset")
+    ap.add_argument("--only", default="ops,bytes,adamw,syncs,step", help="comma-separated subset")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1, as PERF_NOTES; on a shared machine a descheduled 2nd thread stalls ops)")
     args = ap.parse_args(argv)
@@ -274,6 +303,11 @@ def main(argv=None) -> None:
         for name, ref in (("replicated", "torch._fused_adamw_"), ("zero1", "torch._fused_adamw_"),
                           ("replicated+clip", "clip_grad_norm_+fused"), ("zero1+clip", "clip_grad_norm_+fused")):
             print(f"  {name:<16} {ms[name]:7.2f} ms  vs {ref:<22} {ms[ref]:7.2f} ms  {ms[name] / ms[ref]:5.2f}x")
+    if "syncs" in only:
+        for name, extra in (("fp32", {}), ("bf16", {"bf16": True}), ("fp16", {"fp16": True})):
+            n = host_syncs_per_step(step_job(training=extra))
+            print(f"host syncs in one {name} step: {n['step']} {n['events']} (target <= 1), plus {n['loader']} "
+                  "host-only reads of the sampler's CPU generator; H2D copies pinned + non_blocking on CUDA")
     if "step" in only:
         out = step_times(args.iters, args.warmup)
         med = out["median_s"]

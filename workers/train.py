@@ -15,6 +15,12 @@ grad norm and clips by it (``training.clip_grad``), then updates the fp32 main p
 (:mod:`workers.parallel.optimizer`). Evaluation (:mod:`workers.evaluation`) follows the
 iterations Megatron evaluates after.
 
+On the dense path an iteration makes one host sync: clipping, the non-finite-norm skip and
+fp16's overflow skip are decided on the device (``AdamWOverGrads.step_on_device``), and the
+loss, the grad norm and the skip flags are read together by one ``tolist`` at the end (MoE
+layers add their own routing reads, evaluation its loss). On CUDA the batches go up from
+pinned memory with ``non_blocking`` copies.
+
 ``train_step()`` returns the iteration's metrics, the same on every rank:
 
 * ``iteration``: completed iterations; ``loss``: the global-batch LM loss (unscaled);
@@ -157,6 +163,12 @@ class Trainer:
         tokens, labels = tokens.t(), labels.t()  # [s, b]: Megatron's sequence-first layout
         if g.cp > 1:
             tokens, labels = cp_split(tokens, g.cp, c["cp"]), cp_split(labels, g.cp, c["cp"])
+        if self.device.type == "cuda":
+            # Pinned, so the copies are async DMA that overlap the previous microbatch's
+            # kernels instead of blocking the host on pageable memory (the caching host
+            # allocator keeps the pinned buffer alive until its copy has run).
+            return (tokens.pin_memory().to(self.device, non_blocking=True),
+                    labels.pin_memory().to(self.device, non_blocking=True))
         return tokens.to(self.device), labels.to(self.device)
 
     def train_step(self) -> dict:
@@ -174,8 +186,12 @@ class Trainer:
         lr = self.lr_schedule.lr_for_update(self.optimizer.num_steps)
         self.optimizer.lr = lr
         mb_losses = self.run_microbatches(self._microbatch, loss_scale=scale, forward_only=False)
-        info = self.optimizer.step()
-        loss = self._global_loss(mb_losses) / scale  # a power of two: exact
+        pending = self.optimizer.step_on_device()
+        # The iteration's one host read (dense path): loss, grad norm and skip flags together.
+        loss_sum, grad_norm, skipped, found_inf = torch.cat(
+            [self._global_loss_tensor(mb_losses), *pending.tensors()]).tolist()
+        info = self.optimizer.finish_step(grad_norm, skipped, found_inf)
+        loss = loss_sum / scale  # a power of two: exact
         aux = self._global_aux_loss() if self.job.model.is_moe else None
         self.sampler.iteration += 1
         self.num_skipped += int(info.skipped)
@@ -231,13 +247,17 @@ class Trainer:
 
     def _global_loss(self, mb_losses: list[torch.Tensor]) -> float:
         """Sum the last stage's microbatch losses over dp-cp, then share it along the pipeline."""
+        return float(self._global_loss_tensor(mb_losses).item())
+
+    def _global_loss_tensor(self, mb_losses: list[torch.Tensor]) -> torch.Tensor:
+        """:meth:`_global_loss` left on the device: a float64 ``[1]`` tensor, no host read."""
         last = self.stage == self.grid.pp - 1
         value = torch.stack(mb_losses).sum() if last else torch.zeros((), device=self.device)
         value = value.reshape(1).to(torch.float64)
         if last:
             comm.all_reduce(value, self.groups.dp_cp_group)
         comm.all_reduce(value, self.groups.pp_group)  # other stages hold 0
-        return float(value.item())
+        return value
 
     def _global_aux_loss(self) -> float:
         """The MoE load-balancing loss (summed over layers, averaged over microbatches),

@@ -10,12 +10,11 @@ The two layouts of the optimizer state live in :mod:`workers.parallel.optimizer`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from workers.parallel.clip import clip_by_norm, global_grad_norm, unscale_and_check
+from workers.parallel.clip import clip_by_norm, global_grad_norm_tensor, unscale_and_check
 from workers.parallel.data import DataParallelGrads, GradBuffer, ParamGroups
 
 
@@ -74,18 +73,21 @@ class FlatAdamW:
 
     @torch.no_grad()
     def update(self, *, step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-               grad_scale: torch.Tensor | None = None) -> None:
+               grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
         """One AdamW step in place (decoupled weight decay, bias correction, as torch.optim's).
 
         Args:
             grad_scale: the op divides the grads by it (and leaves them so); None: no scaling.
+            found_inf: a float32 one-element device tensor; where it holds 1.0 the op leaves
+                params and moments untouched (the skip decided on the device, no host read).
         """
         self.step_t.fill_(step)
         for decay, (params, grads, exp_avgs, exp_avg_sqs) in self.groups.items():
             if params:
                 torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [self.step_t] * len(params),
                                     lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay if decay else 0.0,
-                                    eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale)
+                                    eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
+                                    found_inf=found_inf)
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,26 @@ class StepInfo:
 
     grad_norm: float | None
     skipped: bool
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """What :meth:`AdamWOverGrads.step_on_device` did, still on the device: float64 ``[1]``
+    tensors the caller reads to the host together with its own scalars (one sync per
+    iteration), then hands to :meth:`AdamWOverGrads.finish_step`.
+
+    Attributes:
+        grad_norm: the global grad norm (unscaled, unclipped); meaningless on an overflow.
+        skipped: 1.0 if the update was skipped (fp16 overflow or a non-finite norm), else 0.0.
+        found_inf: 1.0 if the loss scaler found an inf/nan (0.0 without a scaler).
+    """
+
+    grad_norm: torch.Tensor
+    skipped: torch.Tensor
+    found_inf: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.grad_norm, self.skipped, self.found_inf]
 
 
 class AdamWOverGrads:
@@ -120,6 +142,7 @@ class AdamWOverGrads:
                                        grad_dtype=torch.float32 if self.low_precision else None)
         self.clip_grad, self.grad_scaler, self.tp_rank, self.norm_group = clip_grad, grad_scaler, tp_rank, norm_group
         self.num_steps = 0
+        self._found_inf: torch.Tensor | None = None  # set during step_on_device
 
     @torch.no_grad()
     def _cast_params(self) -> None:
@@ -149,28 +172,52 @@ class AdamWOverGrads:
 
     @torch.no_grad()
     def step(self) -> StepInfo:
-        """Finish the reduction, (unscale,) take the norm, clip, update; see the module docstring."""
+        """Finish the reduction, (unscale,) take the norm, clip, update; see the module docstring.
+        Reads the outcome to the host once (:meth:`step_on_device` + :meth:`finish_step`)."""
+        pending = self.step_on_device()
+        grad_norm, skipped, found_inf = torch.cat(pending.tensors()).tolist()
+        return self.finish_step(grad_norm, skipped, found_inf)
+
+    @torch.no_grad()
+    def step_on_device(self) -> PendingStep:
+        """The step without a host read: the skip (fp16 overflow, non-finite norm) is decided on
+        the device and applied by the fused AdamW's ``found_inf``; clipping multiplies by a
+        device coefficient. :meth:`finish_step` must follow with the values read."""
         self.grads.finish()
+        grads = self.main_grads()
+        device = grads[0].device if grads else torch.device("cpu")
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         if self.grad_scaler is not None:
-            found_inf = unscale_and_check(self.main_grads(), self.grad_scaler.inv_scale, self.norm_group)
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                return StepInfo(grad_norm=None, skipped=True)
-        norm = global_grad_norm(self.owned_grads(), tp_rank=self.tp_rank, group=self.norm_group)
-        if not math.isfinite(norm):
-            # Keep the weights finite; the caller sees the norm and fails the job.
-            return StepInfo(grad_norm=norm, skipped=True)
+            found_inf = unscale_and_check(grads, self.grad_scaler.inv_scale, self.norm_group)
+        norm = global_grad_norm_tensor(self.owned_grads(), tp_rank=self.tp_rank, group=self.norm_group)
+        # A non-finite norm skips the update too: the weights stay finite and the caller,
+        # reading the norm, fails the job.
+        skip = torch.maximum(found_inf, (~torch.isfinite(norm)).float().to(device))
         if self.clip_grad > 0:
-            # A separate mul_ over the flat grads, not the fused op's grad_scale: on CPU the
+            # A separate multiply over the flat grads, not the fused op's grad_scale: on CPU the
             # op's grad_scale path took 2x its plain time (measured, bench/step_bench.py).
-            clip_by_norm(self.main_grads(), self.clip_grad, norm)
-        self.num_steps += 1
-        self._apply_updates(None)
-        return StepInfo(grad_norm=norm, skipped=False)
+            clip_by_norm(grads, self.clip_grad, norm)
+        self._found_inf = skip
+        try:
+            self._apply_updates(None)
+        finally:
+            self._found_inf = None
+        return PendingStep(grad_norm=norm.to(device), skipped=skip.double(), found_inf=found_inf.double())
+
+    def finish_step(self, grad_norm: float, skipped: float, found_inf: float) -> StepInfo:
+        """The host side of a step from :meth:`step_on_device`'s values, read: the successful
+        update count (the LR schedule's position) and the loss scaler advance."""
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(bool(found_inf))
+        if not skipped:
+            self.num_steps += 1
+        return StepInfo(grad_norm=None if found_inf else grad_norm, skipped=bool(skipped))
 
     def _update(self, flat: FlatAdamW, grad_scale: torch.Tensor | None) -> None:
-        flat.update(step=self.num_steps, lr=self.lr, betas=self.betas, eps=self.eps,
-                    weight_decay=self.weight_decay, grad_scale=grad_scale)
+        # The update counts as step num_steps + 1; num_steps itself advances in finish_step,
+        # once the host knows the update was not skipped.
+        flat.update(step=self.num_steps + 1, lr=self.lr, betas=self.betas, eps=self.eps,
+                    weight_decay=self.weight_decay, grad_scale=grad_scale, found_inf=self._found_inf)
 
 
 def check_full_state(state: dict, buffers: list[GradBuffer]) -> None:

@@ -24,7 +24,6 @@ differs from the single process only by the order of fp32 additions inside a ten
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 import torch
@@ -43,8 +42,9 @@ def counted_on_this_tp_rank(param: torch.Tensor, tp_rank: int) -> bool:
     return bool(distinct) or tp_rank == 0
 
 
-def global_grad_norm(owned: Iterable[tuple[torch.Tensor, torch.Tensor]], *, tp_rank: int, group) -> float:
-    """The L2 norm of the whole job's gradient.
+def global_grad_norm_tensor(owned: Iterable[tuple[torch.Tensor, torch.Tensor]], *, tp_rank: int,
+                             group) -> torch.Tensor:
+    """The L2 norm of the whole job's gradient, left on the device (no host read).
 
     Args:
         owned: ``(param, grad piece)`` pairs this rank counts under its reduction-group rule
@@ -53,7 +53,9 @@ def global_grad_norm(owned: Iterable[tuple[torch.Tensor, torch.Tensor]], *, tp_r
         group: every rank of the job (``None``: a single process).
 
     Returns:
-        The norm as a Python float, the same on every rank; ``inf``/``nan`` if a grad is.
+        A float64 ``[1]`` tensor on the grads' device, the same on every rank; ``inf``/``nan``
+        if a grad is (the sum of squares is >= 0, so ``sqrt`` keeps them, as ``math.sqrt`` of
+        the same float64 gives the same bits when finite).
     """
     pieces = [g for p, g in owned if g.numel() and counted_on_this_tp_rank(p, tp_rank)]
     device = pieces[0].device if pieces else torch.device("cpu")
@@ -62,41 +64,52 @@ def global_grad_norm(owned: Iterable[tuple[torch.Tensor, torch.Tensor]], *, tp_r
         norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in pieces]).double()
         total += norms.square().sum()
     comm.all_reduce(total, group)
-    return math.sqrt(float(total.item())) if math.isfinite(float(total.item())) else float(total.item())
+    return total.sqrt_()
 
 
-def clip_coefficient(max_norm: float, total_norm: float) -> float:
-    """Megatron's clip coefficient ``max_norm / (total_norm + 1e-6)``, capped at 1 (no clipping)."""
-    return min(1.0, max_norm / (total_norm + 1.0e-6))
+def global_grad_norm(owned: Iterable[tuple[torch.Tensor, torch.Tensor]], *, tp_rank: int, group) -> float:
+    """:func:`global_grad_norm_tensor` read to the host (one sync): a Python float."""
+    return float(global_grad_norm_tensor(owned, tp_rank=tp_rank, group=group).item())
+
+
+def clip_coefficient(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """Megatron's clip coefficient ``max_norm / (total_norm + 1e-6)``, capped at 1 (no clipping),
+    computed on the device in float64 (the same IEEE operations as the host formula, so the
+    same bits); ``nan`` for a ``nan`` norm, 0 for an infinite one."""
+    # A tensor divided by a tensor: ``float / tensor`` would be ``reciprocal() * float``, one
+    # more rounding than the host formula.
+    return torch.clamp(torch.full_like(total_norm, max_norm) / (total_norm + 1.0e-6), max=1.0)
 
 
 @torch.no_grad()
-def clip_by_norm(grads: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> float:
-    """Scale ``grads`` in place by ``max_norm / (total_norm + 1e-6)`` when that is below 1
-    (Megatron's ``clip_grad_by_total_norm_fp32``); returns the coefficient applied (1.0: none).
+def clip_by_norm(grads: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + 1e-6))`` (Megatron's
+    ``clip_grad_by_total_norm_fp32``) without reading the norm on the host; returns the
+    coefficient (a device tensor).
 
-    Every rank scales every grad it holds (replicas included) by the same float, so replicas
-    stay bit-identical.
+    As ``torch.nn.utils.clip_grad_norm_`` (foreach), the grads are always multiplied, by 1.0
+    when no clipping is due: exact, so the result is bitwise that of scaling only below 1. The float64 coefficient is rounded to the grads' dtype first, as a Python float
+    scalar would be. Every rank scales every grad it holds (replicas included) by the same
+    value, so replicas stay bit-identical.
     """
     coeff = clip_coefficient(max_norm, total_norm)
-    if not coeff < 1.0:
-        return 1.0
-    for g in grads:
-        g.mul_(coeff)
+    grads = list(grads)
+    if grads:
+        torch._foreach_mul_(grads, coeff.reshape(()).to(grads[0].device, grads[0].dtype))
     return coeff
 
 
 @torch.no_grad()
-def unscale_and_check(grads: Iterable[torch.Tensor], inv_scale: float, group) -> bool:
-    """Multiply ``grads`` by ``inv_scale`` in place; whether any rank found an inf or nan
-    (one MAX all-reduce over ``group``, so every rank takes the same skip decision)."""
-    found = None
-    for g in grads:
-        g.mul_(inv_scale)
-        bad = (~torch.isfinite(g)).any()
-        found = bad if found is None else found | bad
-    flag = torch.zeros(1, dtype=torch.float32, device=found.device if found is not None else "cpu")
-    if found is not None:
+def unscale_and_check(grads: Iterable[torch.Tensor], inv_scale: float, group) -> torch.Tensor:
+    """Multiply ``grads`` by ``inv_scale`` in place; whether any rank found an inf or nan, as a
+    float32 ``[1]`` device tensor, 1.0 or 0.0 (one MAX all-reduce over ``group``, so every rank
+    takes the same skip decision). No host read: the optimizer skips the update on the device
+    (``torch._fused_adamw_``'s ``found_inf``) and the trainer reads the flag with its metrics."""
+    grads = list(grads)
+    flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    if grads:
+        torch._foreach_mul_(grads, inv_scale)
+        found = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any()
         flag += found.float()
     comm.all_reduce(flag, group, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+    return flag
