@@ -298,3 +298,43 @@ def test_cancel_a_second_job_from_the_list(server, browser, api, artifacts):
                                                          f"{ITERS} / {ITERS}", "0")
     assert loss == f"{finished['loss']:.4f}" and age.endswith(("s", "m"))
     shoot(browser, artifacts, "jobs")
+
+
+def _series(browser, css: str) -> dict[str, tuple[list, list]]:
+    """name -> (iterations, values) of every polyline under ``css``."""
+    lines = browser.find_elements(By.CSS_SELECTOR, f"{css} polyline[data-series]")
+    return {ln.get_attribute("data-series"): (json.loads(ln.get_attribute("data-iterations")),
+                                             json.loads(ln.get_attribute("data-values"))) for ln in lines}
+
+
+def _curve(api, job_id: str, name: str) -> tuple[list, list]:
+    page = api.get(f"/jobs/{job_id}/metrics", params={"names": name, "points": 500}).json()
+    pairs = [(it, v) for it, v in zip(page["iterations"], page[name]) if v is not None]
+    return [it for it, _ in pairs], [v for _, v in pairs]
+
+
+def test_throughput_chart_and_two_jobs_compared(server, browser, api, artifacts):
+    """The job page draws tokens/s as the API reports it (and no loss scale: not fp16); its Compare box opens #/compare/A,B, where
+    both jobs' loss and throughput share one chart each, one series per job, equal to their curves."""
+    jobs = [j for j in api.get("/jobs").json()["jobs"] if j["iteration"] > 0]
+    assert len(jobs) >= 2, jobs  # the finished job and the cancelled one (cancelled after it counted up)
+    first, second = jobs[-1]["id"], jobs[0]["id"]
+    browser.get(f"{server.url}/#/jobs/{first}")
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#charts .chart[data-chart=tokens_per_s] polyline"),
+         60, "the throughput chart")
+    drawn = _series(browser, "#charts .chart[data-chart=tokens_per_s]")
+    assert drawn == {"tokens_per_s": _curve(api, first, "tokens_per_s")}  # mutation: another series plotted
+    charts = [c.get_attribute("data-chart") for c in browser.find_elements(By.CSS_SELECTOR, "#charts .chart")]
+    assert "loss_scale" not in charts and "loss" in charts, charts  # an fp32 job: no loss-scale chart
+    shoot(browser, artifacts, "job-throughput")
+
+    box = browser.find_element(By.ID, "compare-with")
+    box.send_keys(second)
+    browser.find_element(By.CSS_SELECTOR, "#compare-form button, #compare-form [type=submit]").click()
+    wait(browser, lambda d: d.current_url.endswith(f"#/compare/{first},{second}"), 30, "the compare URL")
+    wait(browser, lambda d: visible(d, "#compare-view"), 30, "the compare view")
+    for name in ("loss", "tokens_per_s"):
+        css = f"#compare-charts .chart[data-chart={name}]"
+        wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, f"{css} polyline")) == 2, 60, f"two {name} series")
+        assert _series(browser, css) == {first: _curve(api, first, name), second: _curve(api, second, name)}
+    shoot(browser, artifacts, "compare")

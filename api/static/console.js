@@ -304,6 +304,8 @@ async function showJob(jobId, signal) {
     }
     const boxes = [];
     for (const chart of CHARTS) {
+      // The loss scale moves only under fp16's dynamic scaling; elsewhere it is a flat 1.
+      if (chart.series[0][0] === "loss_scale" && !job.spec?.training?.fp16) continue;
       const series = chart.series.map(([name, colour]) => ({
         name, colour, points: rows.filter(([, m]) => typeof m[name] === "number").map(([it, m]) => [it, m[name]]),
       })).filter((s) => s.points.length);
