@@ -314,8 +314,9 @@ def _curve(api, job_id: str, name: str) -> tuple[list, list]:
 
 
 def test_throughput_chart_and_two_jobs_compared(server, browser, api, artifacts):
-    """The job page draws tokens/s as the API reports it (and no loss scale: not fp16); its Compare box opens #/compare/A,B, where
-    both jobs' loss and throughput share one chart each, one series per job, equal to their curves."""
+    """The job page draws tokens/s as the API reports it (and no loss scale: not fp16). Its Compare
+    box, and the jobs page's ticks, open #/compare/A,B, where both jobs' loss and throughput share
+    one chart each, one series per job, equal to their curves."""
     jobs = [j for j in api.get("/jobs").json()["jobs"] if j["iteration"] > 0]
     assert len(jobs) >= 2, jobs  # the finished job and the cancelled one (cancelled after it counted up)
     first, second = jobs[-1]["id"], jobs[0]["id"]
@@ -338,3 +339,16 @@ def test_throughput_chart_and_two_jobs_compared(server, browser, api, artifacts)
         wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, f"{css} polyline")) == 2, 60, f"two {name} series")
         assert _series(browser, css) == {first: _curve(api, first, name), second: _curve(api, second, name)}
     shoot(browser, artifacts, "compare")
+
+    # the same from the jobs page: tick both rows, then its Compare button (newest first, as listed)
+    browser.get(f"{server.url}/#/")
+    wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#jobs tbody tr input.pick")) >= 2, 60, "the ticks")
+    assert not browser.find_element(By.ID, "compare-picked").is_enabled()
+    for job_id in (first, second):
+        browser.find_element(By.CSS_SELECTOR, f"#jobs tr[data-job-id='{job_id}'] input.pick").click()
+    button = browser.find_element(By.ID, "compare-picked")
+    assert button.is_enabled() and button.text == "Compare 2 jobs"
+    button.click()
+    wait(browser, lambda d: d.current_url.endswith(f"#/compare/{second},{first}"), 30, "the compare URL from the list")
+    wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#compare-charts .chart[data-chart=loss] polyline"))
+         == 2, 60, "both jobs' loss")

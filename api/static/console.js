@@ -119,7 +119,11 @@ function fillJobRow(row, j, sig, final) {
     const button = Object.assign(document.createElement("button"), { type: "button", className: "danger cancel",
                                                                      textContent: "Cancel" });
     button.addEventListener("click", () => cancel(j.id).then(refreshJobs).catch(alertError));
-    row.cells[8].append(button);
+    // Ticked jobs are compared (#/compare/A,B,...) from the button under the table.
+    const pick = Object.assign(document.createElement("input"), { type: "checkbox", className: "pick",
+                                                                  title: "compare this job's curves" });
+    pick.addEventListener("change", updateCompareButton);
+    row.cells[8].append(button, pick);
   }
   Object.assign(row.dataset, { jobId: j.id, state: j.state, sig });
   stateBadge(row.cells[0].firstChild, j.state);
@@ -130,6 +134,19 @@ function fillJobRow(row, j, sig, final) {
   row.cells[6].textContent = String(j.restarts);
   row.cells[8].firstChild.hidden = final.has(j.state);
 }
+
+function pickedJobs() {
+  return [...document.querySelectorAll("#jobs tbody tr")].filter((r) => r.querySelector("input.pick")?.checked)
+    .map((r) => r.dataset.jobId);
+}
+
+function updateCompareButton() {
+  const n = pickedJobs().length;
+  $("#compare-picked").disabled = n < 2;
+  $("#compare-picked").textContent = n < 2 ? "Compare (tick two or more jobs)" : `Compare ${n} jobs`;
+}
+
+$("#compare-picked").addEventListener("click", () => { location.hash = `#/compare/${pickedJobs().join(",")}`; });
 
 function alertError(err) {
   $("#spec-message").textContent = err.message;
