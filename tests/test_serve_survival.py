@@ -35,6 +35,27 @@ def whole_and_once(api, job_id: str, iters: int) -> list[dict]:
     return log
 
 
+def same_port(srv: Server, **kwargs) -> Server:
+    """A server (not started) on ``srv``'s data dir and port: clients keep their URL."""
+    again = Server(srv.data_dir, **kwargs)
+    again.port, again.url = srv.port, srv.url
+    return again
+
+
+def finished_under_the_same_runner(api, job_id: str, expected: list[float], iters: int) -> dict:
+    """The job SUCCEEDED under a server started again, on the undisturbed curve, with the runner it
+    had: no new runner, no restart, one admission, every iteration and event once."""
+    job = wait_for(api, job_id, DONE, timeout_s=300)
+    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+    losses = job_losses(api, job_id)
+    assert close(losses, expected), story(api, job_id, losses, expected)
+    log = whole_and_once(api, job_id, iters)
+    assert [e for e in log if e["kind"] == "runner"] == [] and job["restarts"] == 0  # the runner lived on
+    assert sum(e["kind"] == "admission" for e in log) == 1
+    assert [e["data"]["iteration"] for e in log if e["kind"] == "iteration"] == list(range(1, iters + 1))
+    return job
+
+
 def test_server_killed_and_started_again_reattaches_to_its_simulated_cluster(tmp_path):
     """SIGKILL of `raytron serve --simulate` mid-job: the cluster and the job's runner (a Ray Job) live on;
     a server started again on the data dir re-attaches to both (no second cluster, no second runner)."""
@@ -50,20 +71,12 @@ def test_server_killed_and_started_again_reattaches_to_its_simulated_cluster(tmp
         srv.stop(signal.SIGKILL)
         assert processes_named("gcs_server") and marked(CLUSTER_MARK, cluster_id)  # the cluster outlives its server
         expected = undisturbed(s)
-        again = Server(srv.data_dir, simulate="2x2", launcher="ray", start_timeout_s=180)
-        again.port, again.url = srv.port, srv.url
+        again = same_port(srv, simulate="2x2", launcher="ray", start_timeout_s=180)
         again.start()
         assert "re-attached to the simulated Ray cluster" in again.log.read_text()
         assert json.loads(record.read_text())["cluster_id"] == cluster_id
         with again.client() as api:
-            job = wait_for(api, job_id, DONE, timeout_s=300)
-            assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
-            losses = job_losses(api, job_id)
-            assert close(losses, expected), story(api, job_id, losses, expected)
-            log = whole_and_once(api, job_id, 24)
-            assert [e for e in log if e["kind"] == "runner"] == [] and job["restarts"] == 0  # the runner lived on
-            assert sum(e["kind"] == "admission" for e in log) == 1
-            assert [e["data"]["iteration"] for e in log if e["kind"] == "iteration"] == list(range(1, 25))
+            finished_under_the_same_runner(api, job_id, expected, 24)
         gcs = [p for p in processes_named("gcs_server") if p in marked(CLUSTER_MARK, cluster_id)]
         assert len(gcs) == 1  # one cluster, not a second one beside the first
         again.stop()
@@ -100,18 +113,10 @@ def test_server_killed_and_started_again_reattaches_to_the_ray_jobs_of_an_outsid
         srv.stop(signal.SIGKILL)
         assert processes_named("python", "-m", "service.server.job_main", job_id)  # the runner lives on
         expected = undisturbed(s)
-        again = Server(srv.data_dir, simulate=None, launcher="ray", start_timeout_s=180, env=cluster.env())
-        again.port, again.url = srv.port, srv.url
+        again = same_port(srv, simulate=None, launcher="ray", start_timeout_s=180, env=cluster.env())
         again.start()
         with again.client() as api:
-            job = wait_for(api, job_id, DONE, timeout_s=300)
-            assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
-            losses = job_losses(api, job_id)
-            assert close(losses, expected), story(api, job_id, losses, expected)
-            log = whole_and_once(api, job_id, 24)
-            assert [e for e in log if e["kind"] == "runner"] == [] and job["restarts"] == 0  # re-attached
-            assert sum(e["kind"] == "admission" for e in log) == 1
-            assert [e["data"]["iteration"] for e in log if e["kind"] == "iteration"] == list(range(1, 25))
+            job = finished_under_the_same_runner(api, job_id, expected, 24)
             assert job["ray_job_id"] == f"raytron-{job_id}"
         assert "re-attached to job" in again.log.read_text()
         again.stop()
