@@ -90,15 +90,19 @@ def run_trainer(rank, world_size, job, iters=ITERS) -> dict:
     from workers.train import Trainer
 
     trainer = Trainer(job, rank, world_size)
-    step, captured = trainer.optimizer.step, {}
+    # The trainer steps through step_on_device (its one host read comes after); the gradients are
+    # captured just before the first one.
+    step, captured = trainer.optimizer.step_on_device, {}
 
     def capture_then_step():
         if not captured:
             captured.update(_reduced_grads(trainer))
         return step()
 
-    trainer.optimizer.step = capture_then_step
+    trainer.optimizer.step_on_device = capture_then_step
     metrics = [trainer.train_step() for _ in range(iters)]
+    # An empty capture would make every gradient check vacuous (both sides empty): fail instead.
+    assert captured or not iters, "the optimizer step the trainer calls was not hooked: no gradients captured"
     shards = {name: s for name, _, s in _named(trainer)}
     params = {name: p.detach().float().numpy().copy() for name, p, _ in _named(trainer)}
     return {"losses": [m["loss"] for m in metrics], "aux": [m["moe_aux_loss"] for m in metrics],
