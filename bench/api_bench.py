@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import statistics
@@ -36,7 +35,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.test_api import Server, tiny, wait_for  # noqa: E402
+from tests.test_api import Server, a_held_slot, tiny, wait_for  # noqa: E402
 
 
 async def _get_latencies(url: str, token: str, job_id: str, clients: int, requests: int) -> tuple[list[float], float]:
@@ -128,14 +127,9 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="raytron-bench-") as tmp:
         srv = Server(Path(tmp) / "data", simulate="1x1", extra_args=("--log-level", args.server_log_level)).start()
         url = f"{srv.url}/api/v1"
-        runner = None
         try:
-            with srv.client() as api:
-                blocker = api.post("/jobs", json=tiny("blocker", world=1, iters=10 ** 7)).json()["id"]
-                wait_for(api, blocker, ("STARTING", "RUNNING"))
-                # Hold its slot without its CPU: the ranks would otherwise take a core from the server.
-                runner = json.loads((srv.data_dir / "jobs" / blocker / "runner.json").read_text())["pid"]
-                os.killpg(runner, signal.SIGSTOP)
+            # A job holds the slot (without its CPU): the submissions below stay queued.
+            with a_held_slot(srv) as (blocker, runner), srv.client() as api:
                 ids, submit_s = asyncio.run(_submit(url, srv.token, args.submissions))
                 cpu0, client0 = cpu_s(srv.proc.pid), time.process_time()
                 measure = _raw_get_latencies if args.client == "raw" else _get_latencies
@@ -146,12 +140,6 @@ def main(argv: list[str] | None = None) -> dict:
                     api.post(f"/jobs/{job_id}/cancel")
                 wait_for(api, blocker, ("CANCELLED",), timeout_s=60)
         finally:
-            if runner is not None:  # whatever happened, never leave the stopped blocker behind
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
-                        os.killpg(runner, sig)
-                    except ProcessLookupError:
-                        pass
             srv.stop()
             errors = [line for line in srv.log.read_text().splitlines() if "Error" in line or "Traceback" in line]
             if os.environ.get("RAYTRON_BENCH_LOG"):

@@ -15,10 +15,8 @@ exception says why), prints its report and returns its exit status: 0 when it fo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.test_api import Server, tiny, wait_for  # noqa: E402
+from tests.test_api import Server, a_held_slot  # noqa: E402
 
 
 def schemathesis_cmd() -> list[str]:
@@ -45,28 +43,17 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="raytron-fuzz-") as tmp:
         srv = Server(Path(tmp) / "data", simulate="1x1", extra_args=("--max-stream-s", "2")).start()
-        runner = None
         try:
-            with srv.client() as api:
-                blocker = api.post("/jobs", json=tiny("blocker", world=1, iters=10 ** 7)).json()["id"]
-                wait_for(api, blocker, ("STARTING", "RUNNING"))
-                runner = json.loads((srv.data_dir / "jobs" / blocker / "runner.json").read_text())["pid"]
-                os.killpg(runner, signal.SIGSTOP)  # holds the slot, takes no CPU
-            cmd = [*schemathesis_cmd(), "--config-file", str(ROOT / "bench" / "schemathesis.toml"), "run", f"{srv.url}/openapi.json", "--checks", "all",
-                   "--max-time", str(args.seconds), "--seed", str(args.seed), "--workers", str(args.workers),
-                   "--request-timeout", "30", "-H", f"Authorization: Bearer {srv.token}", "--no-color"]
-            env = {**os.environ, "NO_COLOR": "1"}
-            p = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, env=env,
-                               timeout=args.seconds * 3 + 120)
-            output = p.stdout + p.stderr
-            server_errors = [line for line in srv.log.read_text().splitlines() if "Traceback" in line]
+            with a_held_slot(srv):
+                cmd = [*schemathesis_cmd(), "--config-file", str(ROOT / "bench" / "schemathesis.toml"), "run", f"{srv.url}/openapi.json", "--checks", "all",
+                       "--max-time", str(args.seconds), "--seed", str(args.seed), "--workers", str(args.workers),
+                       "--request-timeout", "30", "-H", f"Authorization: Bearer {srv.token}", "--no-color"]
+                env = {**os.environ, "NO_COLOR": "1"}
+                p = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, env=env,
+                                   timeout=args.seconds * 3 + 120)
+                output = p.stdout + p.stderr
+                server_errors = [line for line in srv.log.read_text().splitlines() if "Traceback" in line]
         finally:
-            if runner is not None:
-                for sig in (signal.SIGCONT, signal.SIGKILL):
-                    try:
-                        os.killpg(runner, sig)
-                    except ProcessLookupError:
-                        pass
             srv.stop()
             srv.kill_runners()
     print(output)

@@ -6,6 +6,7 @@ Also the harness (:class:`Server`, :func:`tiny`) that the other ``test_api_*`` f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -97,6 +99,26 @@ class Server:
                     os.killpg(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+@contextlib.contextmanager
+def a_held_slot(srv: Server) -> Iterator[tuple[str, int]]:
+    """A job that holds the server's slot without its CPU (its runner's process group stopped with
+    SIGSTOP; running ranks would take a core from the server). Yields (its id, its runner's pid);
+    the runner is continued and killed on the way out, whatever happened."""
+    runner = None
+    try:
+        with srv.client() as api:
+            blocker = api.post("/jobs", json=tiny("blocker", world=1, iters=10 ** 7)).json()["id"]
+            wait_for(api, blocker, ("STARTING", "RUNNING"))
+        runner = json.loads((srv.data_dir / "jobs" / blocker / "runner.json").read_text())["pid"]
+        os.killpg(runner, signal.SIGSTOP)
+        yield blocker, runner
+    finally:
+        if runner is not None:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(runner, sig)
 
 
 def wait_for(client: httpx.Client, job_id: str, states, timeout_s: float = 120) -> dict:
