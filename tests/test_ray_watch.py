@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -180,5 +181,53 @@ def test_a_runner_whose_gcs_is_gone_exits_within_seconds_with_the_reason(tmp_pat
         assert len(lost) == 1 and "the head node was lost" in lost[0]["message"], lost
         assert store.get_job("headless-1")["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED")
     finally:
+        store.close()
+        cluster.close()
+
+
+STALE_RUNNER = """
+import sys, ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from service.ranks.ray_cluster import NAMESPACE
+from workers.rank_actor import actor_name
+ray.init(namespace=NAMESPACE, logging_level="warning")
+job = sys.argv[1]
+pg = placement_group([{"GPU": 2, "CPU": 2}], strategy="PACK", name=f"raytron:{job}")
+assert pg.wait(60)
+@ray.remote(num_gpus=1, num_cpus=1)
+class Idle:
+    def ping(self):
+        return "alive"
+actor = Idle.options(name=actor_name(job, 0), scheduling_strategy=PlacementGroupSchedulingStrategy(
+    placement_group=pg, placement_group_bundle_index=0)).remote()
+ray.get(actor.ping.remote())
+print("HELD", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.ray
+def test_a_new_runner_takes_over_what_an_earlier_runner_of_the_job_left_on_the_cluster(tmp_path):
+    """A runner whose driver died holds its job's named placement group and rank actors until the
+    GCS marks that driver dead, which may come after the next runner starts (seen in CI: the new
+    runner FAILED with "placement group 'raytron:<job>' already exists"). Here a live driver holds
+    both, as such a stale runner does; a new runner of the job removes them and finishes the job."""
+    url = sqlite_url(tmp_path)
+    store = JobStore(url)
+    cluster = HostedCluster(tmp_path, nodes=1)
+    stale = subprocess.Popen([sys.executable, "-c", STALE_RUNNER, "stale-1"], cwd=ROOT, env=cluster.env(), text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert stale.stdout.readline().startswith("HELD")
+        store.create_job(_spec(4), job_id="stale-1")
+        run = subprocess.run(runner_command("stale-1", tmp_path, url, launcher="ray"), cwd=ROOT, env=cluster.env(),
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout[-4000:]
+        assert store.get_job("stale-1")["state"] == "SUCCEEDED"
+        assert len(store.metrics("stale-1")) == 4
+    finally:
+        stale.kill()
+        stale.wait()
         store.close()
         cluster.close()

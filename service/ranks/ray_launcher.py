@@ -36,6 +36,7 @@ from service.control.errors import InsufficientResources, RankDied, RankRaised
 from service.ranks.gather import collect
 from service.spec.placement import RankPlacement, plan_placement
 from service.ranks.ray_cluster import RaySession
+from service.ranks.ray_actors import clear_leftovers, kill_actors, kill_and_wait
 from service.ranks.ray_nodes import capacity_message, could_ever_fit, dead_nodes, node_totals
 from workers.config import JobConfig
 from workers.faults import Fault
@@ -56,7 +57,7 @@ class WarmRanks:
         """Kill the actors, remove the placement group."""
         from ray.util.placement_group import remove_placement_group
 
-        _kill_and_wait(list(self.actors.values()))
+        kill_and_wait(list(self.actors.values()))
         self.actors = {}
         remove_placement_group(self.pg)
 
@@ -115,6 +116,7 @@ class RayRankGroup:
         bundle = {"GPU": job.gpus_per_node, "CPU": cfg.cpus_per_rank * job.gpus_per_node}
         if cfg.static_cluster and not could_ever_fit(job, cfg.strategy, bundle):
             raise InsufficientResources(capacity_message(job, cfg, bundle, waited=False))
+        clear_leftovers(self.job_id, len(self.plan))
         self.pg = placement_group([dict(bundle) for _ in range(job.num_nodes)], strategy=cfg.strategy,
                                   name=f"raytron:{self.job_id}")
         if not self.pg.wait(timeout_seconds=cfg.placement_timeout_s):
@@ -141,7 +143,7 @@ class RayRankGroup:
                              what="run")
 
     def kill(self) -> None:
-        _kill(list(self.actors))
+        kill_actors(list(self.actors))
 
     def shutdown(self, keep_warm: bool = False) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -149,7 +151,7 @@ class RayRankGroup:
         survivors = self._survivors() if keep_warm and self._park is not None else {}
         doomed = [a for r, a in enumerate(self.actors) if r not in survivors]
         self.actors = []
-        _kill_and_wait(doomed)
+        kill_and_wait(doomed)
         self._drain()
         if self.warm is not None:  # start() never ran
             self.warm.release()
@@ -320,26 +322,6 @@ class RayLauncher:
     def nodes_available(self, gpus_per_node: int) -> int:
         """Alive nodes with at least ``gpus_per_node`` GPUs (what the scaling policy may use)."""
         return sum(1 for r in node_totals() if r.get("GPU", 0) >= gpus_per_node)
-
-
-def _kill(actors: list) -> None:
-    import ray
-
-    for actor in actors:
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already dead is fine
-            pass
-
-
-def _kill_and_wait(actors: list) -> None:
-    """Kill ``actors`` and wait until the GCS knows they are dead (a call on a killed actor fails
-    then): after it their names are free and none shows as alive in ``ray list actors``."""
-    import ray
-
-    _kill(actors)
-    if actors:
-        ray.wait([a.ping.remote() for a in actors], num_returns=len(actors), timeout=30)
 
 
 def _summary(exc: BaseException) -> str:

@@ -1,0 +1,57 @@
+"""Ending a job's Ray actors and placement group: killed and known dead, and what an earlier
+runner of the job left behind (:func:`clear_leftovers`)."""
+
+from __future__ import annotations
+
+import time
+
+
+def kill_actors(actors: list) -> None:
+    import ray
+
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead is fine
+            pass
+
+
+def kill_and_wait(actors: list) -> None:
+    """Kill ``actors`` and wait until the GCS knows they are dead (a call on a killed actor fails
+    then): after it their names are free and none shows as alive in ``ray list actors``."""
+    import ray
+
+    kill_actors(actors)
+    if actors:
+        ray.wait([a.ping.remote() for a in actors], num_returns=len(actors), timeout=30)
+
+
+def clear_leftovers(job_id: str, world_size: int, wait_s: float = 30.0) -> None:
+    """Remove the placement group and rank actors an earlier runner of ``job_id`` left behind.
+
+    A runner whose driver died (its raylet killed, its process SIGKILLed) owns its named placement
+    group and actors until the GCS marks that driver dead, which may come after the next runner
+    of the job starts; creating them again under the same names then fails ("already exists").
+    Within one runner an attempt always frees both before the next one is placed, and the
+    scheduler runs one runner per job, so whatever exists under these names here is stale."""
+    import ray
+    from ray.util import placement_group_table
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    from workers.rank_actor import actor_name
+
+    stale = []
+    for rank in range(world_size):
+        try:
+            stale.append(ray.get_actor(actor_name(job_id, rank)))
+        except ValueError:
+            pass
+    kill_and_wait(stale)
+    try:
+        pg = get_placement_group(f"raytron:{job_id}")
+    except ValueError:
+        return
+    remove_placement_group(pg)
+    deadline = time.monotonic() + wait_s
+    while placement_group_table(pg).get("state") not in ("REMOVED", None) and time.monotonic() < deadline:
+        time.sleep(0.1)
