@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from workers.parallel import comm
 from workers.parallel.sequence import (
@@ -241,3 +242,67 @@ def test_group_none_matches_reference():
 def test_cross_entropy_rejects_mismatched_target():
     with pytest.raises(ValueError, match="logits"):
         vocab_parallel_cross_entropy(torch.zeros(S, B, V), torch.zeros(S, B + 1, dtype=torch.long), None)
+
+
+class _OpLog(TorchDispatchMode):
+    """The ops a backward dispatches, plus ``wait`` where a started collective is waited for."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket).split(".")[-1])
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(rank, world_size):
+    """The backward of a column-parallel linear, without and with SP, as the op sequence with the waits."""
+    import torch.distributed as dist
+
+    out = {}
+    for sp in (False, True):
+        lin = ColumnParallelLinear(torch.randn(8, 4), dist.group.WORLD, sequence_parallel=sp)
+        y = lin(torch.randn(4, 2, 4, requires_grad=True))
+        with _OpLog() as log:
+            real_wait = comm.wait
+            started = []
+
+            def recording_wait(work, log=log):
+                log.ops.append("wait")
+                real_wait(work)
+
+            comm.wait = recording_wait
+            real_all_reduce = dist.all_reduce
+
+            def recording_all_reduce(*a, log=log, **k):
+                work = real_all_reduce(*a, **k)
+                started.append(k.get("async_op"))
+                return _RecordedWork(work, log) if k.get("async_op") else work
+
+            dist.all_reduce = recording_all_reduce
+            try:
+                y.sum().backward()
+            finally:
+                comm.wait, dist.all_reduce = real_wait, real_all_reduce
+        out[sp] = [op for op in log.ops if op in ("mm", "allreduce_", "_allgather_base_", "_reduce_scatter_base_", "wait")]
+    return out
+
+
+class _RecordedWork:
+    def __init__(self, work, log):
+        self.work, self.log = work, log
+
+    def wait(self):
+        self.log.ops.append("wait")
+        return self.work.wait()
+
+
+def test_tp_backward_collectives_run_under_the_gemms():
+    """Megatron's async TP backward: without SP the input gradient's all-reduce is started, the
+    weight-gradient GEMM runs, then it is waited for; with SP the input's all-gather runs under the
+    input-gradient GEMM and the reduce-scatter under the weight-gradient GEMM. (Blocking
+    collectives, the code before, give no ``wait`` between; the numbers are the parity test's.)"""
+    ops = run_ranks(_backward_ops, 2)[0]
+    assert ops[False] == ["mm", "allreduce_", "mm", "wait"], ops[False]
+    assert ops[True] == ["_allgather_base_", "mm", "wait", "_reduce_scatter_base_", "mm", "wait"], ops[True]

@@ -91,6 +91,39 @@ def all_gather(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+def all_gather_start(tensor: torch.Tensor, group):
+    """Start concatenating every rank's ``tensor`` along dim 0; returns ``(out, work)``: ``out`` is
+    valid once ``work.wait()`` returned (``work`` is None for a group of one). What runs between
+    the two overlaps the collective (Megatron's async TP communication)."""
+    n = world_size(group)
+    if n == 1:
+        return tensor, None
+    tensor = tensor.contiguous()
+    out = torch.empty((n * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _count(group, (n - 1) / n * _nbytes(out))
+    return out, dist.all_gather_single(out, tensor, group=group, async_op=True)
+
+
+def reduce_scatter_start(tensor: torch.Tensor, group):
+    """Start summing ``tensor`` over ``group`` keeping this rank's 1/n slice of dim 0; returns
+    ``(out, work)`` as :func:`all_gather_start`."""
+    n = world_size(group)
+    if n == 1:
+        return tensor, None
+    tensor = tensor.contiguous()
+    if tensor.shape[0] % n:
+        raise ValueError(f"reduce_scatter: dim size {tensor.shape[0]} not divisible by group size {n}")
+    out = torch.empty((tensor.shape[0] // n,) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _count(group, (n - 1) / n * _nbytes(tensor))
+    return out, dist.reduce_scatter_single(out, tensor, group=group, async_op=True)
+
+
+def wait(work) -> None:
+    """Wait for a started collective (None: nothing was started)."""
+    if work is not None:
+        work.wait()
+
+
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group, *, async_op: bool = False):
     """All-gather flat ``shard`` into the preallocated flat ``out`` (n x shard)."""
     n = world_size(group)

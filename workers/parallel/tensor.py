@@ -83,11 +83,42 @@ class _LinearWithSequenceGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # Megatron's async order: the input's all-gather runs under the input-gradient GEMM,
+        # the input gradient's reduce-scatter under the weight-gradient GEMM.
         x, weight = ctx.saved_tensors
-        full = comm.all_gather(x, ctx.group, dim=0)
-        grad_input = comm.reduce_scatter(grad.matmul(weight), ctx.group, dim=0)
-        grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]))
+        full, gathering = comm.all_gather_start(x, ctx.group)
+        grad_full_input = grad.matmul(weight)
+        comm.wait(gathering)
+        grad_input, scattering = comm.reduce_scatter_start(grad_full_input, ctx.group)
+        grad_weight = _weight_grad(grad, full)
+        comm.wait(scattering)
         return grad_input, grad_weight, None
+
+
+class _LinearWithAsyncAllReduce(torch.autograd.Function):
+    """``x @ W.T`` entering a TP region without SP (:func:`copy_to_tensor_parallel_region`
+    fused with the GEMM, Megatron's async all-reduce): backward starts the all-reduce of the
+    input gradient and computes the weight gradient while it runs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        ctx.group = group
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_input = grad.matmul(weight)
+        reducing = comm.all_reduce(grad_input, ctx.group, async_op=True)
+        grad_weight = _weight_grad(grad, x)
+        reducing.wait()
+        return grad_input, grad_weight, None
+
+
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``dL/dW`` of ``y = x @ W.T``: ``grad^T @ x`` over every token."""
+    return grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
 
 
 def _split_last(x: torch.Tensor, group) -> torch.Tensor:
@@ -167,8 +198,10 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and comm.world_size(self.group) > 1:
             y = _LinearWithSequenceGather.apply(x, self.weight, self.group)
+        elif comm.world_size(self.group) > 1:
+            y = _LinearWithAsyncAllReduce.apply(x, self.weight, self.group)
         else:
-            y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight)
+            y = F.linear(x, self.weight)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.group)
         return y
