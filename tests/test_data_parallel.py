@@ -262,3 +262,41 @@ def test_full_state_moves_between_optimizer_kinds_without_groups():
     for a, b in zip(params, copy):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
     assert replicated.num_steps == sharded.num_steps == 2
+
+
+def _overlap_rank(rank, world, overlap):
+    """Three steps of the distributed optimizer on a 3-layer model, dp over ``world``, params all-gathered
+    after each step either at once or under the next forward (small buckets: several per step)."""
+    model = _model()
+    opt = build_optimizer([(model.parameters(), dist.group.WORLD)], distributed=True, bucket_size=20,
+                          overlap_param_gather=overlap, **HP)
+    hooks = opt.hook_param_gather([model])
+    out = {"losses": [], "in_flight_after_step": [], "in_flight_after_forward": [], "buckets": len(opt.grads.buffers[0].buckets)}
+    per = GLOBAL_BATCH // world
+    for it in range(3):
+        opt.zero_grad()
+        x, y = _batch(it)
+        loss = _loss(model, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
+        out["in_flight_after_forward"].append(len(opt._gathering) if overlap else 0)
+        loss.backward()
+        out["losses"].append(loss.item())
+        opt.step()
+        out["in_flight_after_step"].append(len(opt._gathering) if overlap else 0)
+    opt.finish_param_gather()
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def test_overlapped_param_gather_waits_layer_by_layer_and_changes_nothing():
+    """``overlap_param_gather``: after a step every param's all-gather is still in flight, the next
+    forward finishes them through its modules' pre-hooks, and losses and params equal the blocking
+    gather's bitwise (a hook that did not wait would compute with the old params)."""
+    blocking, overlapped = (run_ranks(_overlap_rank, 2, args=(flag,))[0] for flag in (False, True))
+    assert overlapped["buckets"] > 1
+    assert overlapped["losses"] == blocking["losses"]
+    for got, want in zip(overlapped["params"], blocking["params"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert overlapped["in_flight_after_step"] == [6, 6, 6]  # the 3 layers' weights and biases
+    assert overlapped["in_flight_after_forward"] == [0, 0, 0]

@@ -27,6 +27,9 @@ DENSE_LAYOUTS = {
     "tp2-sp-dp2-distopt": (4, {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                "use_distributed_optimizer": True}),
     "pp2-dp2-distopt": (4, {"pipeline_model_parallel_size": 2, "use_distributed_optimizer": True}),
+    # The params' all-gather under the next forward, waited for by each module of each model chunk.
+    "pp2-vpp2-dp2-distopt-overlap": (4, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
+                                         "use_distributed_optimizer": True, "overlap_param_gather": True}),
     "tp2-pp2-vpp2-sp-order-pp-first": (4, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
                                            "virtual_pipeline_model_parallel_size": 2, "sequence_parallel": True,
                                            "order": "tp-pp-dp"}),

@@ -50,6 +50,7 @@ def test_full_5d_moe_layout_16_ranks():
     """tp2 x cp2 x pp2 x dp2 with MoE over ep2: every dimension at once."""
     spec = tiny_spec(moe=True, world=16, parallel={
         "tensor_model_parallel_size": 2, "context_parallel_size": 2, "pipeline_model_parallel_size": 2,
-        "expert_model_parallel_size": 2, "sequence_parallel": True, "use_distributed_optimizer": True})
+        "expert_model_parallel_size": 2, "sequence_parallel": True, "use_distributed_optimizer": True,
+        "overlap_param_gather": True})
     spec["resources"] = {"num_nodes": 2, "gpus_per_node": 8}
     check_layout(spec, MOE)

@@ -96,6 +96,7 @@ def test_unknown_field_is_refused_with_its_path():
     (dict(model={"hidden_size": 1048576}), ["GiB per rank", "any accelerator holds", "hidden_size"]),
     (dict(training={"data": "corpus.txt"}), ["training.data", ".npy or .bin"]),
     (dict(parallel={"cp_comm_type": "ring"}), ["parallel.cp_comm_type"]),
+    (dict(parallel={"overlap_param_gather": True}), ["parallel.overlap_param_gather needs parallel.use_distributed_optimizer"]),
     (dict(training={"micro_batch_size": 0}), ["training.micro_batch_size", "greater than or equal to 1"]),
 ])
 def test_invalid_combinations(sections, needles):

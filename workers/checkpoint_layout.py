@@ -81,7 +81,9 @@ class ParamView:
 
 
 def param_views(trainer) -> list[ParamView]:
-    """Every local parameter of ``trainer`` as a :class:`ParamView`, in module order."""
+    """Every local parameter of ``trainer`` as a :class:`ParamView`, in module order (the params'
+    all-gather from the last update finished first: a checkpoint reads them, a load writes them)."""
+    trainer.optimizer.finish_param_gather()
     vocab = trainer.job.model.vocab_size
     views = []
     for chunk in trainer.chunks:

@@ -63,6 +63,7 @@ class ParallelConfig:
     expert_tensor_parallel_size: int | None = None
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    overlap_param_gather: bool = False
     cp_comm_type: str = "p2p"
     order: str = "tp-cp-ep-dp-pp"
 

@@ -103,8 +103,9 @@ class Trainer:
             self._param_groups(), distributed=p.use_distributed_optimizer, lr=t.lr,
             betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay,
             param_dtype=self.dtype, clip_grad=t.clip_grad, grad_scaler=self.grad_scaler, tp_rank=c["tp"],
-            norm_group=_world_group() if g.world_size > 1 else None,
+            norm_group=_world_group() if g.world_size > 1 else None, overlap_param_gather=p.overlap_param_gather,
         )
+        self._gather_hooks = self.optimizer.hook_param_gather(self.chunks)
         for chunk in self.chunks:
             chunk.to(self.dtype)  # the params are cast already; this casts the rotary tables
         self.lr_schedule = LRSchedule.from_config(t)
@@ -125,6 +126,8 @@ class Trainer:
         gradient buffer -> param cycle that keeps the model, and with it every process group,
         alive) and the TensorBoard file."""
         self.optimizer.grads.remove_hooks()
+        for handle in self._gather_hooks:
+            handle.remove()
         if self.tensorboard is not None:
             self.tensorboard.close()
 

@@ -58,6 +58,9 @@ class ParallelSpec(BaseModel):
     expert_tensor_parallel_size: int | None = Field(None, ge=1, description="default = tensor_model_parallel_size")
     sequence_parallel: bool | Auto = False
     use_distributed_optimizer: bool | Auto = False
+    overlap_param_gather: bool = Field(False, description="with the distributed optimizer: the updated params' "
+                                       "all-gather runs under the next forward, waited for layer by layer "
+                                       "(one extra copy of the params in their dtype)")
     cp_comm_type: Literal["p2p", "all_gather"] = "p2p"
     order: str = "tp-cp-ep-dp-pp"
 

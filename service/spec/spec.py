@@ -135,6 +135,9 @@ def spec_problems(spec: JobSpec) -> list[str]:
     except ValueError as e:
         out.append(f"{e} (world_size = resources.num_nodes {res.num_nodes} x resources.gpus_per_node {res.gpus_per_node})")
         grid = None
+    if p.overlap_param_gather and p.use_distributed_optimizer is False:
+        out.append("parallel.overlap_param_gather needs parallel.use_distributed_optimizer: true (it overlaps the "
+                   "distributed optimizer's param all-gather); set both, or drop overlap_param_gather")
     if tp > res.gpus_per_node:
         out.append(f"parallel.tensor_model_parallel_size {tp} > resources.gpus_per_node {res.gpus_per_node}: "
                    f"a TP group must stay inside one node; lower tp or raise gpus_per_node")
@@ -315,7 +318,7 @@ def to_job_config(spec: JobSpec) -> JobConfig:
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
         sequence_parallel=p.sequence_parallel, use_distributed_optimizer=p.use_distributed_optimizer,
-        cp_comm_type=p.cp_comm_type, order=p.order,
+        overlap_param_gather=p.overlap_param_gather, cp_comm_type=p.cp_comm_type, order=p.order,
     )
     training = TrainingConfig(
         train_iters=t.train_iters, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,

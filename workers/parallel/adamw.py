@@ -158,6 +158,17 @@ class AdamWOverGrads:
     def zero_grad(self) -> None:
         self.grads.zero()
 
+    def wait_params(self, params) -> None:
+        """Finish the param all-gathers in flight for ``params`` (only the distributed optimizer
+        with ``overlap_param_gather`` has any)."""
+
+    def finish_param_gather(self) -> None:
+        """Finish every param all-gather in flight (see :meth:`wait_params`)."""
+
+    def hook_param_gather(self, modules) -> list:
+        """Forward pre-hooks that wait for the params' all-gather (none here)."""
+        return []
+
     def main_grads(self) -> list[torch.Tensor]:
         """The fp32 grads this rank updates from (flat buffers or their shards)."""
         raise NotImplementedError

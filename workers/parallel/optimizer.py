@@ -39,8 +39,11 @@ class DistributedOptimizer(AdamWOverGrads):
     """
 
     def __init__(self, param_groups: ParamGroups, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE, **kwargs):
+                 weight_decay: float = 0.0, *, bucket_size: int | None = DEFAULT_BUCKET_SIZE,
+                 overlap_param_gather: bool = False, **kwargs):
         super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=True, **kwargs)
+        self.overlap_param_gather = overlap_param_gather
+        self._gathering: dict[int, _Gathering] = {}  # id(param) -> its bucket's all-gather in flight
         self.shards = []
         for buf in self.grads.buffers:
             n = buf.numel // buf.num_ranks
@@ -74,6 +77,7 @@ class DistributedOptimizer(AdamWOverGrads):
 
     def _apply_updates(self, grad_scale) -> None:
         """Update this rank's shard of the fp32 main params, all-gather the model params."""
+        self.finish_param_gather()
         for buf, state, flat in zip(self.grads.buffers, self.shards, self.flat):
             if not self.low_precision:
                 # fp32 params hold exactly the master values; re-reading them keeps the master
@@ -84,6 +88,9 @@ class DistributedOptimizer(AdamWOverGrads):
 
     def _gather_params(self, buf: GradBuffer, master: torch.Tensor) -> None:
         # Gathered in the params' dtype: bf16 halves the traffic (Megatron gathers model params).
+        if self.overlap_param_gather:
+            self._start_gather(buf, master)
+            return
         scratch = torch.empty(max((b.end - b.start for b in buf.buckets), default=0), dtype=self.param_dtype,
                               device=buf.grad.device)
         for bucket in buf.buckets:
@@ -94,13 +101,59 @@ class DistributedOptimizer(AdamWOverGrads):
                 a = buf.offsets[id(p)] - bucket.start
                 p.detach().copy_(full[a : a + p.numel()].view_as(p))
 
+    def _start_gather(self, buf: GradBuffer, master: torch.Tensor) -> None:
+        """Start every bucket's all-gather, the first layers' first (buckets hold the params in
+        reverse order), each into a buffer of its own; :meth:`wait_params` finishes them."""
+        for bucket in reversed(buf.buckets):
+            lo, hi, base = buf.shard_range(bucket)
+            full = torch.empty(bucket.end - bucket.start, dtype=self.param_dtype, device=buf.grad.device)
+            work = comm.all_gather_into(full, master[base : base + hi - lo].to(self.param_dtype), buf.group,
+                                        async_op=True)
+            gathering = _Gathering(buf, bucket, full, work)
+            self._gathering.update((id(p), gathering) for p in bucket.params)
+
+    @torch.no_grad()
+    def wait_params(self, params) -> None:
+        """Finish the all-gathers that update ``params`` (a forward pre-hook calls it per module)."""
+        if not self._gathering:
+            return
+        for p in params:
+            gathering = self._gathering.get(id(p))
+            if gathering is not None:
+                self._finish(gathering)
+
+    def finish_param_gather(self) -> None:
+        """Finish every all-gather in flight: before anything reads or writes the params outside a
+        forward (a checkpoint, the next update, a state load)."""
+        while self._gathering:
+            self._finish(next(iter(self._gathering.values())))
+
+    @torch.no_grad()
+    def _finish(self, g: "_Gathering") -> None:
+        comm.wait(g.work)
+        for p in g.bucket.params:
+            a = g.buf.offsets[id(p)] - g.bucket.start
+            p.detach().copy_(g.full[a : a + p.numel()].view_as(p))
+            del self._gathering[id(p)]
+
+    def hook_param_gather(self, modules) -> list:
+        """With ``overlap_param_gather``: a forward pre-hook on every module of ``modules`` (and
+        their submodules) that holds params, waiting for its params' all-gather; returns the
+        handles (empty without overlap)."""
+        if not self.overlap_param_gather:
+            return []
+        return [m.register_forward_pre_hook(lambda mod, args: self.wait_params(mod.parameters(recurse=False)))
+                for root in modules for m in root.modules() if next(m.parameters(recurse=False), None) is not None]
+
     def state_dict(self) -> dict:
         """This rank's sharded state (valid only for the same layout: group sizes, buckets)."""
+        self.finish_param_gather()
         return {"step": self.num_steps, "numel": [buf.numel for buf in self.grads.buffers],
                 "num_ranks": [buf.num_ranks for buf in self.grads.buffers],
                 "shards": [{k: v.clone() for k, v in s.items()} for s in self.shards]}
 
     def load_state_dict(self, state: dict) -> None:
+        self.finish_param_gather()
         mine = ([buf.numel for buf in self.grads.buffers], [buf.num_ranks for buf in self.grads.buffers])
         if (list(state["numel"]), list(state["num_ranks"])) != mine:
             raise ValueError(
@@ -118,6 +171,7 @@ class DistributedOptimizer(AdamWOverGrads):
         Returns ``{"step": int, "state": [[{"exp_avg", "exp_avg_sq"} per param] per group]}``
         with params in the order given and tensors of the params' shapes.
         """
+        self.finish_param_gather()
         out = []
         for buf, shard in zip(self.grads.buffers, self.shards):
             full = {}
@@ -135,6 +189,7 @@ class DistributedOptimizer(AdamWOverGrads):
     def load_full_state_dict(self, state: dict) -> None:
         """Load :meth:`full_state_dict` output (from any layout); the model params must hold
         the matching weights already (they are the master copy)."""
+        self.finish_param_gather()
         check_full_state(state, self.grads.buffers)
         self.num_steps = int(state["step"])
         for buf, shard, entries in zip(self.grads.buffers, self.shards, state["state"]):
@@ -218,6 +273,15 @@ class ReplicatedOptimizer(AdamWOverGrads):
                     m[k].copy_(e[k].to(m[k]))
 
 
+class _Gathering:
+    """One bucket's param all-gather in flight (:meth:`DistributedOptimizer.wait_params`)."""
+
+    __slots__ = ("buf", "bucket", "full", "work")
+
+    def __init__(self, buf: GradBuffer, bucket, full: torch.Tensor, work):
+        self.buf, self.bucket, self.full, self.work = buf, bucket, full, work
+
+
 def _view(buf: GradBuffer, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """``p``'s slice of a flat buffer laid out as ``buf``'s gradient buffer, shaped as ``p``."""
     a = buf.offsets[id(p)]
@@ -227,7 +291,7 @@ def _view(buf: GradBuffer, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def build_optimizer(param_groups: ParamGroups, *, distributed: bool, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
                     weight_decay: float = 0.0, bucket_size: int | None = DEFAULT_BUCKET_SIZE,
                     param_dtype: torch.dtype | None = None, clip_grad: float = 0.0, grad_scaler=None,
-                    tp_rank: int = 0, norm_group=None):
+                    tp_rank: int = 0, norm_group=None, overlap_param_gather: bool = False):
     """AdamW over data-parallel param groups: ZeRO-1 sharded (``distributed``) or replicated.
 
     Both results offer ``grads`` (a :class:`DataParallelGrads`), ``zero_grad()``, ``step()``
@@ -244,7 +308,10 @@ def build_optimizer(param_groups: ParamGroups, *, distributed: bool, lr: float, 
             multiplies the loss by its ``scale``); ``None``: no loss scaling.
         tp_rank: this rank's TP rank (TP duplicates are counted once in the norm).
         norm_group: every rank of the job, over which the norm and overflow flag are reduced.
+        overlap_param_gather: (distributed) the updated params' all-gather runs under the next
+            forward; the caller installs :meth:`DistributedOptimizer.hook_param_gather`.
     """
+    extra = {"overlap_param_gather": overlap_param_gather} if distributed else {}
     cls = DistributedOptimizer if distributed else ReplicatedOptimizer
     return cls(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, param_dtype=param_dtype,
-               clip_grad=clip_grad, grad_scaler=grad_scaler, tp_rank=tp_rank, norm_group=norm_group)
+               clip_grad=clip_grad, grad_scaler=grad_scaler, tp_rank=tp_rank, norm_group=norm_group, **extra)
