@@ -59,6 +59,9 @@ def add_parsers(sub) -> None:
     p.add_argument("spec", help="job spec file (YAML or JSON)")
     p.add_argument("--auto", action="store_true", help="rank the layouts the cost model allows (parallel: auto); "
                    "computed here")
+    from api.plan_auto import add_trial_args
+
+    add_trial_args(p, launcher=True)
     _common(p)
     p.set_defaults(func=cmd_plan)
 

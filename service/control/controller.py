@@ -38,6 +38,7 @@ from service.control.calls import CallSizer
 from service.control.errors import InsufficientResources, JobCancelled, JobError, NonFiniteMetric
 from service.control.events import JobEvent, JobState
 from service.spec.placement import check_tp_in_node
+from service.control.trials import layout_message
 from service.control.policy import Decision, ElasticDataParallel, FailurePolicy, RestartUpTo, ScalingPolicy
 from service.control.rank_group import RankGroup
 from service.control.result import result_object
@@ -95,6 +96,8 @@ class JobController:
         scaling_policy: default :class:`ElasticDataParallel`.
         release: called once when the job is terminal, to free what the launcher kept between
             attempts (ranks kept warm for a restart).
+        layout: the record of an auto layout's choice (``parallel: auto``), emitted as a ``layout``
+            event after QUEUED.
     """
 
     def __init__(self, job: JobConfig, grid: ParallelGrid, *, job_id: str,
@@ -102,7 +105,8 @@ class JobController:
                  on_event: Callable[[JobEvent], None] | None = None, failure_policy: FailurePolicy | None = None,
                  iterations_per_call: int = 1, call_target_s: float = 0.0, faults: list[Fault] | tuple = (),
                  history: list[JobEvent] | None = None, nodes_available: Callable[[], int | None] | None = None,
-                 scaling_policy: ScalingPolicy | None = None, release: Callable[[], None] | None = None):
+                 scaling_policy: ScalingPolicy | None = None, release: Callable[[], None] | None = None,
+                 layout: dict | None = None):
         self.job, self.grid, self.job_id = job, grid, job_id
         self.current = job  # this attempt's job: its size may differ after a resize
         self.sizer = Sizer(job, scaling_policy or ElasticDataParallel(), nodes_available)
@@ -135,6 +139,8 @@ class JobController:
                 if job.checkpoint.save_interval and job.checkpoint.dir else ""
             self._emit(JobEvent.now("state", JobState.QUEUED, f"job {job_id}: {grid.world_size} ranks on "
                                     f"{job.num_nodes} node(s) x {job.gpus_per_node} GPU(s){saves}"))
+            if layout:  # an auto layout: what was chosen, among what (service.control.trials.layout_record)
+                self._emit(JobEvent.now("layout", JobState.QUEUED, layout_message(layout), layout))
 
     @property
     def losses(self) -> list[float]:
