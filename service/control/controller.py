@@ -38,6 +38,7 @@ from service.control.calls import CallSizer
 from service.control.errors import InsufficientResources, JobCancelled, JobError, NonFiniteMetric
 from service.control.events import JobEvent, JobState
 from service.spec.placement import check_tp_in_node
+from service.control.relayout import ElasticRelayout
 from service.control.trials import layout_message
 from service.control.policy import Decision, ElasticDataParallel, FailurePolicy, RestartUpTo, ScalingPolicy
 from service.control.rank_group import RankGroup
@@ -93,7 +94,8 @@ class JobController:
             of starting over at QUEUED).
         nodes_available: how many nodes of ``gpus_per_node`` the cluster offers now (None:
             unknown, the launcher waits for its placement as usual).
-        scaling_policy: default :class:`ElasticDataParallel`.
+        scaling_policy: default :class:`ElasticDataParallel`, or :class:`ElasticRelayout` for a job
+            with ``fault_tolerance.relayout_on_resize``.
         release: called once when the job is terminal, to free what the launcher kept between
             attempts (ranks kept warm for a restart).
         layout: the record of an auto layout's choice (``parallel: auto``), emitted as a ``layout``
@@ -109,7 +111,8 @@ class JobController:
                  layout: dict | None = None):
         self.job, self.grid, self.job_id = job, grid, job_id
         self.current = job  # this attempt's job: its size may differ after a resize
-        self.sizer = Sizer(job, scaling_policy or ElasticDataParallel(), nodes_available)
+        self.sizer = Sizer(job, scaling_policy or (ElasticRelayout() if job.relayout_spec else ElasticDataParallel()),
+                           nodes_available)
         self._make_group, self._on_event, self._release = make_group, on_event, release
         self.policy = failure_policy or RestartUpTo(job.max_restarts)
         self.calls = CallSizer(max(1, iterations_per_call), call_target_s, job.checkpoint.save_interval)
@@ -195,7 +198,10 @@ class JobController:
             self._say_if_waiting(job)
         grid = ParallelGrid.from_config(job.parallel, job.world_size)
         if grid.world_size != self.grid.world_size:
-            self._emit(JobEvent.now("resize", self.state, f"dp {self.grid.dp} -> {grid.dp} ({self.current.num_nodes} "
+            before, after = self.grid.sizes(), grid.sizes()
+            changes = ", ".join(f"{k} {before[k]} -> {after[k]}" for k in ("tp", "pp", "cp", "ep", "dp")
+                                if before[k] != after[k])  # more than dp: a re-pick (service.control.relayout)
+            self._emit(JobEvent.now("resize", self.state, f"{changes} ({self.current.num_nodes} "
                                     f"-> {job.num_nodes} node(s)); global batch {job.training.global_batch_size} kept",
                                     {"old": {"num_nodes": self.current.num_nodes, "sizes": self.grid.sizes()},
                                      "new": {"num_nodes": job.num_nodes, "sizes": grid.sizes()}}))
