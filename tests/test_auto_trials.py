@@ -110,3 +110,40 @@ def test_run_trial_starts_the_winner_and_a_concrete_spec_is_refused(tmp_path, ca
     assert cli_main(["run", str(path), "--launcher", "processes", "--trial", "2"]) == 2
     err = capsys.readouterr().err
     assert "--trial 2" in err and "fixes its layout" in err and "parallel: auto" in err
+
+
+def test_the_bench_ranks_with_spearmans_rho():
+    from bench.auto_layout_bench import main, spearman
+
+    assert callable(main)
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0 and spearman([1, 2, 3, 4], [4, 3, 2, 1]) == -1.0
+    assert spearman([1, 2, 3, 4], [1, 2, 4, 3]) == pytest.approx(0.8)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.test_api import module_server
+
+    yield from module_server(tmp_path_factory, "auto-trials")
+
+
+def test_a_submitted_auto_spec_records_the_chosen_layout_in_its_events(server):
+    from tests.test_api import tiny, wait_for
+
+    spec = {**tiny(name="auto-rest"), "parallel": "auto"}
+    with server.client() as api:
+        job = api.post("/jobs", json=spec)
+        assert job.status_code == 201, job.text
+        job = wait_for(api, job.json()["id"], ("SUCCEEDED", "FAILED"))
+        assert job["state"] == "SUCCEEDED", job
+        layout = api.get(f"/jobs/{job['id']}/events", params={"kind": "layout"}).json()["events"]
+    expected = search_layouts(spec)["candidates"][0]
+    assert len(layout) == 1 and layout[0]["state"] == "QUEUED"
+    assert layout[0]["data"]["chosen"]["sizes"] == expected["sizes"]
+    assert {k: v for k, v in job["sizes"].items() if k in expected["sizes"]} == \
+        {k: v for k, v in expected["sizes"].items() if k != "vpp"}
+    assert "the cost model's best of" in layout[0]["message"]
+    with server.client() as api:  # a concrete spec records none
+        plain = api.post("/jobs", json=tiny(name="plain-rest")).json()
+        wait_for(api, plain["id"], ("SUCCEEDED", "FAILED"))
+        assert api.get(f"/jobs/{plain['id']}/events", params={"kind": "layout"}).json()["events"] == []

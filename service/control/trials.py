@@ -110,6 +110,17 @@ def layout_record(found: dict) -> dict:
             "open": found.get("open", [])}
 
 
+def auto_layout_record(data) -> dict | None:
+    """The ``layout`` record of a spec's data with ``auto`` fields (the cost model's choice, no trials;
+    the search is the one its validation ran, remembered), or None for a concrete spec."""
+    from service.spec.auto import auto_fields
+    from service.spec.spec import search_layouts
+
+    if not isinstance(data, dict) or not auto_fields({k: v for k, v in data.items() if k != "priority"}):
+        return None
+    return layout_record(search_layouts({k: v for k, v in data.items() if k != "priority"}))
+
+
 def layout_message(record: dict) -> str:
     """One line for a ``layout`` event: the chosen sizes and how they were chosen."""
     c = record["chosen"]
