@@ -223,6 +223,10 @@ def cmd_cancel(args) -> int:
 
 @_command
 def cmd_plan(args) -> int:
+    from api.plan_auto import trial_args_problem
+
+    if problem := trial_args_problem(args, auto=args.auto, trial_launcher=True):
+        raise BadInput(problem)
     spec = load_spec_file(args.spec)
     if getattr(args, "auto", False):
         from api.plan_auto import run_auto

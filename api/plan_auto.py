@@ -34,7 +34,7 @@ def add_trial_args(p: argparse.ArgumentParser, *, launcher: bool) -> None:
     if launcher:
         from service.ranks.launcher import LAUNCHERS
 
-        p.add_argument("--launcher", choices=LAUNCHERS, default="processes",
+        p.add_argument("--launcher", choices=LAUNCHERS, default=None,
                        help="where trials run: local processes (default) or Ray actors")
         p.add_argument("--simulate", type=simulate, default=None, metavar="NODESxGPUS",
                        help="trials on a local simulated Ray cluster of that shape")
@@ -79,6 +79,21 @@ def print_cost(plan: dict, out=None) -> None:
               if t[k]), file=out)
 
 
+def trial_args_problem(args, *, auto: bool, trial_launcher: bool) -> str:
+    """Why the trial flags given do not go together ("" when they do): nothing is accepted and ignored.
+    ``auto``: ``--auto`` given (``raytron run``: True); ``trial_launcher``: ``--launcher`` and
+    ``--simulate`` are the trials' only (``raytron plan``; ``raytron run``'s are the job's)."""
+    if getattr(args, "trial", None) and not auto:
+        return f"--trial {args.trial} ranks the layouts of --auto: add --auto"
+    if getattr(args, "trial_iters", None) and not getattr(args, "trial", None):
+        return f"--trial-iters {args.trial_iters} is the length of each trial: add --trial K"
+    if trial_launcher:
+        for flag in ("launcher", "simulate"):
+            if getattr(args, flag, None) is not None and not getattr(args, "trial", None):
+                return f"--{flag} is where trials run: add --auto --trial K"
+    return ""
+
+
 def print_trials(found: dict, out=None) -> None:
     """The trials' table: predicted beside measured, in measured order (``raytron plan --auto --trial K``)."""
     out = out or sys.stdout
@@ -106,7 +121,7 @@ def trials_of(spec_data: dict, found: dict, args, note=None) -> dict:
 
     res = spec_data.get("resources") or {}
     note = note or (lambda line: print(f"raytron: {line}", file=sys.stderr))
-    with open_launcher(args.launcher, shape=(res.get("num_nodes", 1), res.get("gpus_per_node", 1)),
+    with open_launcher(args.launcher or "processes", shape=(res.get("num_nodes", 1), res.get("gpus_per_node", 1)),
                        simulate=args.simulate, note=note) as launcher:
         return run_trials(found, args.trial, launcher, iterations=args.trial_iters or TRIAL_ITERATIONS, note=note)
 

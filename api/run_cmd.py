@@ -58,6 +58,10 @@ def cmd_run(args) -> int:
     signals = _Signals()
     signals.install()
     try:
+        from api.plan_auto import trial_args_problem
+
+        if problem := trial_args_problem(args, auto=True, trial_launcher=False):
+            raise ValueError(problem)
         job, grid = prepare(args.spec)
         found = auto_choice(args.spec, getattr(args, "trial", None))
         faults = list(args.fault or [])

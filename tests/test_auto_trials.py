@@ -147,3 +147,18 @@ def test_a_submitted_auto_spec_records_the_chosen_layout_in_its_events(server):
         plain = api.post("/jobs", json=tiny(name="plain-rest")).json()
         wait_for(api, plain["id"], ("SUCCEEDED", "FAILED"))
         assert api.get(f"/jobs/{plain['id']}/events", params={"kind": "layout"}).json()["events"] == []
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["plan", "--trial", "2"], "--trial 2 ranks the layouts of --auto"),
+    (["plan", "--auto", "--trial-iters", "2"], "--trial-iters 2 is the length of each trial"),
+    (["plan", "--auto", "--launcher", "ray"], "--launcher is where trials run"),
+    (["plan", "--simulate", "2x4"], "--simulate is where trials run"),
+    (["run", "--launcher", "processes", "--trial-iters", "2"], "--trial-iters 2 is the length of each trial"),
+])
+def test_trial_flags_that_would_be_ignored_are_refused(tmp_path, capsys, argv, words):
+    path = tmp_path / "auto.yaml"
+    path.write_text(yaml.safe_dump(auto_spec()))
+    assert cli_main([*argv, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1
