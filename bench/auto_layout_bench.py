@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -180,7 +179,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def time_table(iters: int, ray: bool) -> dict:
-    from service.control.trials import measure, run_trial, run_trials
+    from service.control.trials import run_trial, run_trials
     from service.ranks.launcher import open_launcher
     from service.spec.plan import plan_job
     from service.spec.spec import parse_spec, search_layouts
