@@ -15,3 +15,24 @@ def fault(text: str):
         return Fault.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix(f"--fault {text!r}: ")) from None
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def simulate(text: str) -> tuple[int, int]:
+    """A ``--simulate NODESxGPUS`` value."""
+    try:
+        nodes, gpus = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NODESxGPUS such as 2x4, got {text!r}") from None
+    if nodes < 1 or gpus < 1:
+        raise argparse.ArgumentTypeError(f"expected positive NODESxGPUS such as 2x4, got {text!r}")
+    return nodes, gpus

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from api.arg_types import FAULT_METAVAR, fault
+from api.arg_types import FAULT_METAVAR, fault, positive as _positive, simulate as _simulate
 from api.errors import UsageError
 from service.ranks.launcher import LAUNCHERS
 
@@ -28,26 +28,6 @@ examples:
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse prints usage + message by default)
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _simulate(text: str) -> tuple[int, int]:
-    try:
-        nodes, gpus = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected NODESxGPUS such as 2x4, got {text!r}") from None
-    if nodes < 1 or gpus < 1:
-        raise argparse.ArgumentTypeError(f"expected positive NODESxGPUS such as 2x4, got {text!r}")
-    return nodes, gpus
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "collective just before iteration ITER (1-based); save: its process dies in the "
                         "middle of writing the checkpoint of iteration ITER")
     r.add_argument("--json", action="store_true", help="print the result as one JSON object (last line)")
+    from api.plan_auto import add_trial_args
+
+    add_trial_args(r, launcher=False)  # --trial K: run the fastest of the top K auto layouts
     r.set_defaults(func=cmd_run)
 
     # light modules: their heavy imports (torch, ray, uvicorn) are inside the commands

@@ -59,6 +59,9 @@ def add_parsers(sub) -> None:
     p.add_argument("spec", help="job spec file (YAML or JSON)")
     p.add_argument("--auto", action="store_true", help="rank the layouts the cost model allows (parallel: auto); "
                    "computed here")
+    from api.plan_auto import add_trial_args
+
+    add_trial_args(p, launcher=True)
     _common(p)
     p.set_defaults(func=cmd_plan)
 
@@ -183,7 +186,7 @@ def follow(client, job_id: str, as_json: bool, *, from_now: bool = False) -> int
                 d = event["data"]
                 bar.set_postfix(progress_postfix(d), refresh=False)
                 bar.update(d.get("iteration", bar.n + 1) - bar.n)
-            elif event["kind"] in ("state", "failure", "resize", "waiting", "runner"):
+            elif event["kind"] in ("state", "failure", "resize", "waiting", "runner", "layout"):
                 bar.write(f"{job_id}: {event['state']} {event['message']}".rstrip(), file=sys.stderr)
             if event["kind"] == "state":
                 state = event["state"]
@@ -220,6 +223,10 @@ def cmd_cancel(args) -> int:
 
 @_command
 def cmd_plan(args) -> int:
+    from api.plan_auto import trial_args_problem
+
+    if problem := trial_args_problem(args, auto=args.auto, trial_launcher=True):
+        raise BadInput(problem)
     spec = load_spec_file(args.spec)
     if getattr(args, "auto", False):
         from api.plan_auto import run_auto

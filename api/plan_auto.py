@@ -5,24 +5,39 @@ fields; a spec with none open is searched with its whole parallel section open).
 ``{"candidates": [{"sizes": {"tp", "pp", "vpp", "cp", "ep", "dp"}, "order", "micro_batch_size",
 "use_distributed_optimizer", "recompute_granularity", "predicted_step_s", "peak_bytes_per_rank", ...}],
 "chosen": 0, ...}``.
+
+``--trial K`` then runs each of the top K for a few iterations (:mod:`service.control.trials`) on
+``--launcher`` (local processes by default; ``ray``, with ``--simulate NODESxGPUS`` a simulated
+cluster), ranks them by measured step time and prints predicted beside measured; ``--json`` adds
+``measured_step_s``, ``measured_peak_bytes``, ``measured_steps_s``, ``losses`` and ``predicted_rank``
+to each tried candidate (or ``trial_error``) and ``"trials": K``; ``chosen`` (0) is the winner.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from service.spec.check import check_spec
-from service.spec.spec import search_layouts
+from api.arg_types import positive, simulate
 
 GB = 1e9
 
 
-def auto_plan(spec_data: dict) -> dict:
-    """The search's answer without the concrete spec data each candidate carries. Raises ValueError."""
-    found = search_layouts(spec_data)
-    for c in found["candidates"]:
-        c.pop("data", None)
-    return found
+def add_trial_args(p: argparse.ArgumentParser, *, launcher: bool) -> None:
+    """``--trial K`` and ``--trial-iters N`` (``raytron plan --auto`` and ``raytron run``); with
+    ``launcher``, ``--launcher`` and ``--simulate`` too (``raytron run`` has its own)."""
+    p.add_argument("--trial", type=positive, default=None, metavar="K",
+                   help="run each of the cost model's top K layouts for a few iterations, measure step time and "
+                        "peak memory, and rank them by the measured time (parallel: auto)")
+    p.add_argument("--trial-iters", type=positive, default=None, metavar="N",
+                   help="iterations per trial, the first a warm-up (default 3)")
+    if launcher:
+        from service.ranks.launcher import LAUNCHERS
+
+        p.add_argument("--launcher", choices=LAUNCHERS, default=None,
+                       help="where trials run: local processes (default) or Ray actors")
+        p.add_argument("--simulate", type=simulate, default=None, metavar="NODESxGPUS",
+                       help="trials on a local simulated Ray cluster of that shape")
 
 
 def print_auto(found: dict, out=None) -> None:
@@ -64,16 +79,76 @@ def print_cost(plan: dict, out=None) -> None:
               if t[k]), file=out)
 
 
+def trial_args_problem(args, *, auto: bool, trial_launcher: bool) -> str:
+    """Why the trial flags given do not go together ("" when they do): nothing is accepted and ignored.
+    ``auto``: ``--auto`` given (``raytron run``: True); ``trial_launcher``: ``--launcher`` and
+    ``--simulate`` are the trials' only (``raytron plan``; ``raytron run``'s are the job's)."""
+    if getattr(args, "trial", None) and not auto:
+        return f"--trial {args.trial} ranks the layouts of --auto: add --auto"
+    if getattr(args, "trial_iters", None) and not getattr(args, "trial", None):
+        return f"--trial-iters {args.trial_iters} is the length of each trial: add --trial K"
+    if trial_launcher:
+        for flag in ("launcher", "simulate"):
+            if getattr(args, flag, None) is not None and not getattr(args, "trial", None):
+                return f"--{flag} is where trials run: add --auto --trial K"
+    return ""
+
+
+def print_trials(found: dict, out=None) -> None:
+    """The trials' table: predicted beside measured, in measured order (``raytron plan --auto --trial K``)."""
+    out = out or sys.stdout
+    print(f"trials: {found['trials']} layouts, ranked by measured step time (the median after a warm-up "
+          f"iteration, slowest rank); peak = the largest rank's", file=out)
+    print(f"{'#':>2} {'model#':>6} {'tp':>3}{'pp':>3}{'vpp':>4}{'cp':>3}{'ep':>3}{'dp':>3} {'mbs':>4} "
+          f"{'pred s':>8} {'meas s':>8} {'pred GB':>8} {'meas GB':>8}", file=out)
+    for i, c in enumerate(found["candidates"][:found["trials"]]):
+        s = c["sizes"]
+        mark = "*" if i == found["chosen"] else " "
+        ok = c.get("measured_step_s") is not None
+        step = f"{c['measured_step_s']:.4g}" if ok else "failed"
+        peak = f"{c['measured_peak_bytes'] / GB:.3g}" if ok else "-"
+        print(f"{i:>2}{mark}{c['predicted_rank']:>6} {s['tp']:>3}{s['pp']:>3}{s['vpp'] or '-':>4}{s['cp']:>3}"
+              f"{s['ep']:>3}{s['dp']:>3} {c['micro_batch_size']:>4} {c['predicted_step_s']:>8.4g} {step:>8} "
+              f"{c['peak_bytes_per_rank'] / GB:>8.3g} {peak:>8}", file=out)
+        if c.get("trial_error"):
+            print(f"   error: {c['trial_error']}", file=out)
+
+
+def trials_of(spec_data: dict, found: dict, args, note=None) -> dict:
+    """``found`` re-ranked by trials of its top ``args.trial`` on the launcher the args name."""
+    from service.control.trials import TRIAL_ITERATIONS, run_trials
+    from service.ranks.launcher import open_launcher
+
+    res = spec_data.get("resources") or {}
+    note = note or (lambda line: print(f"raytron: {line}", file=sys.stderr))
+    with open_launcher(args.launcher or "processes", shape=(res.get("num_nodes", 1), res.get("gpus_per_node", 1)),
+                       simulate=args.simulate, note=note) as launcher:
+        return run_trials(found, args.trial, launcher, iterations=args.trial_iters or TRIAL_ITERATIONS, note=note)
+
+
 def run_auto(spec_data, args, bad_input: type[Exception], print_json) -> int:
-    """``raytron plan --auto``: computed here (a ``--server`` is not asked); bad input raises ``bad_input``."""
+    """``raytron plan --auto [--trial K]``: computed here (a ``--server`` is not asked); bad input raises
+    ``bad_input``; trials run on ``--launcher`` (processes by default)."""
+    from service.spec.check import check_spec
+    from service.spec.spec import search_layouts
+
     if not isinstance(spec_data, dict):
         raise bad_input(f"a job spec is a mapping of sections, got {type(spec_data).__name__}")
     check = check_spec(spec_data)
     if check.problems:
         raise bad_input("invalid job spec: " + "; ".join(f"{p['field']}: {p['message']}" for p in check.problems))
     try:
-        found = auto_plan(spec_data)
+        found = search_layouts(spec_data)
     except ValueError as e:
         raise bad_input(str(e)) from None
-    print_json(found) if args.json else print_auto(found)
+    if getattr(args, "trial", None):
+        found = trials_of(spec_data, found, args)
+    for c in found["candidates"]:
+        c.pop("data", None)
+    if args.json:
+        print_json(found)
+        return 0
+    print_auto(found)
+    if found.get("trials"):
+        print_trials(found)
     return 0

@@ -18,6 +18,7 @@ from service.control.errors import JobError
 from service.control.jobs import new_job_id, prepare, start_job
 from service.spec.placement import plan_placement
 from service.control.result import result_object
+from service.control.trials import layout_record
 from service.ranks.launcher import open_launcher
 from workers.faults import Fault
 
@@ -57,7 +58,12 @@ def cmd_run(args) -> int:
     signals = _Signals()
     signals.install()
     try:
+        from api.plan_auto import trial_args_problem
+
+        if problem := trial_args_problem(args, auto=True, trial_launcher=False):
+            raise ValueError(problem)
         job, grid = prepare(args.spec)
+        found = auto_choice(args.spec, getattr(args, "trial", None))
         faults = list(args.fault or [])
         for f in faults:
             if f.rank >= grid.world_size:
@@ -84,8 +90,11 @@ def cmd_run(args) -> int:
                                note=lambda line: print(f"raytron: {line}", file=sys.stderr),
                                on_ray_lost=_ray_lost) as launcher:
                 signals.install()  # again: starting Ray may have installed its own handlers
+                if found is not None and args.trial and signals.received is None:
+                    found, job, grid = _trials(args, found, launcher)
                 if signals.received is None:
-                    controller = start_job(job, launcher=launcher, on_event=view, job_id=job_id, faults=faults)
+                    controller = start_job(job, launcher=launcher, on_event=view, job_id=job_id, faults=faults,
+                                           layout=None if found is None else layout_record(found))
                     signals.controller = controller
                     if signals.received is not None:  # arrived between the two lines above
                         controller.cancel(f"cancelled by {signals.received.name}")
@@ -106,6 +115,38 @@ def cmd_run(args) -> int:
         return _EXIT[signals.received]
     _print_result(args, result, t0)
     return 0 if result["state"] == "SUCCEEDED" else 1
+
+
+def auto_choice(spec_path: str, trial: int | None) -> dict | None:
+    """The layout search of a spec with ``auto`` fields (None without): what its ``layout`` event
+    records. ``--trial K`` on a concrete spec is refused (there is nothing to choose)."""
+    from api.client_cmds import BadInput, load_spec_file
+    from service.spec.auto import auto_fields
+    from service.spec.spec import search_layouts
+
+    try:
+        data = load_spec_file(spec_path)
+    except BadInput as e:
+        raise ValueError(str(e)) from None
+    if not auto_fields(data):
+        if trial:
+            raise ValueError(f"--trial {trial}: {spec_path} fixes its layout; trials choose among the layouts of a "
+                             f"spec with parallel: auto (or auto fields)")
+        return None
+    return search_layouts(data)
+
+
+def _trials(args, found: dict, launcher):
+    """Trials of the top ``--trial`` layouts (:mod:`service.control.trials`); the winner's job and grid."""
+    from api.plan_auto import print_trials
+    from service.control.trials import TRIAL_ITERATIONS, run_trials, winner_job
+
+    found = run_trials(found, args.trial, launcher, iterations=args.trial_iters or TRIAL_ITERATIONS,
+                       note=lambda line: print(f"raytron: {line}", file=sys.stderr))
+    if not args.json:
+        print_trials(found)
+    job, grid = winner_job(found)
+    return found, job, grid
 
 
 def _ray_lost(reason: str) -> None:

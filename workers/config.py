@@ -146,6 +146,9 @@ class JobConfig:
     """Elastic floor (resources.min_nodes): dp may shrink down to what min_nodes hold; None = num_nodes."""
     node_grace_s: float = 60.0
     """How long a lost node may take to come back before the job shrinks (fault_tolerance.node_grace_s)."""
+    relayout_spec: str | None = None
+    """The job's spec as JSON when fault_tolerance.relayout_on_resize: what the cost model re-plans a
+    resize from (service.control.relayout). None: a resize changes dp only."""
 
 
 def stable_seed(seed: int, name: str) -> int:

@@ -106,7 +106,17 @@ async def submit_job(request: Request, scheduler: SchedulerDep, store: StoreDep)
     except ValueError as e:
         raise ApiError(422, "invalid_spec", str(e), errors=[{"field": "resources", "message": str(e)}]) from None
     row = await run_in_threadpool(scheduler.submit, spec, priority=check.priority, sizes=grid.sizes())
+    await run_in_threadpool(_record_auto_layout, store, row["id"], json.loads(await request.body()))
     return await run_in_threadpool(job_public, store, row)
+
+
+def _record_auto_layout(store: JobStore, job_id: str, data) -> None:
+    """An auto spec's choice as the job's ``layout`` event (service.control.trials.layout_record)."""
+    from service.control.trials import auto_layout_record, layout_message
+
+    record = auto_layout_record(data)
+    if record is not None:
+        store.append_event(job_id, JobEvent.now("layout", JobState.QUEUED, layout_message(record), record).to_dict())
 
 
 @router.get("", response_model=JobList, responses=_ERRORS)

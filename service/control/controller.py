@@ -38,6 +38,8 @@ from service.control.calls import CallSizer
 from service.control.errors import InsufficientResources, JobCancelled, JobError, NonFiniteMetric
 from service.control.events import JobEvent, JobState
 from service.spec.placement import check_tp_in_node
+from service.control.relayout import ElasticRelayout
+from service.control.trials import layout_message
 from service.control.policy import Decision, ElasticDataParallel, FailurePolicy, RestartUpTo, ScalingPolicy
 from service.control.rank_group import RankGroup
 from service.control.result import result_object
@@ -92,9 +94,12 @@ class JobController:
             of starting over at QUEUED).
         nodes_available: how many nodes of ``gpus_per_node`` the cluster offers now (None:
             unknown, the launcher waits for its placement as usual).
-        scaling_policy: default :class:`ElasticDataParallel`.
+        scaling_policy: default :class:`ElasticDataParallel`, or :class:`ElasticRelayout` for a job
+            with ``fault_tolerance.relayout_on_resize``.
         release: called once when the job is terminal, to free what the launcher kept between
             attempts (ranks kept warm for a restart).
+        layout: the record of an auto layout's choice (``parallel: auto``), emitted as a ``layout``
+            event after QUEUED.
     """
 
     def __init__(self, job: JobConfig, grid: ParallelGrid, *, job_id: str,
@@ -102,10 +107,12 @@ class JobController:
                  on_event: Callable[[JobEvent], None] | None = None, failure_policy: FailurePolicy | None = None,
                  iterations_per_call: int = 1, call_target_s: float = 0.0, faults: list[Fault] | tuple = (),
                  history: list[JobEvent] | None = None, nodes_available: Callable[[], int | None] | None = None,
-                 scaling_policy: ScalingPolicy | None = None, release: Callable[[], None] | None = None):
+                 scaling_policy: ScalingPolicy | None = None, release: Callable[[], None] | None = None,
+                 layout: dict | None = None):
         self.job, self.grid, self.job_id = job, grid, job_id
         self.current = job  # this attempt's job: its size may differ after a resize
-        self.sizer = Sizer(job, scaling_policy or ElasticDataParallel(), nodes_available)
+        self.sizer = Sizer(job, scaling_policy or (ElasticRelayout() if job.relayout_spec else ElasticDataParallel()),
+                           nodes_available)
         self._make_group, self._on_event, self._release = make_group, on_event, release
         self.policy = failure_policy or RestartUpTo(job.max_restarts)
         self.calls = CallSizer(max(1, iterations_per_call), call_target_s, job.checkpoint.save_interval)
@@ -135,6 +142,8 @@ class JobController:
                 if job.checkpoint.save_interval and job.checkpoint.dir else ""
             self._emit(JobEvent.now("state", JobState.QUEUED, f"job {job_id}: {grid.world_size} ranks on "
                                     f"{job.num_nodes} node(s) x {job.gpus_per_node} GPU(s){saves}"))
+            if layout:  # an auto layout: what was chosen, among what (service.control.trials.layout_record)
+                self._emit(JobEvent.now("layout", JobState.QUEUED, layout_message(layout), layout))
 
     @property
     def losses(self) -> list[float]:
@@ -189,7 +198,10 @@ class JobController:
             self._say_if_waiting(job)
         grid = ParallelGrid.from_config(job.parallel, job.world_size)
         if grid.world_size != self.grid.world_size:
-            self._emit(JobEvent.now("resize", self.state, f"dp {self.grid.dp} -> {grid.dp} ({self.current.num_nodes} "
+            before, after = self.grid.sizes(), grid.sizes()
+            changes = ", ".join(f"{k} {before[k]} -> {after[k]}" for k in ("tp", "pp", "cp", "ep", "dp")
+                                if before[k] != after[k])  # more than dp: a re-pick (service.control.relayout)
+            self._emit(JobEvent.now("resize", self.state, f"{changes} ({self.current.num_nodes} "
                                     f"-> {job.num_nodes} node(s)); global batch {job.training.global_batch_size} kept",
                                     {"old": {"num_nodes": self.current.num_nodes, "sizes": self.grid.sizes()},
                                      "new": {"num_nodes": job.num_nodes, "sizes": grid.sizes()}}))

@@ -51,7 +51,9 @@ class JobEvent:
         time: seconds since the epoch.
         kind: "state" (a transition to ``state``; ``data["from"]`` the previous one),
             "placement" (``data["placement"]``: per-rank records), "iteration" (``data``: that
-            iteration's metrics) or "failure" (``data``: the error's ``to_dict()``).
+            iteration's metrics) or "failure" (``data``: the error's ``to_dict()``); "layout" (an
+            auto spec's choice, ``service.control.trials.layout_record``: ``chosen`` and the
+            ``candidates`` with predicted and, after trials, measured figures).
         state: the job's state when the event happened (the new one for "state").
         message: one human-readable line.
         data: JSON-ready details.

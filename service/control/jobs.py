@@ -44,7 +44,8 @@ def new_job_id(job: JobConfig) -> str:
 def start_job(job: JobConfig, *, launcher: Launcher, on_event: Callable[[JobEvent], None] | None = None,
               job_id: str | None = None, faults: list[Fault] | tuple = (),
               failure_policy: FailurePolicy | None = None, history: list[JobEvent] | None = None,
-              background: bool = True, checkpoint_root: str | None = None) -> JobController:
+              background: bool = True, checkpoint_root: str | None = None,
+              layout: dict | None = None) -> JobController:
     """Build the job's controller over ``launcher`` and start it.
 
     Args:
@@ -59,6 +60,8 @@ def start_job(job: JobConfig, *, launcher: Launcher, on_event: Callable[[JobEven
             (then ``controller.run()``).
         checkpoint_root: where a job with ``checkpoint.save_interval`` and no ``checkpoint.dir``
             saves (in ``ROOT/JOB_ID``); default ``./raytron-checkpoints``.
+        layout: an auto layout's record (:func:`service.control.trials.layout_record`): a
+            ``layout`` event after QUEUED.
 
     Returns:
         The controller; ``cancel()`` stops the job from any thread.
@@ -77,5 +80,5 @@ def start_job(job: JobConfig, *, launcher: Launcher, on_event: Callable[[JobEven
         nodes_available=None if nodes is None else (lambda: nodes(job.gpus_per_node)),
         make_group=lambda attempt, attempt_job, attempt_grid: launcher.make_group(
             attempt_job, attempt_grid, attempt, job_id=job_id),
-        release=None if release is None else (lambda: release(job_id)))
+        release=None if release is None else (lambda: release(job_id)), layout=layout)
     return controller.start() if background else controller

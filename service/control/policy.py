@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from service.control.errors import JobError, RankError
 from service.spec.spec import batch_problem
-from workers.config import JobConfig
+from workers.config import JobConfig, ParallelConfig
 from workers.grid import ParallelGrid
 
 
@@ -44,11 +44,14 @@ class RestartUpTo(FailurePolicy):
 
 @dataclass(frozen=True)
 class ScalingDecision:
-    """What the next attempt runs on: ``num_nodes`` nodes (None: the job cannot run; ``reason`` says why)."""
+    """What the next attempt runs on: ``num_nodes`` nodes (None: the job cannot run; ``reason`` says why),
+    in the job's own layout or, when ``parallel`` is given, in that one (a re-pick:
+    :mod:`service.control.relayout`)."""
 
     num_nodes: int | None
     sizes: dict | None = None
     reason: str = ""
+    parallel: ParallelConfig | None = None
 
 
 class ScalingPolicy:
@@ -87,6 +90,7 @@ class ElasticDataParallel(ScalingPolicy):
                                            f"resources.min_nodes {floor}: no valid size ({why})")
 
 
-def resized(job: JobConfig, num_nodes: int) -> JobConfig:
-    """``job`` on ``num_nodes`` nodes (world size follows; everything else stays)."""
-    return replace(job, num_nodes=num_nodes, world_size=num_nodes * job.gpus_per_node)
+def resized(job: JobConfig, num_nodes: int, parallel: ParallelConfig | None = None) -> JobConfig:
+    """``job`` on ``num_nodes`` nodes (world size follows), in ``parallel`` when given; everything else stays."""
+    return replace(job, num_nodes=num_nodes, world_size=num_nodes * job.gpus_per_node,
+                   parallel=parallel or job.parallel)

@@ -52,7 +52,7 @@ class Sizer:
         decision = self.scaling.decide(self.job, available)
         if decision.num_nodes is None:
             raise InsufficientResources(decision.reason)
-        return resized(self.job, decision.num_nodes)
+        return resized(self.job, decision.num_nodes, decision.parallel)
 
     def fewer_nodes_now(self, current: JobConfig) -> bool:
         """An elastic job whose cluster now offers fewer nodes than ``current`` (the attempt) wanted."""

@@ -191,3 +191,6 @@ class FaultToleranceSpec(BaseModel):
                                         "is a failure")
     node_grace_s: float = Field(60.0, ge=0, description="how long a lost node may take to come back before the "
                                 "job shrinks (with resources.min_nodes below num_nodes)")
+    relayout_on_resize: bool = Field(False, description="when the job shrinks, let the cost model re-pick tp, pp, "
+                                     "vpp, cp, ep and sp among the layouts of the nodes left, when it predicts a gain "
+                                     "over changing dp alone (with resources.min_nodes below num_nodes)")

@@ -189,6 +189,10 @@ def spec_problems(spec: JobSpec) -> list[str]:
     if res.min_nodes is not None and res.min_nodes > res.num_nodes:
         out.append(f"resources.min_nodes {res.min_nodes} > resources.num_nodes {res.num_nodes}: the elastic floor "
                    f"cannot be above the job's size; lower min_nodes")
+    if spec.fault_tolerance.relayout_on_resize and (res.min_nodes or res.num_nodes) >= res.num_nodes:
+        out.append(f"fault_tolerance.relayout_on_resize re-picks the layout when an elastic job shrinks, but "
+                   f"resources.min_nodes {res.min_nodes} is not below num_nodes {res.num_nodes}: set min_nodes "
+                   f"below num_nodes, or drop relayout_on_resize")
     if not out:
         try:
             check_memory(to_job_config(spec))
@@ -339,4 +343,5 @@ def to_job_config(spec: JobSpec) -> JobConfig:
         num_nodes=spec.resources.num_nodes, gpus_per_node=spec.resources.gpus_per_node,
         max_restarts=spec.fault_tolerance.max_restarts,
         collective_timeout_s=spec.fault_tolerance.collective_timeout_s,
+        relayout_spec=spec.model_dump_json() if spec.fault_tolerance.relayout_on_resize else None,
     )
