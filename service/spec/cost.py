@@ -114,6 +114,8 @@ def layer_activation_units(s, *, tp: int, sp: bool) -> float:
     h, a, g, f = s.hidden, s.heads, s.groups, s.ffn
     split_attention = 2 + 4 * g / a + 2 + 4 * a / h
     whole_attention = 2 + 2
+    if s.mla:
+        split_attention, whole_attention = s.mla.activation_units(h, a)
     if s.experts:
         split_mlp, whole_mlp = 2 + 4 * s.experts / h + 4 * s.topk + 6 * s.topk * f / h, 2
     else:
@@ -163,6 +165,8 @@ def megatron_flops(s, batch: int, *, recompute: str | None = None) -> float:
     h, L = s.hidden, s.layers
     routed = s.topk if s.experts else 1
     attention = (1 + s.groups / s.heads + s.seq / h / 2) * (s.heads * s.head_dim / h)
+    if s.mla:  # Megatron's MLA count, in the same units
+        attention = s.mla.flops_per_token(h, s.heads, s.seq) / (12 * h * h)
     mlp = s.ffn / h * routed * 1.5
     logits = s.vocab / (2 * L * h)
     total = 12 * batch * s.seq * L * h * h * (attention + mlp + logits)

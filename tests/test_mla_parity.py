@@ -1,0 +1,31 @@
+"""Layout invariance of multi-latent attention (workers/mla.py; see parity.py): an MLA model with
+q compression, YaRN and v_head_dim unlike the q/k head dim gives the single-process run's losses
+(1e-6), iteration-0 gradients and grad norms, with bit-equal replicas, at tp2 with and without
+sequence parallelism, pp2 with vpp2, dp2 with the distributed optimizer and cp2 (the ring)."""
+
+import pytest
+
+from tests.parity import check_layout, tiny_spec
+
+pytestmark = pytest.mark.slow
+
+MLA = {"multi_latent_attention": True, "num_query_groups": None, "q_lora_rank": 16, "kv_lora_rank": 12,
+       "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 6, "rotary_scaling_factor": 4.0, "mscale": 0.9,
+       "mscale_all_dim": 0.7, "original_max_position_embeddings": 8, "beta_fast": 4.0, "beta_slow": 1.0}
+NO_Q_LORA = {**MLA, "q_lora_rank": None}
+
+LAYOUTS = {
+    # name: (world, parallel[, model])
+    "tp2": (2, {"tensor_model_parallel_size": 2}),
+    "tp2-sp": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    "tp2-sp-no-q-lora": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, NO_Q_LORA),
+    "pp2-vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
+    "dp2-distopt": (2, {"use_distributed_optimizer": True}),
+    "cp2": (2, {"context_parallel_size": 2}),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_mla_layout_matches_single_process(name):
+    world, parallel, model = (LAYOUTS[name] + (MLA,))[:3]
+    check_layout(tiny_spec(world=world, parallel=parallel, model=model), model)
