@@ -1,7 +1,8 @@
 """Layout invariance of multi-latent attention (workers/mla.py; see parity.py): an MLA model with
 q compression, YaRN and v_head_dim unlike the q/k head dim gives the single-process run's losses
-(1e-6), iteration-0 gradients and grad norms (1e-6, tighter than parity.py's 1e-5), with bit-equal replicas, at tp2 with and without
-sequence parallelism, pp2 with vpp2, dp2 with the distributed optimizer and cp2 (the ring)."""
+(1e-6), iteration-0 gradients and grad norms (1e-6, tighter than parity.py's 1e-5), with bit-equal
+replicas, at tp2 with and without sequence parallelism, pp2 with vpp2, dp2 with the distributed
+optimizer and cp2 (the ring)."""
 
 import pytest
 
