@@ -6,7 +6,7 @@ optimizer and cp2 (the ring)."""
 
 import pytest
 
-from tests.parity import check_layout, tiny_spec
+from tests.parity import assert_same_curve, check_layout, tiny_spec
 
 pytestmark = pytest.mark.slow
 
@@ -30,3 +30,18 @@ LAYOUTS = {
 def test_mla_layout_matches_single_process(name):
     world, parallel, model = (LAYOUTS[name] + (MLA,))[:3]
     check_layout(tiny_spec(world=world, parallel=parallel, model=model), model, grad_rtol=1e-6, norm_rtol=1e-6)
+
+
+def test_mla_checkpoint_saved_at_tp2_sp_goes_on_at_pp2(tmp_path):
+    """The MLA parameters (split over heads or whole) save and load in any layout: the curve of a
+    run that loads iteration 2 at another layout is the uninterrupted single-process one."""
+    import json
+
+    from tests.test_checkpoint_reshard import RTOL, reference, run
+
+    ref = reference(json.dumps(MLA))
+    saved = run(2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, MLA, save_root=str(tmp_path),
+                save_at=(2,))
+    assert_same_curve(saved[0]["losses"], ref, rtol=RTOL)
+    out = run(2, {"pipeline_model_parallel_size": 2}, MLA, load=str(tmp_path))
+    assert_same_curve(out[0]["losses"], ref[2:], rtol=RTOL)
