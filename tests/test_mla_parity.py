@@ -2,7 +2,7 @@
 q compression, YaRN and v_head_dim unlike the q/k head dim gives the single-process run's losses
 (1e-6), iteration-0 gradients and grad norms (1e-6, tighter than parity.py's 1e-5), with bit-equal
 replicas, at tp2 with and without sequence parallelism, pp2 with vpp2, dp2 with the distributed
-optimizer and cp2 (the ring)."""
+optimizer, cp2 (the ring) and cp2 (all-gather) x tp2 + SP without query compression."""
 
 import pytest
 
@@ -19,10 +19,13 @@ LAYOUTS = {
     # name: (world, parallel[, model])
     "tp2": (2, {"tensor_model_parallel_size": 2}),
     "tp2-sp": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
-    "tp2-sp-no-q-lora": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, NO_Q_LORA),
     "pp2-vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
     "dp2-distopt": (2, {"use_distributed_optimizer": True}),
     "cp2": (2, {"context_parallel_size": 2}),
+    # The rotary key gathered over SP on each CP rank's own chunks, K/V all-gathered over CP, and
+    # the uncompressed query projection (q_lora_rank: null) column-parallel with SP.
+    "cp2-all-gather-tp2-sp-no-q-lora": (4, {"context_parallel_size": 2, "cp_comm_type": "all_gather",
+                                            "tensor_model_parallel_size": 2, "sequence_parallel": True}, NO_Q_LORA),
 }
 
 
