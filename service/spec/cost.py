@@ -25,10 +25,11 @@ across nodes.
   outputs 4 k, the experts' SwiGLU 6 k f/h. Full recompute keeps each recomputed layer's input
   (2) and, in backward, one recompute group whole. The first stage holds min(pp, microbatches)
   microbatches in flight (1F1B), pp x (1 + (pp-1)/(pp vpp)) interleaved; the last stage one, plus
-  the output layer (its input and the fp32 logits ``4 s b V / tp``).
+  the output layer (its input and the fp32 logits ``4 s b V / tp``). Multi-latent attention's
+  terms replace the attention's (:meth:`service.spec.mla.MLADims.activation_units`).
 
 **Step time** (:func:`step_time`): Megatron's FLOPs (``num_floating_point_operations``, causal
-attention halved) over peak x :data:`EFFICIENCY`; the bubble ``(pp-1)/(vpp m)`` of the work of one
+attention halved; its MLA count with multi-latent attention) over peak x :data:`EFFICIENCY`; the bubble ``(pp-1)/(vpp m)`` of the work of one
 stage; TP, CP, EP and PP bytes from :mod:`service.spec.plan`'s traffic (one traffic model) over
 the bandwidth of each hop, the slowest rank counting (a ring moves at its slowest hop), not
 overlapped; DP gradients overlapped with the last microbatch's backward (the all-gather of the
