@@ -1,6 +1,7 @@
 """Multi-latent attention (workers/mla.py, workers/yarn.py) against transformers' DeepseekV3Attention
-and its YaRN rotary embedding, with the weights copied in: output and every gradient at 1e-6; its
-spec fields' rules; and ``raytron plan``'s counts of it against the real model.
+and its YaRN rotary embedding, and a whole dense MLA model against DeepseekV3ForCausalLM, with the
+weights copied in: outputs, loss and every gradient at 1e-6; its spec fields' rules; and
+``raytron plan``'s counts of it against the real model.
 (Layout invariance: tests/test_mla_parity.py.)"""
 
 from __future__ import annotations
@@ -197,3 +198,54 @@ def test_plan_counts_two_real_tp_ranks():
     spec = parse_spec(mla_spec(world=2, parallel={"tensor_model_parallel_size": 2}))
     per_rank = run_ranks(_shard_numel, 2, args=(to_job_config(spec),), timeout_s=300)
     assert [m["parameters"] for m in plan_job(spec)["memory"]] == per_rank
+
+
+def test_whole_dense_mla_model_matches_deepseek_v3_for_causal_lm():
+    """A whole raytron model with MLA (YaRN on) against DeepseekV3ForCausalLM with dense layers only
+    (first_k_dense_replace = all layers), weights copied by name: logits, loss and every gradient."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from workers.model import ModelChunk, ShardContext
+
+    torch.manual_seed(0)
+    hf = hf_config(16, yarn=True)
+    hf.update({"vocab_size": 64, "intermediate_size": 48, "num_hidden_layers": 2, "first_k_dense_replace": 2,
+               "n_routed_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False})
+    ref = DeepseekV3ForCausalLM(hf).float()
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    cfg = dataclasses.replace(our_config(16, yarn=True), num_layers=2, vocab_size=64, ffn_hidden_size=48)
+    ours = ModelChunk(cfg, ShardContext(), [0, 1], pre_process=True, post_process=True, positions=torch.arange(16))
+    renames = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm", "attention": "self_attn",
+               "mlp.down": "mlp.down_proj"}
+
+    def hf_name(name: str) -> str:
+        if name.startswith("layers."):
+            for a, b in renames.items():
+                name = name.replace(f".{a}.", f".{b}.")
+            return f"model.{name}"
+        return {"embedding.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}[name]
+
+    def hf_tensors(name: str, of) -> torch.Tensor:
+        """Our parameter ``name`` from transformers' tensors (``of``: hub name -> tensor)."""
+        if name.endswith("mlp.gate_up.weight"):  # [gate; up] in one process
+            base = hf_name(name).replace("gate_up.weight", "")
+            return torch.cat([of(base + "gate_proj.weight"), of(base + "up_proj.weight")])
+        return of(hf_name(name))
+
+    theirs = ref.state_dict()
+    ours.load_state_dict({name: hf_tensors(name, theirs.__getitem__) for name, _ in ours.named_parameters()},
+                         strict=True)
+    tokens = torch.randint(0, 64, (2, 16))
+    out = ref(input_ids=tokens, labels=tokens)
+    logits = ours(tokens.t().contiguous())  # [s, b, vocab]
+    assert rel(logits.detach().transpose(0, 1), out.logits.detach()) < 1e-6
+    # transformers' loss predicts token t+1 from position t
+    loss = torch.nn.functional.cross_entropy(logits.transpose(0, 1)[:, :-1].reshape(-1, 64), tokens[:, 1:].reshape(-1))
+    assert abs(loss.item() - out.loss.item()) < 1e-6 * out.loss.item()
+    loss.backward()
+    out.loss.backward()
+    hf_params = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        assert rel(p.grad, hf_tensors(name, lambda n: hf_params[n].grad)) < 1e-6, name
