@@ -55,7 +55,7 @@ def test_mla_matches_transformers_forward_and_every_gradient(q_lora_rank):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
     from workers.mla import MLAttention
-    from workers.model import ShardContext
+    from workers.model import RMSNorm, ShardContext
     from workers.yarn import mla_rotary_tables
 
     torch.manual_seed(0)
@@ -64,7 +64,7 @@ def test_mla_matches_transformers_forward_and_every_gradient(q_lora_rank):
     for p in ref.parameters():  # norm weights away from 1 too, so their gradients matter
         torch.nn.init.normal_(p, std=0.2)
     cfg = our_config(q_lora_rank, yarn=True)
-    ours = MLAttention(cfg, ShardContext(), "layers.0.attention")
+    ours = MLAttention(cfg, ShardContext(), "layers.0.attention", norm=RMSNorm)
     ours.load_state_dict(ref.state_dict(), strict=True)  # transformers' names and layout, 1:1
 
     b, s = 2, 16

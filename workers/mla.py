@@ -36,7 +36,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.config import ModelConfig
-from workers.model import RMSNorm, ShardContext
 from workers.parallel.context import context_parallel_attention
 from workers.parallel.initializer import NormalInit, materialize
 from workers.parallel.sequence import gather_from_sequence_parallel_region, mark_sequence_parallel
@@ -62,9 +61,17 @@ class ReplicatedLinear(nn.Module):
 
 
 class MLAttention(nn.Module):
-    """Multi-latent attention of a decoder layer; the interface of :class:`workers.model.Attention`."""
+    """Multi-latent attention of a decoder layer; the interface of :class:`workers.model.Attention`.
 
-    def __init__(self, cfg: ModelConfig, ctx: ShardContext, prefix: str):
+    Args:
+        cfg: the model.
+        ctx: the rank's :class:`workers.model.ShardContext`.
+        prefix: the parameter names' prefix (``layers.5.attention``): their seeds.
+        norm: the model's RMSNorm class (``norm(dim, eps, sequence_parallel)``), passed in so that
+            this module does not import the model that builds it.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx, prefix: str, *, norm):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         sp, tp, std, seed = ctx.sequence_parallel, ctx.tp_group, cfg.init_method_std, ctx.seed
@@ -78,12 +85,12 @@ class MLAttention(nn.Module):
             self.q_proj = ColumnParallelLinear(init("q_proj", (heads * qk, h)), tp, sequence_parallel=sp)
         else:
             self.q_a_proj = ReplicatedLinear(init("q_a_proj", (cfg.q_lora_rank, h)), sequence_parallel=sp)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.norm_epsilon, sp)
+            self.q_a_layernorm = norm(cfg.q_lora_rank, cfg.norm_epsilon, sp)
             self.q_b_proj = ColumnParallelLinear(init("q_b_proj", (heads * qk, cfg.q_lora_rank)), tp,
                                                  sequence_parallel=sp)
         self.kv_a_proj_with_mqa = ReplicatedLinear(
             init("kv_a_proj_with_mqa", (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim, h)), sequence_parallel=sp)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.norm_epsilon, sp)
+        self.kv_a_layernorm = norm(cfg.kv_lora_rank, cfg.norm_epsilon, sp)
         self.kv_b_proj = ColumnParallelLinear(
             init("kv_b_proj", (heads * (cfg.qk_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)), tp,
             sequence_parallel=sp)

@@ -25,6 +25,7 @@ from torch import nn
 
 from workers.config import ModelConfig
 from workers.fused import rms_norm, rotary_qkv, rotary_qkv_tables, swiglu
+from workers.mla import MLAttention
 from workers.parallel import comm
 from workers.parallel.context import context_parallel_attention, cp_positions
 from workers.parallel.expert import MoELayer
@@ -204,9 +205,7 @@ class DecoderLayer(nn.Module):
         self.ctx = ctx
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
         if cfg.multi_latent_attention:
-            from workers.mla import MLAttention  # it builds on this module's RMSNorm
-
-            self.attention = MLAttention(cfg, ctx, f"{prefix}.attention")
+            self.attention = MLAttention(cfg, ctx, f"{prefix}.attention", norm=RMSNorm)
         else:
             self.attention = Attention(cfg, ctx, f"{prefix}.attention")
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
