@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from service.spec.cost import megatron_flops
+from service.spec.limits import rank_params
 from service.spec.plan import Shapes, plan_job
 from service.spec.spec import parse_spec, to_job_config
 from workers.config import ModelConfig
@@ -172,7 +173,9 @@ def test_plan_counts_the_real_mla_model(q_lora_rank):
     chunk = ModelChunk(job.model, ShardContext(seed=1), [0, 1], pre_process=True, post_process=True,
                        positions=torch.arange(16))
     plan = plan_job(spec)
-    assert plan["model_parameters"] == sum(p.numel() for p in chunk.parameters())
+    numel = sum(p.numel() for p in chunk.parameters())
+    assert plan["model_parameters"] == numel
+    assert rank_params(job) == numel  # the memory refusal's count (service/spec/limits.py)
     assert plan["cost"]["fits"] and plan["cost"]["predicted_step_s"] > 0
     # Megatron's MLA FLOPs are 6 per weight (the norms' "+1" included) and token, plus the causal core.
     s = Shapes.of(spec)
