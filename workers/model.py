@@ -1,7 +1,7 @@
 """A Llama/Mixtral-style decoder built from the parallel layers.
 
 RMSNorm, rotary embeddings, grouped-query attention (fused QKV, column-parallel; output
-row-parallel), SwiGLU MLP (gate/up column-parallel, down row-parallel) or a Mixtral MoE,
+row-parallel) or DeepSeek's multi-latent attention (:mod:`workers.mla`), SwiGLU MLP (gate/up column-parallel, down row-parallel) or a Mixtral MoE,
 untied vocab-parallel embedding and output layer. Activations are ``[seq, batch, hidden]``;
 with sequence parallelism the sequence is sharded over TP outside the TP regions, and with
 context parallelism each CP rank holds its two load-balanced chunks of the sequence.
