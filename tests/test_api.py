@@ -229,6 +229,8 @@ INVALID = [
     ("batch", {"training": {"global_batch_size": 5, "micro_batch_size": 1}, "resources": {"gpus_per_node": 2}},
      "training.global_batch_size", ["5", "dp 2", "multiple of 2"]),
     ("order", {"parallel": {"order": "tp-tp-dp"}}, "parallel.order", ["repeated"]),
+    ("mla_gqa", {"model": {"multi_latent_attention": True, "num_query_groups": 2}}, "model.num_query_groups",
+     ["num_query_groups 2", "multi_latent_attention", "drop model.num_query_groups"]),
     ("unknown", {"modle": {}}, "modle", ["unknown field"]),
     ("type", {"model": {"hidden_size": "big"}}, "model.hidden_size", ["integer"]),
     ("bounds", {"resources": {"num_nodes": 10**9, "gpus_per_node": 8}}, "resources", ["8000000000", "65536"]),

@@ -43,6 +43,24 @@ class ModelConfig:
     """With "full": "uniform" (groups of recompute_num_layers layers) or "block" (the first
     recompute_num_layers layers of each pipeline model chunk)."""
     recompute_num_layers: int | None = None
+    # Multi-latent attention (DeepSeek-V2/V3) and its YaRN rotary scaling: workers/mla.py, workers/yarn.py.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    """None: queries from one column-parallel projection (no low-rank compression)."""
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    """The per-head query/key dim without position embedding (DeepSeek's qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """The rotary part of each query/key head; its key is one head shared by all (qk_rope_head_dim)."""
+    v_head_dim: int = 128
+    rotary_scaling_factor: float = 1.0
+    """YaRN's factor (1: plain RoPE); with mscale, mscale_all_dim, original_max_position_embeddings,
+    beta_fast, beta_slow as DeepSeek-V3's rope_scaling."""
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
 
     @property
     def head_dim(self) -> int:

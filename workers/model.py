@@ -1,7 +1,7 @@
 """A Llama/Mixtral-style decoder built from the parallel layers.
 
 RMSNorm, rotary embeddings, grouped-query attention (fused QKV, column-parallel; output
-row-parallel), SwiGLU MLP (gate/up column-parallel, down row-parallel) or a Mixtral MoE,
+row-parallel) or DeepSeek's multi-latent attention (:mod:`workers.mla`), SwiGLU MLP (gate/up column-parallel, down row-parallel) or a Mixtral MoE,
 untied vocab-parallel embedding and output layer. Activations are ``[seq, batch, hidden]``;
 with sequence parallelism the sequence is sharded over TP outside the TP regions, and with
 context parallelism each CP rank holds its two load-balanced chunks of the sequence.
@@ -25,6 +25,7 @@ from torch import nn
 
 from workers.config import ModelConfig
 from workers.fused import rms_norm, rotary_qkv, rotary_qkv_tables, swiglu
+from workers.mla import MLAttention
 from workers.parallel import comm
 from workers.parallel.context import context_parallel_attention, cp_positions
 from workers.parallel.expert import MoELayer
@@ -32,6 +33,7 @@ from workers.parallel.initializer import Cat, NormalInit, Zeros
 from workers.parallel.sequence import mark_sequence_parallel
 from workers.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from workers.recompute import checkpointed, is_recomputing, run_layers
+from workers.yarn import mla_rotary_tables
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,10 @@ class DecoderLayer(nn.Module):
         self.index = index  # global layer index: the parameter names' prefix
         self.ctx = ctx
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
-        self.attention = Attention(cfg, ctx, f"{prefix}.attention")
+        if cfg.multi_latent_attention:
+            self.attention = MLAttention(cfg, ctx, f"{prefix}.attention", norm=RMSNorm)
+        else:
+            self.attention = Attention(cfg, ctx, f"{prefix}.attention")
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
         if cfg.is_moe:
             e, h, f, std = cfg.num_moe_experts, cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_method_std
@@ -251,13 +256,16 @@ class ModelChunk(nn.Module):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         self.pre_process, self.post_process = pre_process, post_process
-        self.register_buffer("rotary", rotary_tables(positions, cfg.head_dim, cfg.rotary_base), persistent=False)
+        rotary = (mla_rotary_tables(positions, cfg) if cfg.multi_latent_attention
+                  else rotary_tables(positions, cfg.head_dim, cfg.rotary_base))
+        self.register_buffer("rotary", rotary, persistent=False)
         vocab = padded_vocab(cfg.vocab_size, ctx.tp_size)
         if pre_process:
             emb = _padded_table(ctx.seed, "embedding", cfg, vocab)
             self.embedding = VocabParallelEmbedding(emb, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, i) for i in layer_ids)
-        for layer in self.layers:  # the RoPE tables now, so they count as buffers from the start
+        # The RoPE tables now, so they count as buffers from the start (MLA rotates without them).
+        for layer in self.layers if not cfg.multi_latent_attention else ():
             layer.attention._rope_tables(self.rotary, cfg.num_attention_heads // cfg.num_query_groups + 2)
         if post_process:
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)

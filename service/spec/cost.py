@@ -25,10 +25,11 @@ across nodes.
   outputs 4 k, the experts' SwiGLU 6 k f/h. Full recompute keeps each recomputed layer's input
   (2) and, in backward, one recompute group whole. The first stage holds min(pp, microbatches)
   microbatches in flight (1F1B), pp x (1 + (pp-1)/(pp vpp)) interleaved; the last stage one, plus
-  the output layer (its input and the fp32 logits ``4 s b V / tp``).
+  the output layer (its input and the fp32 logits ``4 s b V / tp``). Multi-latent attention's
+  terms replace the attention's (:meth:`service.spec.mla.MLADims.activation_units`).
 
 **Step time** (:func:`step_time`): Megatron's FLOPs (``num_floating_point_operations``, causal
-attention halved) over peak x :data:`EFFICIENCY`; the bubble ``(pp-1)/(vpp m)`` of the work of one
+attention halved; its MLA count with multi-latent attention) over peak x :data:`EFFICIENCY`; the bubble ``(pp-1)/(vpp m)`` of the work of one
 stage; TP, CP, EP and PP bytes from :mod:`service.spec.plan`'s traffic (one traffic model) over
 the bandwidth of each hop, the slowest rank counting (a ring moves at its slowest hop), not
 overlapped; DP gradients overlapped with the last microbatch's backward (the all-gather of the
@@ -114,6 +115,8 @@ def layer_activation_units(s, *, tp: int, sp: bool) -> float:
     h, a, g, f = s.hidden, s.heads, s.groups, s.ffn
     split_attention = 2 + 4 * g / a + 2 + 4 * a / h
     whole_attention = 2 + 2
+    if s.mla:
+        split_attention, whole_attention = s.mla.activation_units(h, a)
     if s.experts:
         split_mlp, whole_mlp = 2 + 4 * s.experts / h + 4 * s.topk + 6 * s.topk * f / h, 2
     else:
@@ -163,6 +166,8 @@ def megatron_flops(s, batch: int, *, recompute: str | None = None) -> float:
     h, L = s.hidden, s.layers
     routed = s.topk if s.experts else 1
     attention = (1 + s.groups / s.heads + s.seq / h / 2) * (s.heads * s.head_dim / h)
+    if s.mla:  # Megatron's MLA count, in the same units
+        attention = s.mla.flops_per_token(h, s.heads, s.seq) / (12 * h * h)
     mlp = s.ffn / h * routed * 1.5
     logits = s.vocab / (2 * L * h)
     total = 12 * batch * s.seq * L * h * h * (attention + mlp + logits)

@@ -7,6 +7,7 @@ state cannot fit any accelerator is refused with the estimate.
 
 from __future__ import annotations
 
+from service.spec.mla import MLADims
 from workers.config import JobConfig
 
 MAX_WORLD_SIZE = 65536
@@ -35,6 +36,8 @@ def rank_params(job: JobConfig) -> int:
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size or tp
     h, f, hd = m.hidden_size, m.ffn_hidden_size, m.head_dim
     attention = h * (m.num_attention_heads + 2 * m.num_query_groups) * hd // tp + m.num_attention_heads * hd * h // tp
+    if m.multi_latent_attention:
+        attention = MLADims.of(m).parameters(h, m.num_attention_heads, tp)
     if m.is_moe:
         mlp = m.num_moe_experts // ep * 3 * h * f // etp + h * m.num_moe_experts
     else:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.spec import cost
+from service.spec.mla import MLADims
 from service.spec.placement import plan_placement
 from workers.grid import ParallelGrid
 
@@ -47,13 +48,15 @@ class Shapes:
     seq: int
     experts: int | None
     topk: int
+    mla: MLADims | None = None
+    """Multi-latent attention's sizes (None: grouped-query attention)."""
 
     @classmethod
     def of(cls, spec) -> "Shapes":
         m = spec.model
         return cls(m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups or m.num_attention_heads,
                    m.ffn_hidden_size or 4 * m.hidden_size, m.vocab_size, m.seq_length, m.num_moe_experts,
-                   m.moe_router_topk)
+                   m.moe_router_topk, MLADims.of(m))
 
     @property
     def head_dim(self) -> int:
@@ -68,6 +71,8 @@ def rank_parameters(s: Shapes, grid: ParallelGrid, rank: int) -> dict[str, int]:
     qkv = (s.heads + 2 * s.groups) * d * h // tp
     proj = h * s.heads * d // tp
     norms = 2 * h
+    if s.mla:
+        qkv, proj = s.mla.parameters(h, s.heads, tp), 0
     dense_layer = qkv + proj + norms
     expert_layer = 0
     if s.experts:
@@ -149,7 +154,8 @@ def count_traffic(s: Shapes, spec, grid: ParallelGrid, node_of: list[int]) -> _T
     for g in grid.groups("tp"):
         tr.ring("tp", g, mbs * layers * 4 * 2 * (n - 1) / n * act)
     if grid.cp > 1:
-        kv = 2 * tokens * s.groups * s.head_dim * BYTES // grid.tp
+        width = s.heads * s.mla.ring_width if s.mla else 2 * s.groups * s.head_dim
+        kv = tokens * width * BYTES // grid.tp
         for g in grid.groups("cp"):
             # p2p ring attention: each K/V chunk visits every other rank; backward sends K/V and dK/dV
             tr.ring("cp", g, mbs * layers * 3 * (grid.cp - 1) * kv)

@@ -43,6 +43,22 @@ class ModelSpec(BaseModel):
     recompute_method: Literal["uniform", "block"] | None = Field(None, description="with full: uniform | block")
     recompute_num_layers: int | None = Field(None, ge=1, description="with full: layers per group (uniform) or "
                                              "recomputed layers per pipeline chunk (block)")
+    # Multi-latent attention (DeepSeek-V2/V3) and YaRN: rules in service/spec/mla.py, model in workers/mla.py.
+    multi_latent_attention: bool = Field(False, description="DeepSeek-V2/V3 multi-latent attention (no GQA: "
+                                         "leave num_query_groups unset)")
+    q_lora_rank: int | None = Field(None, ge=1, description="MLA: query compression rank; null = no compression")
+    kv_lora_rank: int = Field(512, ge=1, description="MLA: key/value latent rank")
+    qk_head_dim: int = Field(128, ge=1, description="MLA: per-head q/k dim without position embedding "
+                             "(HF qk_nope_head_dim)")
+    qk_pos_emb_head_dim: int = Field(64, ge=2, description="MLA: rotary q/k dim; the rotary key is shared by "
+                                     "all heads (HF qk_rope_head_dim)")
+    v_head_dim: int = Field(128, ge=1, description="MLA: per-head value dim")
+    rotary_scaling_factor: float = Field(1.0, ge=1.0, description="MLA: YaRN factor; 1 = plain RoPE")
+    mscale: float = Field(1.0, ge=0.0, description="MLA YaRN: cos/sin temperature numerator")
+    mscale_all_dim: float = Field(0.0, ge=0.0, description="MLA YaRN: temperature denominator and softmax scale")
+    original_max_position_embeddings: int = Field(4096, ge=1, description="MLA YaRN: the pretraining context")
+    beta_fast: float = Field(32.0, gt=0, description="MLA YaRN: rotations where the ramp starts (extrapolation)")
+    beta_slow: float = Field(1.0, gt=0, description="MLA YaRN: rotations where the ramp ends (interpolation)")
 
 
 class ParallelSpec(BaseModel):

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from service.spec.auto import PARALLEL_AUTO, auto_fields, resolve, search_once
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
+from service.spec.mla import config_fields as mla_config_fields, mla_problems
 from service.spec.sections import (  # noqa: F401 (the sections are part of this module's interface)
     STRICT, Auto, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
     resources_problems, training_problems)
@@ -143,7 +144,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
                    f"a TP group must stay inside one node; lower tp or raise gpus_per_node")
     heads = m.num_attention_heads
     groups = m.num_query_groups or heads
-    if m.hidden_size % heads:
+    if m.hidden_size % heads and not m.multi_latent_attention:  # MLA's head dims are its own fields
         out.append(f"model.hidden_size {m.hidden_size} is not divisible by model.num_attention_heads {heads}")
     if heads % groups:
         out.append(f"model.num_attention_heads {heads} is not divisible by model.num_query_groups {groups}")
@@ -156,7 +157,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     if ffn % tp:
         out.append(f"model.ffn_hidden_size {ffn} is not divisible by tensor_model_parallel_size {tp}")
-    if (m.hidden_size // heads) % 2:
+    if (m.hidden_size // heads) % 2 and not m.multi_latent_attention:
         out.append(f"head dim hidden_size/heads = {m.hidden_size // heads} must be even for rotary embeddings")
     chunks = pp * (vpp or 1)
     if m.num_layers % chunks:
@@ -184,6 +185,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
     if grid is not None and (problem := batch_problem(t.global_batch_size, t.micro_batch_size, grid)):
         out.append(problem)
     out.extend(recompute_problems(m, pp))
+    out.extend(mla_problems(m, spec.checkpoint.load))
     out.extend(training_problems(t))
     out.extend(resources_problems(res))
     if res.min_nodes is not None and res.min_nodes > res.num_nodes:
@@ -312,7 +314,7 @@ def to_job_config(spec: JobSpec) -> JobConfig:
         seq_length=m.seq_length, num_moe_experts=m.num_moe_experts, moe_router_topk=m.moe_router_topk,
         moe_aux_loss_coeff=m.moe_aux_loss_coeff, rotary_base=m.rotary_base, norm_epsilon=m.norm_epsilon,
         recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
-        recompute_num_layers=m.recompute_num_layers,
+        recompute_num_layers=m.recompute_num_layers, **mla_config_fields(m),
     )
     parallel = ParallelConfig(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
