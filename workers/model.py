@@ -1,8 +1,9 @@
 """A Llama/Mixtral-style decoder built from the parallel layers.
 
-RMSNorm, rotary embeddings, grouped-query attention (fused QKV, column-parallel; output
-row-parallel), SwiGLU MLP (gate/up column-parallel, down row-parallel) or a Mixtral MoE,
-untied vocab-parallel embedding and output layer. Activations are ``[seq, batch, hidden]``;
+RMSNorm, rotary embeddings, grouped-query attention (fused QKV, column-parallel, optionally
+with a bias (Qwen2) and RMSNorm on each q and k head (Qwen3); output row-parallel), SwiGLU MLP
+(gate/up column-parallel, down row-parallel) or a Mixtral MoE, vocab-parallel embedding and
+output layer, untied or tied (see :meth:`ModelChunk.tied_parameters`). Activations are ``[seq, batch, hidden]``;
 with sequence parallelism the sequence is sharded over TP outside the TP regions, and with
 context parallelism each CP rank holds its two load-balanced chunks of the sequence.
 
@@ -107,6 +108,13 @@ def _fused_qkv(cfg: ModelConfig, seed: int, prefix: str) -> Cat:
     q = NormalInit(seed, f"{prefix}.q", (ng * per_group * d, h), std)
     k = NormalInit(seed, f"{prefix}.k", (ng * d, h), std)
     v = NormalInit(seed, f"{prefix}.v", (ng * d, h), std)
+    return _per_group(cfg, q, k, v)
+
+
+def _per_group(cfg: ModelConfig, q, k, v) -> Cat:
+    """Full q, k, v (weights or biases) interleaved per query group along dim 0."""
+    d, ng = cfg.head_dim, cfg.num_query_groups
+    per_group = cfg.num_attention_heads // ng
     parts = []
     for g in range(ng):
         parts += [q.narrow(0, g * per_group * d, per_group * d), k.narrow(0, g * d, d), v.narrow(0, g * d, d)]
@@ -118,7 +126,18 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         sp = ctx.sequence_parallel
-        self.qkv = ColumnParallelLinear(_fused_qkv(cfg, ctx.seed, prefix), ctx.tp_group, sequence_parallel=sp)
+        bias = None
+        if cfg.add_qkv_bias:  # zeros at init, as Megatron's (and transformers') linear biases
+            d, ng, heads = cfg.head_dim, cfg.num_query_groups, cfg.num_attention_heads
+            bias = _per_group(cfg, Zeros((heads * d,)), Zeros((ng * d,)), Zeros((ng * d,)))
+        self.qkv = ColumnParallelLinear(_fused_qkv(cfg, ctx.seed, prefix), ctx.tp_group, sequence_parallel=sp,
+                                        full_bias=bias)
+        if cfg.qk_layernorm:
+            # Each TP rank normalises its own heads: the replicated weights' grads are partial
+            # over TP, so they reduce over tp-dp-cp as the sequence-parallel weights do.
+            partial = sp or ctx.tp_size > 1
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_epsilon, partial)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_epsilon, partial)
         proj = NormalInit(ctx.seed, f"{prefix}.proj", (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim),
                           cfg.init_method_std)
         self.proj = RowParallelLinear(proj, ctx.tp_group, sequence_parallel=sp)
@@ -142,8 +161,12 @@ class Attention(nn.Module):
         per_group = cfg.num_attention_heads // cfg.num_query_groups
         qkv = self.qkv(x)  # [s, b, groups * (per_group + 2) * d]
         s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, groups, per_group + 2, d)
+        if cfg.qk_layernorm:  # Qwen3: RMSNorm over each q and k head, before RoPE
+            qkv = torch.cat([self.q_norm(qkv[:, :, :, :per_group]), self.k_norm(qkv[:, :, :, per_group:per_group + 1]),
+                             qkv[:, :, :, per_group + 1:]], dim=3)
         # RoPE on q and k and the split, as one autograd node (workers.fused).
-        q, k, v = rotary_qkv(qkv.view(s, b, groups, per_group + 2, d), self._rope_tables(rotary, per_group + 2))
+        q, k, v = rotary_qkv(qkv, self._rope_tables(rotary, per_group + 2))
         if self.cfg.recompute_granularity == "selective":
             out = checkpointed(self._core, q, k, v)  # Megatron's selective: the attention core
         else:
@@ -261,8 +284,13 @@ class ModelChunk(nn.Module):
             layer.attention._rope_tables(self.rotary, cfg.num_attention_heads // cfg.num_query_groups + 2)
         if post_process:
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
-            out = _padded_table(ctx.seed, "output", cfg, vocab)
+            out = _padded_table(ctx.seed, "embedding" if cfg.tied_embeddings else "output", cfg, vocab)
             self.output = ColumnParallelLinear(out, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
+            if cfg.tied_embeddings:
+                if pre_process:  # one stage: the output layer uses the embedding's parameter itself
+                    self.output.weight = self.embedding.weight
+                else:  # the last stage's copy (Megatron's): equal at init, grads summed with stage 0's
+                    self.output.weight.tied_copy = True
             per = vocab // ctx.tp_size
             start = ctx.tp_rank * per
             pad = torch.arange(start, start + per) >= cfg.vocab_size
@@ -292,6 +320,8 @@ class ModelChunk(nn.Module):
         ep_slice = (comm.rank(self.ctx.ep_group), comm.world_size(self.ctx.ep_group))
         etp_slice = (comm.rank(self.ctx.etp_group), comm.world_size(self.ctx.etp_group))
         for name, p in self.named_parameters():
+            if name == "output.weight" and self.cfg.tied_embeddings:
+                name = "embedding.weight"  # the last stage's copy: the same logical tensor
             if name.startswith("layers."):
                 _, local, rest = name.split(".", 2)
                 name = f"layers.{self.layers[int(local)].index}.{rest}"
@@ -302,6 +332,13 @@ class ModelChunk(nn.Module):
                 shards += [(dim, *where) for dim, where in ((p.ep_partition_dim, ep_slice),
                                                             (p.etp_partition_dim, etp_slice)) if where[1] > 1]
             yield name, p, tuple(shards)
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """With tied embeddings over several stages: this chunk's embedding or its copy, whose
+        gradient is summed over the embedding group (first and last stage)."""
+        if not self.cfg.tied_embeddings or self.pre_process == self.post_process:
+            return []
+        return [self.embedding.weight if self.pre_process else self.output.weight]
 
     def pop_aux_loss(self) -> float:
         """Sum of this chunk's MoE aux losses over layers and microbatches since the last call."""

@@ -43,6 +43,13 @@ class ModelSpec(BaseModel):
     recompute_method: Literal["uniform", "block"] | None = Field(None, description="with full: uniform | block")
     recompute_num_layers: int | None = Field(None, ge=1, description="with full: layers per group (uniform) or "
                                              "recomputed layers per pipeline chunk (block)")
+    # Attention variants (Qwen2 / Qwen3)
+    add_qkv_bias: bool = Field(False, description="bias on the QKV projection (Qwen2)")
+    qk_layernorm: bool = Field(False, description="RMSNorm on each head's q and k before RoPE (Qwen3)")
+    kv_channels: int | None = Field(None, ge=2, description="head dimension; default hidden_size / "
+                                    "num_attention_heads (Qwen3: 128)")
+    untie_embeddings_and_output_weights: bool = Field(True, description="false: the output layer shares the "
+                                                      "embedding's weight (small Qwen models)")
 
 
 class ParallelSpec(BaseModel):
