@@ -15,6 +15,8 @@ QWEN = {"add_qkv_bias": True, "qk_layernorm": True, "kv_channels": 16, "untie_em
 
 LAYOUTS = {
     # name: (world, parallel)
+    # Without SP the q/k norms' grads are still partial over TP (each rank normalises its heads).
+    "tp2": (2, {"tensor_model_parallel_size": 2}),
     "tp2-sp": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
     "pp2-vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
     "pp2-dp2-distopt": (4, {"pipeline_model_parallel_size": 2, "use_distributed_optimizer": True}),
