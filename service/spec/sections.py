@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workers.data_blend import parse_split
+from workers.hf_families import model_from_hf_config, read_hf_config
 from workers.dataset import data_form_problem
 from workers.lr_schedule import LRSchedule
 
@@ -50,6 +51,38 @@ class ModelSpec(BaseModel):
                                     "num_attention_heads (Qwen3: 128)")
     untie_embeddings_and_output_weights: bool = Field(True, description="false: the output layer shares the "
                                                       "embedding's weight (small Qwen models)")
+    from_hf: str | None = Field(None, description="a Hugging Face model directory whose config.json fills every "
+                                "architecture field (seq_length stays the spec's); a field also given must agree")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_hf(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("from_hf"), str):
+            return {**data, **hf_model_fields(data)}
+        return data
+
+
+def hf_model_fields(data: dict) -> dict:
+    """The architecture fields of ``data["from_hf"]``'s config.json; ValueError naming every field
+    ``data`` also gives with another value (None fields compared as what they default to)."""
+    where = f"model.from_hf {data['from_hf']}"
+    try:
+        hf = model_from_hf_config(read_hf_config(data["from_hf"], "model.from_hf"))
+    except KeyError as e:
+        raise ValueError(f"{where}: config.json has no {e.args[0]}; it is not a decoder config raytron reads") from None
+    hf.pop("seq_length")  # max_position_embeddings is not the training sequence length
+
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    defaults = {"num_query_groups": heads, "ffn_hidden_size": 4 * h, "kv_channels": h // heads}
+
+    def effective(k: str, v):
+        return defaults.get(k) if v is None else v
+
+    diff = [f"model.{k}: {v!r} in the spec, {hf[k]!r} in {where}/config.json" for k, v in data.items()
+            if k in hf and effective(k, v) != effective(k, hf[k])]
+    if diff:
+        raise ValueError(f"{'; '.join(diff)}; remove those fields (from_hf fills them) or make them agree")
+    return hf
 
 
 class ParallelSpec(BaseModel):
