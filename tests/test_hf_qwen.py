@@ -47,9 +47,14 @@ def save_qwen(kind: str, path):
     return path
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
-def qwen(request, tmp_path_factory):
-    return request.param, save_qwen(request.param, tmp_path_factory.mktemp(request.param))
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return {kind: save_qwen(kind, tmp_path_factory.mktemp(kind)) for kind in ("qwen2", "qwen3")}
+
+
+@pytest.fixture(params=["qwen2", "qwen3"])
+def qwen(request, saved):
+    return request.param, saved[request.param]
 
 
 def spec(path, world: int = 1, parallel: dict | None = None, **model) -> dict:
@@ -81,7 +86,7 @@ def test_from_hf_refuses_a_field_that_disagrees(qwen, tmp_path):
 
     kind, path = qwen
     with pytest.raises(ValueError, match=r"model\.num_attention_heads: 8 in the spec, 4 in model\.from_hf .*"
-                                         r"remove those fields"):
+                                         r"remove model\.num_attention_heads \(from_hf fills it\)"):
         parse_spec(spec(path, num_attention_heads=8))
     flag = {"qwen2": "add_qkv_bias", "qwen3": "qk_layernorm"}[kind]
     with pytest.raises(ValueError, match=rf"model\.{flag}: False in the spec, True"):
@@ -89,6 +94,26 @@ def test_from_hf_refuses_a_field_that_disagrees(qwen, tmp_path):
     parse_spec(spec(path, num_attention_heads=4, kv_channels=16 if kind == "qwen3" else 8))  # agreeing: fine
     with pytest.raises(ValueError, match="model.from_hf: .*config.json does not exist"):
         parse_spec(spec(tmp_path))
+
+
+def test_a_disagreeing_field_is_refused_by_the_cli_and_the_http_api(saved, tmp_path):
+    """Exit 2 with one line from ``raytron run``, and a 422 naming the field from a real server."""
+    from tests.test_api import Server
+    from tests.test_cli_bad_input import run_refused, spec_file
+
+    path = saved["qwen3"]
+    line = run_refused(spec_file(tmp_path, model={"from_hf": str(path), "num_attention_heads": 8}))
+    assert "model.num_attention_heads: 8 in the spec, 4 in model.from_hf" in line, line
+    srv = Server(tmp_path / "srv").start()
+    try:
+        with srv.client() as api:
+            r = api.post("/jobs", json=spec(path, vocab_size=512))
+        assert r.status_code == 422, r.text
+        (entry,) = r.json()["errors"]
+        assert entry["field"] == "model.vocab_size" and "512 in the spec, 256 in model.from_hf" in entry["message"]
+    finally:
+        srv.stop()
+        srv.kill_runners()
 
 
 def loss_and_grads_transformers(path, ids):

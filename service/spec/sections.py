@@ -57,32 +57,49 @@ class ModelSpec(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _fill_from_hf(cls, data):
+        """Every architecture field the spec leaves out, from ``from_hf``'s config.json (the spec's
+        own values stay: :func:`from_hf_problems` names those that disagree)."""
         if isinstance(data, dict) and isinstance(data.get("from_hf"), str):
-            return {**data, **hf_model_fields(data)}
+            try:
+                return {**hf_model_fields(data["from_hf"]), **data}
+            except ValueError:
+                return data  # from_hf_problems reports it
         return data
 
 
-def hf_model_fields(data: dict) -> dict:
-    """The architecture fields of ``data["from_hf"]``'s config.json; ValueError naming every field
-    ``data`` also gives with another value (None fields compared as what they default to)."""
-    where = f"model.from_hf {data['from_hf']}"
+def hf_model_fields(directory: str) -> dict:
+    """The ModelSpec architecture fields of a Hugging Face directory's config.json (all but
+    seq_length: max_position_embeddings is not the training sequence length)."""
+    config = read_hf_config(directory, "model.from_hf")
     try:
-        hf = model_from_hf_config(read_hf_config(data["from_hf"], "model.from_hf"))
+        hf = model_from_hf_config(config)
     except KeyError as e:
-        raise ValueError(f"{where}: config.json has no {e.args[0]}; it is not a decoder config raytron reads") from None
-    hf.pop("seq_length")  # max_position_embeddings is not the training sequence length
+        raise ValueError(f"model.from_hf {directory}: config.json has no {e.args[0]}; it is not a decoder config "
+                         f"raytron reads") from None
+    except ValueError as e:
+        raise ValueError(f"model.from_hf {directory}: {e}") from None
+    hf.pop("seq_length")
+    return hf
 
+
+def from_hf_problems(m: ModelSpec) -> list[str]:
+    """``model.from_hf`` unreadable, or a field the spec gives that disagrees with it (None fields
+    compared as what they default to), each naming the field, both values and the fix."""
+    if m.from_hf is None:
+        return []
+    try:
+        hf = hf_model_fields(m.from_hf)
+    except ValueError as e:
+        return [str(e)]
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     defaults = {"num_query_groups": heads, "ffn_hidden_size": 4 * h, "kv_channels": h // heads}
 
     def effective(k: str, v):
         return defaults.get(k) if v is None else v
 
-    diff = [f"model.{k}: {v!r} in the spec, {hf[k]!r} in {where}/config.json" for k, v in data.items()
-            if k in hf and effective(k, v) != effective(k, hf[k])]
-    if diff:
-        raise ValueError(f"{'; '.join(diff)}; remove those fields (from_hf fills them) or make them agree")
-    return hf
+    return [f"model.{k}: {getattr(m, k)!r} in the spec, {v!r} in model.from_hf {m.from_hf}/config.json; remove "
+            f"model.{k} (from_hf fills it) or make it agree" for k, v in hf.items()
+            if effective(k, getattr(m, k)) != effective(k, v)]
 
 
 class ParallelSpec(BaseModel):

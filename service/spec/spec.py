@@ -25,7 +25,7 @@ from service.spec.auto import PARALLEL_AUTO, auto_fields, resolve, search_once
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.sections import (  # noqa: F401 (the sections are part of this module's interface)
     STRICT, Auto, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
-    resources_problems, training_problems)
+    from_hf_problems, resources_problems, training_problems)
 from workers.config import CheckpointConfig, JobConfig, ModelConfig, ParallelConfig, TrainingConfig
 from workers.grid import ParallelGrid
 
@@ -119,7 +119,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
             return [str(e)]
         return resources_problems(spec.resources)
     m, p, t, res = spec.model, spec.parallel, spec.training, spec.resources
-    out: list[str] = []
+    out: list[str] = from_hf_problems(m)
     tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                       p.context_parallel_size, p.expert_model_parallel_size)
     etp = p.expert_tensor_parallel_size or tp
