@@ -30,6 +30,15 @@ def test_qwen_attention_layout_matches_single_process(name):
     check_layout(tiny_spec(world=world, parallel=parallel, model=QWEN), QWEN)
 
 
+def test_bf16_tied_across_pp_with_the_distributed_optimizer():
+    """bf16 (fp32 main grads: the tied copy's grads are summed in fp32) agrees with the single
+    bf16 process within what bf16 allows (test_mixed_precision's tolerances)."""
+    from tests.test_mixed_precision import BF16, BF16_TOL
+
+    world, parallel = LAYOUTS["pp2-dp2-distopt"]
+    check_layout(tiny_spec(world=world, parallel=parallel, model=QWEN, training=BF16), QWEN, BF16, **BF16_TOL)
+
+
 def test_tied_checkpoint_across_pp_is_stored_once_and_reshards(tmp_path):
     """pp2 with the distributed optimizer saves the tied embedding (held by the first and the
     last stage, weights and moments) once; tp2 x sp then loads it and goes on along the
