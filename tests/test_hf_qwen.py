@@ -28,8 +28,9 @@ COMMON = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_l
 
 
 def save_qwen(kind: str, path):
-    """A random Qwen2 (tied) or Qwen3 (head_dim 16, untied) model, norms and biases away from
-    their init (so a swapped norm or a dropped bias would show)."""
+    """A random Qwen2 (tied) or Qwen3 (head_dim 16, untied, saved as sharded safetensors with an
+    index) model, norms and biases away from their init (so a swapped norm or a dropped bias
+    would show)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(5)
@@ -43,7 +44,8 @@ def save_qwen(kind: str, path):
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
-    model.save_pretrained(str(path))
+    model.save_pretrained(str(path), **({"max_shard_size": "40KB"} if kind == "qwen3" else {}))
+    assert (path / "model.safetensors.index.json").exists() == (kind == "qwen3")
     return path
 
 
@@ -156,6 +158,26 @@ def test_hf_import_gives_transformers_logits_loss_and_every_gradient(qwen):
     for name, want in want_grads.items():
         err = float((got[name] - want).abs().max() / want.abs().max())
         assert err <= GRAD_RTOL, f"gradient of {name}: relative error {err:.2e}"
+
+
+def test_a_tied_model_loads_into_an_untied_job_and_not_the_reverse(saved):
+    """Qwen2's tied table starts both the embedding and the output layer of an untied job; an
+    untied Qwen3 into a tied job is refused, naming the field."""
+    from workers.checkpoint_reader import load_checkpoint
+    from workers.train import Trainer
+
+    def job(**model):
+        return Trainer(job_of(tiny_spec(model={"num_layers": 2, "rotary_base": 1000000.0, "norm_epsilon": 1e-6,
+                                               **model})), 0, 1)
+
+    t = job(add_qkv_bias=True)
+    load_checkpoint(t, f"hf:{saved['qwen2']}")
+    assert torch.equal(t.chunks[0].output.weight, t.chunks[0].embedding.weight)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    assert_close(raytron_logits(t, ids), hf_logits(saved["qwen2"], ids)[1])
+    t = job(qk_layernorm=True, kv_channels=16, untie_embeddings_and_output_weights=False)
+    with pytest.raises(ValueError, match="model.untie_embeddings_and_output_weights: True there, False in this job"):
+        load_checkpoint(t, f"hf:{saved['qwen3']}")
 
 
 def first_batch_loss_transformers(path, job) -> float:
