@@ -170,10 +170,10 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and comm.world_size(self.group) > 1:
             y = _LinearWithSequenceGather.apply(x, self.weight, self.group)
-            if self.bias is not None:
-                y = y + self.bias
         else:
-            y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
+            y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight)
+        if self.bias is not None:  # whatever the path above: the bias joins this rank's output slice
+            y = y + self.bias
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.group)
         return y
