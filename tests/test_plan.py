@@ -9,26 +9,30 @@ from service.spec.spec import parse_spec, to_job_config
 from workers.grid import ParallelGrid
 
 
-def spec_of(*, world=1, nodes=1, moe=False, parallel=None, training=None, vocab=250):
+QWEN = {"add_qkv_bias": True, "qk_layernorm": True, "kv_channels": 16, "untie_embeddings_and_output_weights": False}
+
+
+def spec_of(*, world=1, nodes=1, moe=False, parallel=None, training=None, vocab=250, model=None):
     return parse_spec({
         "name": "plan",
         "model": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
                   "ffn_hidden_size": 64, "vocab_size": vocab, "seq_length": 16,
-                  **({"num_moe_experts": 4, "moe_router_topk": 2} if moe else {})},
+                  **({"num_moe_experts": 4, "moe_router_topk": 2} if moe else {}), **(model or {})},
         "parallel": parallel or {},
         "training": {"global_batch_size": 8, "micro_batch_size": 1, **(training or {})},
         "resources": {"num_nodes": nodes, "gpus_per_node": world // nodes}})
 
 
-@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("moe", [False, True, "qwen"])
 @pytest.mark.parametrize("stage", [None, 0, 1])
 def test_parameter_counts_match_the_real_model(moe, stage):
-    """Single process: the whole model, or the layers of one of two pipeline stages."""
+    """Single process: the whole model, or the layers of one of two pipeline stages ("qwen":
+    QKV bias, q/k norms, head dim 16, tied output: one table at pp 1, a copy on the last stage)."""
     import torch
 
     from workers.model import ModelChunk, ShardContext
 
-    spec = spec_of(moe=moe)
+    spec = spec_of(moe=moe is True, model=QWEN if moe == "qwen" else None)
     job = to_job_config(spec)
     layers = list(range(4)) if stage is None else [2 * stage, 2 * stage + 1]
     chunk = ModelChunk(job.model, ShardContext(seed=1), layers, pre_process=stage in (None, 0),

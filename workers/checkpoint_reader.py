@@ -28,7 +28,8 @@ from workers.hf_interop import HFReader
 # ModelConfig fields that must agree between a checkpoint and the job that loads it: the
 # shapes, and the function the weights were trained for. (seq_length may change.)
 MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                "vocab_size", "num_moe_experts", "moe_router_topk", "rotary_base", "norm_epsilon")
+                "vocab_size", "num_moe_experts", "moe_router_topk", "rotary_base", "norm_epsilon",
+                "add_qkv_bias", "qk_layernorm", "kv_channels", "untie_embeddings_and_output_weights")
 
 
 class CheckpointReader:

@@ -61,10 +61,24 @@ class ModelConfig:
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    # Attention variants (Qwen2 / Qwen3), Megatron-Core's names.
+    add_qkv_bias: bool = False
+    """A bias on the fused QKV projection (Qwen2); zeros at init, TP-sharded with the weight."""
+    qk_layernorm: bool = False
+    """RMSNorm over each head's q and k before RoPE (Qwen3), one [head_dim] weight each."""
+    kv_channels: int | None = None
+    """The head dimension; None = hidden_size / num_attention_heads (Qwen3 uses 128 at any width)."""
+    untie_embeddings_and_output_weights: bool = True
+    """False: the output layer uses the embedding's weight (with pp > 1 the last stage keeps a
+    copy whose gradient is summed with the first stage's over the embedding group)."""
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
 
     @property
     def is_moe(self) -> bool:

@@ -1,8 +1,10 @@
-"""Hugging Face interop: export a checkpoint as ``LlamaForCausalLM`` / ``MixtralForCausalLM``,
-and read a Hugging Face directory as a checkpoint source (``checkpoint.load: hf:DIR``).
+"""Hugging Face interop: export a checkpoint as a Hugging Face model of one of the families of
+:mod:`workers.hf_families` (Llama, Mixtral, Qwen2, Qwen3), and read such a directory as a
+checkpoint source (``checkpoint.load: hf:DIR``).
 
-raytron's decoder is those two architectures exactly (rotate-half rotary, RMSNorm, SwiGLU,
-untied output, no biases), so the conversion only renames and splits or fuses tensors:
+raytron's decoder is those architectures exactly (rotate-half rotary, RMSNorm, SwiGLU, Qwen2's
+QKV bias, Qwen3's q/k norms, tied or untied output), so the conversion only renames and splits
+or fuses tensors:
 
 =====================================  ==============================================
 raytron logical tensor                 Hugging Face (``model.`` prefix but lm_head)
@@ -11,14 +13,18 @@ embedding.weight [V, h]                embed_tokens.weight
 layers.i.input_norm.weight             layers.i.input_layernorm.weight
 layers.i.attention.qkv.weight          layers.i.self_attn.{q,k,v}_proj.weight: per
   [G * (H/G + 2) * d, h]                 query group g: H/G q heads, k_g, v_g
+layers.i.attention.qkv.bias            layers.i.self_attn.{q,k,v}_proj.bias (Qwen2)
+layers.i.attention.{q,k}_norm.weight   layers.i.self_attn.{q,k}_norm.weight (Qwen3)
 layers.i.attention.proj.weight         layers.i.self_attn.o_proj.weight
 layers.i.post_norm.weight              layers.i.post_attention_layernorm.weight
 layers.i.mlp.gate_up.weight [2, F, h]  layers.i.mlp.{gate,up}_proj.weight
 layers.i.mlp.down.weight               layers.i.mlp.down_proj.weight
 layers.i.mlp.router.weight [E, h]      layers.i.block_sparse_moe.gate.weight
 layers.i.mlp.experts.w_{gate,up,down}  layers.i.block_sparse_moe.experts.e.w{1,3,2}.weight
-final_norm.weight / output.weight      norm.weight / lm_head.weight
+final_norm.weight / output.weight      norm.weight / lm_head.weight (tied: no lm_head)
 =====================================  ==============================================
+
+``d`` is the head dimension (``kv_channels``, Hugging Face's ``head_dim``).
 
 Mixtral's router (softmax over all experts, top-k, renormalised) equals raytron's (softmax
 over the top-k logits). Import also takes transformers 5's in-memory Mixtral names
@@ -34,87 +40,55 @@ import torch
 from safetensors import safe_open
 
 from workers.checkpoint_layout import Box
+from workers.hf_families import hf_config, model_from_hf_config, read_hf_config  # noqa: F401 (re-exported)
+
+
+def head_dim(m: dict) -> int:
+    return m.get("kv_channels") or m["hidden_size"] // m["num_attention_heads"]
 
 
 def logical_shapes(m: dict) -> dict[str, tuple[int, ...]]:
     """Every logical tensor of a model (a ModelConfig as a dict) with its shape."""
     h, f, v = m["hidden_size"], m["ffn_hidden_size"], m["vocab_size"]
     heads, groups = m["num_attention_heads"], m["num_query_groups"]
-    d = h // heads
+    d = head_dim(m)
     out = {"embedding.weight": (v, h)}
     for i in range(m["num_layers"]):
         p = f"layers.{i}"
-        out.update({f"{p}.input_norm.weight": (h,), f"{p}.attention.qkv.weight": ((heads + 2 * groups) * d, h),
-                    f"{p}.attention.proj.weight": (h, heads * d), f"{p}.post_norm.weight": (h,)})
+        out.update({f"{p}.input_norm.weight": (h,), f"{p}.attention.qkv.weight": ((heads + 2 * groups) * d, h)})
+        if m.get("add_qkv_bias"):
+            out[f"{p}.attention.qkv.bias"] = ((heads + 2 * groups) * d,)
+        if m.get("qk_layernorm"):
+            out.update({f"{p}.attention.q_norm.weight": (d,), f"{p}.attention.k_norm.weight": (d,)})
+        out.update({f"{p}.attention.proj.weight": (h, heads * d), f"{p}.post_norm.weight": (h,)})
         e = m.get("num_moe_experts")
         if e:
             out.update({f"{p}.mlp.router.weight": (e, h), f"{p}.mlp.experts.w_gate": (e, f, h),
                         f"{p}.mlp.experts.w_up": (e, f, h), f"{p}.mlp.experts.w_down": (e, h, f)})
         else:
             out.update({f"{p}.mlp.gate_up.weight": (2, f, h), f"{p}.mlp.down.weight": (h, f)})
-    out.update({"final_norm.weight": (h,), "output.weight": (v, h)})
+    out["final_norm.weight"] = (h,)
+    if m.get("untie_embeddings_and_output_weights", True):
+        out["output.weight"] = (v, h)
     return out
 
 
-def hf_config(m: dict) -> dict:
-    """config.json for a model (a ModelConfig as a dict)."""
-    moe = bool(m.get("num_moe_experts"))
-    config = {
-        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
-        "model_type": "mixtral" if moe else "llama",
-        "vocab_size": m["vocab_size"], "hidden_size": m["hidden_size"], "intermediate_size": m["ffn_hidden_size"],
-        "num_hidden_layers": m["num_layers"], "num_attention_heads": m["num_attention_heads"],
-        "num_key_value_heads": m["num_query_groups"], "head_dim": m["hidden_size"] // m["num_attention_heads"],
-        "max_position_embeddings": m["seq_length"], "rms_norm_eps": m["norm_epsilon"],
-        "rope_theta": m["rotary_base"], "rope_parameters": {"rope_type": "default", "rope_theta": m["rotary_base"]},
-        "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
-        "initializer_range": m.get("init_method_std", 0.02), "torch_dtype": "float32", "dtype": "float32",
-    }
-    if moe:
-        config.update({"num_local_experts": m["num_moe_experts"], "num_experts_per_tok": m["moe_router_topk"],
-                       "router_aux_loss_coef": m["moe_aux_loss_coeff"], "output_router_logits": False,
-                       "sliding_window": None})
-    else:
-        config["mlp_bias"] = False
-    return config
-
-
-def model_from_hf_config(c: dict) -> dict:
-    """The ModelConfig fields of a Hugging Face config.json (Llama or Mixtral)."""
-    kind = c.get("model_type")
-    if kind not in ("llama", "mixtral"):
-        raise ValueError(f"hf: model_type {kind!r} is not supported; raytron reads llama and mixtral models")
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"hf: rope scaling {rope.get('rope_type') or rope.get('type')!r} is not supported; "
-                         f"raytron implements plain rotary embeddings")
-    if c.get("attention_bias") or c.get("mlp_bias"):
-        raise ValueError("hf: attention_bias / mlp_bias models are not supported (raytron's linears have no bias)")
-    heads, h = c["num_attention_heads"], c["hidden_size"]
-    if (c.get("head_dim") or h // heads) != h // heads:
-        raise ValueError(f"hf: head_dim {c['head_dim']} != hidden_size / num_attention_heads = {h // heads}")
-    model = {"num_layers": c["num_hidden_layers"], "hidden_size": h, "num_attention_heads": heads,
-             "num_query_groups": c.get("num_key_value_heads") or heads, "ffn_hidden_size": c["intermediate_size"],
-             "vocab_size": c["vocab_size"], "seq_length": c.get("max_position_embeddings"), "num_moe_experts": None,
-             "rotary_base": float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-             "norm_epsilon": float(c.get("rms_norm_eps", 1e-6))}
-    if kind == "mixtral":  # a dense model has no router settings to compare
-        model.update(num_moe_experts=c["num_local_experts"], moe_router_topk=c.get("num_experts_per_tok", 2))
-    return model
-
-
 def _split_qkv(qkv: torch.Tensor, m: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups, d = m["num_query_groups"], m["hidden_size"] // m["num_attention_heads"]
+    """The fused QKV weight ``[rows, h]`` or bias ``[rows]`` as Hugging Face's q, k, v."""
+    groups, d = m["num_query_groups"], head_dim(m)
     per = m["num_attention_heads"] // groups
-    x = qkv.view(groups, per + 2, d, -1)
-    return x[:, :per].reshape(groups * per * d, -1), x[:, per].reshape(groups * d, -1), x[:, per + 1].reshape(groups * d, -1)
+    rest = qkv.shape[1:]
+    x = qkv.view(groups, per + 2, d, *rest)
+    return (x[:, :per].reshape(groups * per * d, *rest), x[:, per].reshape(groups * d, *rest),
+            x[:, per + 1].reshape(groups * d, *rest))
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: dict) -> torch.Tensor:
-    groups, d = m["num_query_groups"], m["hidden_size"] // m["num_attention_heads"]
+    groups, d = m["num_query_groups"], head_dim(m)
     per = m["num_attention_heads"] // groups
-    parts = [q.view(groups, per, d, -1), k.view(groups, 1, d, -1), v.view(groups, 1, d, -1)]
-    return torch.cat(parts, dim=1).reshape((per + 2) * groups * d, -1)
+    rest = q.shape[1:]
+    parts = [q.view(groups, per, d, *rest), k.view(groups, 1, d, *rest), v.view(groups, 1, d, *rest)]
+    return torch.cat(parts, dim=1).reshape((per + 2) * groups * d, *rest)
 
 
 def to_hf(name: str, t: torch.Tensor, m: dict) -> dict[str, torch.Tensor]:
@@ -126,10 +100,11 @@ def to_hf(name: str, t: torch.Tensor, m: dict) -> dict[str, torch.Tensor]:
         return {f"model.{simple[name]}": t}
     _, i, rest = name.split(".", 2)
     p = f"model.layers.{i}"
-    if rest == "attention.qkv.weight":
-        q, k, v = _split_qkv(t, m)
-        return {f"{p}.self_attn.q_proj.weight": q, f"{p}.self_attn.k_proj.weight": k, f"{p}.self_attn.v_proj.weight": v}
-    renames = {"input_norm.weight": "input_layernorm.weight", "post_norm.weight": "post_attention_layernorm.weight",
+    if rest in ("attention.qkv.weight", "attention.qkv.bias"):
+        kind = rest.rsplit(".", 1)[1]
+        return {f"{p}.self_attn.{x}_proj.{kind}": part for x, part in zip("qkv", _split_qkv(t, m))}
+    renames = {"attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
+               "input_norm.weight": "input_layernorm.weight", "post_norm.weight": "post_attention_layernorm.weight",
                "attention.proj.weight": "self_attn.o_proj.weight", "mlp.down.weight": "mlp.down_proj.weight",
                "mlp.router.weight": "block_sparse_moe.gate.weight"}
     if rest in renames:
@@ -162,19 +137,21 @@ def tensor_files(directory: Path) -> dict[str, Path]:
 
 
 class HFReader:
-    """A Hugging Face Llama/Mixtral directory as a checkpoint source (weights only: no
-    optimizer state, no trainer state, so training starts at iteration 0)."""
+    """A Hugging Face directory of a family of :mod:`workers.hf_families` as a checkpoint
+    source (weights only: no optimizer state, no trainer state, so training starts at
+    iteration 0). A tied model also loads into an untied job: its output layer starts as a
+    copy of the embedding."""
 
     trainer_state = None
 
     def __init__(self, directory: str):
         self.path = Path(directory)
-        config = self.path / "config.json"
-        if not config.exists():
-            raise ValueError(f"hf:{directory}: no config.json; point checkpoint.load at a Hugging Face model directory")
-        self.model = model_from_hf_config(json.loads(config.read_text()))
+        self.model = model_from_hf_config(read_hf_config(self.path, f"checkpoint.load hf:{directory}"))
         self.files = tensor_files(self.path)
-        self.shapes = logical_shapes(self.model)
+        # output.weight is readable either way (lm_head, or the tied embedding)
+        self.shapes = logical_shapes({**self.model, "untie_embeddings_and_output_weights": True})
+        if not self.model["untie_embeddings_and_output_weights"]:
+            del self.model["untie_embeddings_and_output_weights"]  # either kind of job may load it
         self._cache: tuple[str, torch.Tensor] | None = None
 
     def has(self, key: str) -> bool:
@@ -211,7 +188,7 @@ class HFReader:
                 return {"w_gate": gate_up[:, :f], "w_up": gate_up[:, f:], "w_down": down}[name.rsplit(".", 1)[1]]
         hub = to_hf(name, torch.empty(self.shapes[name], device="meta"), m)
         parts = {k: self._get(k) for k in hub}
-        if name.endswith("attention.qkv.weight"):
+        if name.endswith(("attention.qkv.weight", "attention.qkv.bias")):
             q, k, v = parts.values()
             return _fuse_qkv(q, k, v, m)
         if len(parts) == 1:

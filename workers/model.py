@@ -1,8 +1,10 @@
 """A Llama/Mixtral-style decoder built from the parallel layers.
 
-RMSNorm, rotary embeddings, grouped-query attention (fused QKV, column-parallel; output
-row-parallel) or DeepSeek's multi-latent attention (:mod:`workers.mla`), SwiGLU MLP (gate/up column-parallel, down row-parallel) or a Mixtral MoE,
-untied vocab-parallel embedding and output layer. Activations are ``[seq, batch, hidden]``;
+RMSNorm, rotary embeddings, grouped-query attention (fused QKV, column-parallel, optionally
+with a bias (Qwen2) and RMSNorm on each q and k head (Qwen3); output row-parallel) or DeepSeek's
+multi-latent attention (:mod:`workers.mla`), SwiGLU MLP (gate/up column-parallel, down
+row-parallel) or a Mixtral MoE, vocab-parallel embedding and output layer, untied or tied (see
+:meth:`ModelChunk.tied_parameters`). Activations are ``[seq, batch, hidden]``;
 with sequence parallelism the sequence is sharded over TP outside the TP regions, and with
 context parallelism each CP rank holds its two load-balanced chunks of the sequence.
 
@@ -24,15 +26,15 @@ import torch
 from torch import nn
 
 from workers.config import ModelConfig
-from workers.fused import rms_norm, rotary_qkv, rotary_qkv_tables, swiglu
+from workers.attention import Attention, RMSNorm, rotary_tables  # noqa: F401 (rotary_tables: re-exported)
+from workers.fused import swiglu
 from workers.mla import MLAttention
 from workers.parallel import comm
-from workers.parallel.context import context_parallel_attention, cp_positions
+from workers.parallel.context import cp_positions
 from workers.parallel.expert import MoELayer
 from workers.parallel.initializer import Cat, NormalInit, Zeros
-from workers.parallel.sequence import mark_sequence_parallel
 from workers.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from workers.recompute import checkpointed, is_recomputing, run_layers
+from workers.recompute import is_recomputing, run_layers
 from workers.yarn import mla_rotary_tables
 
 
@@ -70,91 +72,6 @@ class ShardContext:
 
 def padded_vocab(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // tp_size) * tp_size
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, sequence_parallel: bool):
-        super().__init__()
-        self.eps = eps
-        # eps as a tensor: the fused norm adds it inside an addcmul (one op fewer per call).
-        self.register_buffer("eps_tensor", torch.tensor(eps, dtype=torch.float32), persistent=False)
-        # On sequence shards each TP rank sees part of the tokens: its grad is partial.
-        self.weight = mark_sequence_parallel(nn.Parameter(torch.ones(hidden)), sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32 under bf16/fp16 (as Megatron's fused norms), in one op.
-        # The tensor eps only in fp32: ``.to(bf16)`` casts buffers, and a bf16 eps would change the math.
-        return rms_norm(x, self.weight, self.eps_tensor if x.dtype == torch.float32 else self.eps)
-
-
-def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> torch.Tensor:
-    """cos and sin of every (position, frequency), ``[2, s, 1, 1, head_dim / 2]``.
-
-    Positions are fixed per rank (its CP chunks), so a chunk computes this once, not per layer.
-    """
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    return torch.stack([angles.cos(), angles.sin()])[:, :, None, None, :]
-
-
-def _fused_qkv(cfg: ModelConfig, seed: int, prefix: str) -> Cat:
-    """Full QKV weight laid out per query group: [q heads of group g, k_g, v_g] for g in groups.
-
-    With that layout a contiguous row split over tp gives each rank whole query groups,
-    Megatron's layout for grouped-query attention. Lazy: a rank makes only its groups.
-    """
-    d, h, ng = cfg.head_dim, cfg.hidden_size, cfg.num_query_groups
-    per_group = cfg.num_attention_heads // ng
-    std = cfg.init_method_std
-    q = NormalInit(seed, f"{prefix}.q", (ng * per_group * d, h), std)
-    k = NormalInit(seed, f"{prefix}.k", (ng * d, h), std)
-    v = NormalInit(seed, f"{prefix}.v", (ng * d, h), std)
-    parts = []
-    for g in range(ng):
-        parts += [q.narrow(0, g * per_group * d, per_group * d), k.narrow(0, g * d, d), v.narrow(0, g * d, d)]
-    return Cat(parts)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ShardContext, prefix: str):
-        super().__init__()
-        self.cfg, self.ctx = cfg, ctx
-        sp = ctx.sequence_parallel
-        self.qkv = ColumnParallelLinear(_fused_qkv(cfg, ctx.seed, prefix), ctx.tp_group, sequence_parallel=sp)
-        proj = NormalInit(ctx.seed, f"{prefix}.proj", (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim),
-                          cfg.init_method_std)
-        self.proj = RowParallelLinear(proj, ctx.tp_group, sequence_parallel=sp)
-        self._rope_key = None  # which rotary buffer the RoPE tables below were built from
-
-    def _rope_tables(self, rotary: torch.Tensor, slots: int):
-        # Built once per rotary buffer (it changes only when the chunk is cast or moved). Kept
-        # as (non-persistent) buffers: constants of the layout, not activations, though the
-        # RoPE node saves them for backward.
-        key = (rotary.data_ptr(), rotary.dtype, rotary.device, rotary._version, slots)
-        if self._rope_key != key:
-            for name, table in zip(("rope_cos", "rope_sin", "rope_sin_back"), rotary_qkv_tables(rotary, slots)):
-                self.register_buffer(name, table, persistent=False)
-            self._rope_key = key
-        return self.rope_cos, self.rope_sin, self.rope_sin_back
-
-    def forward(self, x: torch.Tensor, rotary: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of ``x``, plus ``residual`` if given (folded into the output GEMM)."""
-        cfg, d = self.cfg, self.cfg.head_dim
-        groups = cfg.num_query_groups // self.ctx.tp_size
-        per_group = cfg.num_attention_heads // cfg.num_query_groups
-        qkv = self.qkv(x)  # [s, b, groups * (per_group + 2) * d]
-        s, b = qkv.shape[:2]
-        # RoPE on q and k and the split, as one autograd node (workers.fused).
-        q, k, v = rotary_qkv(qkv.view(s, b, groups, per_group + 2, d), self._rope_tables(rotary, per_group + 2))
-        if self.cfg.recompute_granularity == "selective":
-            out = checkpointed(self._core, q, k, v)  # Megatron's selective: the attention core
-        else:
-            out = self._core(q, k, v)
-        return self.proj(out.reshape(s, b, -1), residual)
-
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return context_parallel_attention(q, k, v, group=self.ctx.cp_group, ranks=self.ctx.cp_ranks,
-                                          comm_type=self.ctx.cp_comm_type)
 
 
 class MLP(nn.Module):
@@ -269,8 +186,13 @@ class ModelChunk(nn.Module):
             layer.attention._rope_tables(self.rotary, cfg.num_attention_heads // cfg.num_query_groups + 2)
         if post_process:
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
-            out = _padded_table(ctx.seed, "output", cfg, vocab)
+            out = _padded_table(ctx.seed, "embedding" if cfg.tied_embeddings else "output", cfg, vocab)
             self.output = ColumnParallelLinear(out, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
+            if cfg.tied_embeddings:
+                if pre_process:  # one stage: the output layer uses the embedding's parameter itself
+                    self.output.weight = self.embedding.weight
+                else:  # the last stage's copy (Megatron's): equal at init, grads summed with stage 0's
+                    self.output.weight.tied_copy = True
             per = vocab // ctx.tp_size
             start = ctx.tp_rank * per
             pad = torch.arange(start, start + per) >= cfg.vocab_size
@@ -300,6 +222,8 @@ class ModelChunk(nn.Module):
         ep_slice = (comm.rank(self.ctx.ep_group), comm.world_size(self.ctx.ep_group))
         etp_slice = (comm.rank(self.ctx.etp_group), comm.world_size(self.ctx.etp_group))
         for name, p in self.named_parameters():
+            if name == "output.weight" and self.cfg.tied_embeddings:
+                name = "embedding.weight"  # the last stage's copy: the same logical tensor
             if name.startswith("layers."):
                 _, local, rest = name.split(".", 2)
                 name = f"layers.{self.layers[int(local)].index}.{rest}"
@@ -310,6 +234,13 @@ class ModelChunk(nn.Module):
                 shards += [(dim, *where) for dim, where in ((p.ep_partition_dim, ep_slice),
                                                             (p.etp_partition_dim, etp_slice)) if where[1] > 1]
             yield name, p, tuple(shards)
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """With tied embeddings over several stages: this chunk's embedding or its copy, whose
+        gradient is summed over the embedding group (first and last stage)."""
+        if not self.cfg.tied_embeddings or self.pre_process == self.post_process:
+            return []
+        return [self.embedding.weight if self.pre_process else self.output.weight]
 
     def pop_aux_loss(self) -> float:
         """Sum of this chunk's MoE aux losses over layers and microbatches since the last call."""

@@ -139,8 +139,11 @@ class Trainer:
         """Dense params reduce over dp-cp; weights applied to sequence shards (norms, routers
         with SP) over tp-dp-cp, since their TP ranks saw different tokens; experts over expert-dp."""
         dense, seq, expert = [], [], []
+        tied = [prm for chunk in self.chunks for prm in chunk.tied_parameters()]
         for chunk in self.chunks:
             for prm in chunk.parameters():
+                if any(prm is t for t in tied):
+                    continue
                 if getattr(prm, "is_expert", False):
                     expert.append(prm)
                 elif getattr(prm, "sequence_parallel", False):
@@ -148,8 +151,20 @@ class Trainer:
                 else:
                     dense.append(prm)
         pg = self.groups
-        groups = [(dense, pg.dp_cp_group), (seq, pg.tp_dp_cp_group), (expert, pg.expert_dp_group)]
-        return [(params, group) for params, group in groups if params]
+        # A tied embedding split over stages is a buffer of its own, laid out alike on the first
+        # and last stage, so that its reduced grad (or dp shard of it) sums over the two.
+        groups = [(dense, pg.dp_cp_group), (seq, pg.tp_dp_cp_group), (expert, pg.expert_dp_group),
+                  (tied, pg.dp_cp_group)]
+        groups = [(params, group) for params, group in groups if params]
+        self.tied_buffer = len(groups) - 1 if tied else None
+        return groups
+
+    def _sum_tied_grads(self) -> None:
+        """Megatron's embedding-group all-reduce: the first stage's embedding and the last
+        stage's copy get the sum of both grads (after the dp reduction), so they stay equal."""
+        if self.tied_buffer is not None:
+            self.optimizer.grads.finish()
+            comm.all_reduce(self.optimizer.main_grads()[self.tied_buffer], self.groups.embedding_group)
 
     def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (tokens, labels) of microbatch ``mb``, ``[s_local, micro_batch]`` each."""
@@ -189,6 +204,7 @@ class Trainer:
         lr = self.lr_schedule.lr_for_update(self.optimizer.num_steps)
         self.optimizer.lr = lr
         mb_losses = self.run_microbatches(self._microbatch, loss_scale=scale, forward_only=False)
+        self._sum_tied_grads()
         pending = self.optimizer.step_on_device()
         # The iteration's one host read (dense path): loss, grad norm and skip flags together.
         loss_sum, grad_norm, skipped, found_inf = torch.cat(

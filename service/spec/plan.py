@@ -50,17 +50,24 @@ class Shapes:
     topk: int
     mla: MLADims | None = None
     """Multi-latent attention's sizes (None: grouped-query attention)."""
+    kv_channels: int | None = None
+    """The head dimension when it is not hidden / heads (Qwen3)."""
+    tied: bool = False
+    """The output layer uses the embedding's weight (with pp = 1 it is one tensor)."""
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     @classmethod
     def of(cls, spec) -> "Shapes":
         m = spec.model
         return cls(m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups or m.num_attention_heads,
                    m.ffn_hidden_size or 4 * m.hidden_size, m.vocab_size, m.seq_length, m.num_moe_experts,
-                   m.moe_router_topk, MLADims.of(m))
+                   m.moe_router_topk, mla=MLADims.of(m), kv_channels=m.kv_channels,
+                   tied=not m.untie_embeddings_and_output_weights, qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.kv_channels or self.hidden // self.heads
 
 
 def rank_parameters(s: Shapes, grid: ParallelGrid, rank: int) -> dict[str, int]:
@@ -68,9 +75,9 @@ def rank_parameters(s: Shapes, grid: ParallelGrid, rank: int) -> dict[str, int]:
     c = grid.coords(rank)
     tp, etp = grid.tp, grid.etp
     h, d = s.hidden, s.head_dim
-    qkv = (s.heads + 2 * s.groups) * d * h // tp
+    qkv = (s.heads + 2 * s.groups) * d // tp * (h + (1 if s.qkv_bias else 0))  # rows x (weight + bias)
     proj = h * s.heads * d // tp
-    norms = 2 * h
+    norms = 2 * h + (2 * d if s.qk_norm else 0)  # input and post norms; q and k norms
     if s.mla:
         qkv, proj = s.mla.parameters(h, s.heads, tp), 0
     dense_layer = qkv + proj + norms
@@ -86,7 +93,7 @@ def rank_parameters(s: Shapes, grid: ParallelGrid, rank: int) -> dict[str, int]:
     if c["pp"] == 0:
         dense += padded // tp * h
     if c["pp"] == grid.pp - 1:
-        dense += padded // tp * h + h
+        dense += (0 if s.tied and grid.pp == 1 else padded // tp * h) + h
     return {"dense": dense, "expert": layers * expert_layer}
 
 

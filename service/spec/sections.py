@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workers.data_blend import parse_split
+from workers.hf_families import model_from_hf_config, read_hf_config
 from workers.dataset import data_form_problem
 from workers.lr_schedule import LRSchedule
 
@@ -59,6 +60,62 @@ class ModelSpec(BaseModel):
     original_max_position_embeddings: int = Field(4096, ge=1, description="MLA YaRN: the pretraining context")
     beta_fast: float = Field(32.0, gt=0, description="MLA YaRN: rotations where the ramp starts (extrapolation)")
     beta_slow: float = Field(1.0, gt=0, description="MLA YaRN: rotations where the ramp ends (interpolation)")
+    # Attention variants (Qwen2 / Qwen3)
+    add_qkv_bias: bool = Field(False, description="bias on the QKV projection (Qwen2)")
+    qk_layernorm: bool = Field(False, description="RMSNorm on each head's q and k before RoPE (Qwen3)")
+    kv_channels: int | None = Field(None, ge=2, description="head dimension; default hidden_size / "
+                                    "num_attention_heads (Qwen3: 128)")
+    untie_embeddings_and_output_weights: bool = Field(True, description="false: the output layer shares the "
+                                                      "embedding's weight (small Qwen models)")
+    from_hf: str | None = Field(None, description="a Hugging Face model directory whose config.json fills every "
+                                "architecture field (seq_length stays the spec's); a field also given must agree")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_hf(cls, data):
+        """Every architecture field the spec leaves out, from ``from_hf``'s config.json (the spec's
+        own values stay: :func:`from_hf_problems` names those that disagree)."""
+        if isinstance(data, dict) and isinstance(data.get("from_hf"), str):
+            try:
+                return {**hf_model_fields(data["from_hf"]), **data}
+            except ValueError:
+                return data  # from_hf_problems reports it
+        return data
+
+
+def hf_model_fields(directory: str) -> dict:
+    """The ModelSpec architecture fields of a Hugging Face directory's config.json (all but
+    seq_length: max_position_embeddings is not the training sequence length)."""
+    config = read_hf_config(directory, "model.from_hf")
+    try:
+        hf = model_from_hf_config(config)
+    except KeyError as e:
+        raise ValueError(f"model.from_hf {directory}: config.json has no {e.args[0]}; it is not a decoder config "
+                         f"raytron reads") from None
+    except ValueError as e:
+        raise ValueError(f"model.from_hf {directory}: {e}") from None
+    hf.pop("seq_length")
+    return hf
+
+
+def from_hf_problems(m: ModelSpec) -> list[str]:
+    """``model.from_hf`` unreadable, or a field the spec gives that disagrees with it (None fields
+    compared as what they default to), each naming the field, both values and the fix."""
+    if m.from_hf is None:
+        return []
+    try:
+        hf = hf_model_fields(m.from_hf)
+    except ValueError as e:
+        return [str(e)]
+    h, heads = hf["hidden_size"], hf["num_attention_heads"]
+    defaults = {"num_query_groups": heads, "ffn_hidden_size": 4 * h, "kv_channels": h // heads}
+
+    def effective(k: str, v):
+        return defaults.get(k) if v is None else v
+
+    return [f"model.{k}: {getattr(m, k)!r} in the spec, {v!r} in model.from_hf {m.from_hf}/config.json; remove "
+            f"model.{k} (from_hf fills it) or make it agree" for k, v in hf.items()
+            if effective(k, getattr(m, k)) != effective(k, v)]
 
 
 class ParallelSpec(BaseModel):

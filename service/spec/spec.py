@@ -26,7 +26,7 @@ from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.mla import config_fields as mla_config_fields, mla_problems
 from service.spec.sections import (  # noqa: F401 (the sections are part of this module's interface)
     STRICT, Auto, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
-    resources_problems, training_problems)
+    from_hf_problems, resources_problems, training_problems)
 from workers.config import CheckpointConfig, JobConfig, ModelConfig, ParallelConfig, TrainingConfig
 from workers.grid import ParallelGrid
 
@@ -120,7 +120,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
             return [str(e)]
         return resources_problems(spec.resources)
     m, p, t, res = spec.model, spec.parallel, spec.training, spec.resources
-    out: list[str] = []
+    out: list[str] = from_hf_problems(m)
     tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                       p.context_parallel_size, p.expert_model_parallel_size)
     etp = p.expert_tensor_parallel_size or tp
@@ -144,8 +144,9 @@ def spec_problems(spec: JobSpec) -> list[str]:
                    f"a TP group must stay inside one node; lower tp or raise gpus_per_node")
     heads = m.num_attention_heads
     groups = m.num_query_groups or heads
-    if m.hidden_size % heads and not m.multi_latent_attention:  # MLA's head dims are its own fields
-        out.append(f"model.hidden_size {m.hidden_size} is not divisible by model.num_attention_heads {heads}")
+    if m.hidden_size % heads and not m.kv_channels and not m.multi_latent_attention:  # MLA: its own head dims
+        out.append(f"model.hidden_size {m.hidden_size} is not divisible by model.num_attention_heads {heads}; "
+                   f"set model.kv_channels (the head dimension) or a head count that divides it")
     if heads % groups:
         out.append(f"model.num_attention_heads {heads} is not divisible by model.num_query_groups {groups}")
     if heads % tp:
@@ -157,7 +158,11 @@ def spec_problems(spec: JobSpec) -> list[str]:
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     if ffn % tp:
         out.append(f"model.ffn_hidden_size {ffn} is not divisible by tensor_model_parallel_size {tp}")
-    if (m.hidden_size // heads) % 2 and not m.multi_latent_attention:
+    if m.multi_latent_attention:
+        pass  # MLA's head dims are its own fields (service/spec/mla.py)
+    elif m.kv_channels and m.kv_channels % 2:
+        out.append(f"model.kv_channels {m.kv_channels} must be even for rotary embeddings; use {m.kv_channels + 1}")
+    elif not m.kv_channels and (m.hidden_size // heads) % 2:
         out.append(f"head dim hidden_size/heads = {m.hidden_size // heads} must be even for rotary embeddings")
     chunks = pp * (vpp or 1)
     if m.num_layers % chunks:
@@ -315,6 +320,9 @@ def to_job_config(spec: JobSpec) -> JobConfig:
         moe_aux_loss_coeff=m.moe_aux_loss_coeff, rotary_base=m.rotary_base, norm_epsilon=m.norm_epsilon,
         recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
         recompute_num_layers=m.recompute_num_layers, **mla_config_fields(m),
+        add_qkv_bias=m.add_qkv_bias, qk_layernorm=m.qk_layernorm,
+        kv_channels=None if m.kv_channels and m.kv_channels * m.num_attention_heads == m.hidden_size else m.kv_channels,
+        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
     )
     parallel = ParallelConfig(
         tensor_model_parallel_size=p.tensor_model_parallel_size,

@@ -15,7 +15,7 @@ complete grad on each TP rank, so only TP rank 0 counts it (Megatron's
 ``param_is_not_tensor_parallel_duplicate``). TP-sharded weights (distinct slices), expert
 weights (sharded over EP/ETP, replicated only over expert-dp) and sequence-parallel weights
 (reduced over TP already) are counted wherever their group rule says. Pipeline stages hold
-disjoint layers (embedding and output are untied). The per-rank sums of squares then add up
+disjoint layers (a tied embedding's last-stage copy is not counted). The per-rank sums of squares then add up
 over the whole world in one all-reduce: every rank gets the same norm, in every layout.
 
 Squares are summed in float64 from fp32 per-tensor norms, so the number a layout reports
@@ -57,7 +57,9 @@ def global_grad_norm_tensor(owned: Iterable[tuple[torch.Tensor, torch.Tensor]], 
         if a grad is (the sum of squares is >= 0, so ``sqrt`` keeps them, as ``math.sqrt`` of
         the same float64 gives the same bits when finite).
     """
-    pieces = [g for p, g in owned if g.numel() and counted_on_this_tp_rank(p, tp_rank)]
+    # A tied embedding's copy on the last pipeline stage (tied_copy) is counted on the first.
+    pieces = [g for p, g in owned if g.numel() and counted_on_this_tp_rank(p, tp_rank)
+              and not getattr(p, "tied_copy", False)]
     device = pieces[0].device if pieces else torch.device("cpu")
     total = torch.zeros(1, dtype=torch.float64, device=device)
     if pieces:

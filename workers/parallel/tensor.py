@@ -156,8 +156,8 @@ def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
 def _shard(full, dim: int, group, what: str, field: str) -> nn.Parameter:
     """This rank's contiguous slice of ``full`` (a tensor or a lazy block) along ``dim``, as a
     tagged parameter."""
-    if len(full.shape) != 2:
-        raise ValueError(f"{what}: expected a 2-D full weight, got shape {tuple(full.shape)}")
+    if len(full.shape) not in (1, 2):
+        raise ValueError(f"{what}: expected a 2-D full weight (or 1-D bias), got shape {tuple(full.shape)}")
     n, r = comm.world_size(group), comm.rank(group)
     size = full.shape[dim]
     if size % n:
@@ -173,7 +173,7 @@ def _shard(full, dim: int, group, what: str, field: str) -> nn.Parameter:
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y = x @ W.T`` with W's rows (output features) split over the TP group. No bias.
+    """``y = x @ W.T (+ b)`` with W's rows (output features) and b split over the TP group.
 
     Args:
         full_weight: the unsharded ``[out, in]`` weight; rank r keeps rows
@@ -185,15 +185,18 @@ class ColumnParallelLinear(nn.Module):
             ``[s, b, in]`` (backward all-reduces).
         gather_output: all-gather the output to ``[s, b, out]``; otherwise it stays
             ``[s, b, out/tp]``, ready for a RowParallelLinear or the vocab-parallel loss.
+        full_bias: the unsharded ``[out]`` bias (split as the rows; each rank's output slice
+            is complete, so its grad needs no TP reduction); ``None``: no bias.
     """
 
     def __init__(self, full_weight: torch.Tensor, group, *, sequence_parallel: bool = False,
-                 gather_output: bool = False):
+                 gather_output: bool = False, full_bias=None):
         super().__init__()
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.gather_output = gather_output
         self.weight = _shard(full_weight, 0, group, "ColumnParallelLinear", "output size")
+        self.bias = None if full_bias is None else _shard(full_bias, 0, group, "ColumnParallelLinear", "bias size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel and comm.world_size(self.group) > 1:
@@ -202,6 +205,8 @@ class ColumnParallelLinear(nn.Module):
             y = _LinearWithAsyncAllReduce.apply(x, self.weight, self.group)
         else:
             y = F.linear(x, self.weight)
+        if self.bias is not None:  # whatever the path above: the bias joins this rank's output slice
+            y = y + self.bias
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.group)
         return y
