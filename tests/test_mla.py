@@ -131,6 +131,9 @@ def refused(spec, *needles) -> str:
     ({"beta_fast": 1.0}, ["model.beta_fast 1 must be above model.beta_slow 1"]),
     ({"rotary_scaling_factor": 0.5}, ["model.rotary_scaling_factor", "greater than or equal to 1"]),
     ({"kv_lora_rank": 0}, ["model.kv_lora_rank", "greater than or equal to 1"]),
+    ({"add_qkv_bias": True, "qk_layernorm": True, "kv_channels": 16},
+     ["model.add_qkv_bias is for grouped-query attention", "model.qk_layernorm is for", "model.kv_channels is for",
+      "drop model.kv_channels"]),
 ])
 def test_bad_mla_fields_are_refused_naming_the_field(model, needles):
     refused(mla_spec(**copy.deepcopy(model)), *needles)

@@ -35,6 +35,11 @@ def mla_problems(m, load: str | None = None) -> list[str]:
         out.append(f"model.num_query_groups {m.num_query_groups} is for grouped-query attention; "
                    f"multi_latent_attention has one key/value head per query head (num_attention_heads {heads}): "
                    f"drop model.num_query_groups")
+    out += [f"model.{f} is for grouped-query attention (Qwen2/Qwen3); multi_latent_attention has its own "
+            f"projections and head dims (qk_head_dim, qk_pos_emb_head_dim, v_head_dim): drop model.{f}"
+            for f, on in (("add_qkv_bias", getattr(m, "add_qkv_bias", False)),
+                          ("qk_layernorm", getattr(m, "qk_layernorm", False)),
+                          ("kv_channels", getattr(m, "kv_channels", None) is not None)) if on]
     if m.qk_pos_emb_head_dim % 2:
         out.append(f"model.qk_pos_emb_head_dim {m.qk_pos_emb_head_dim} must be even: rotary embeddings rotate "
                    f"pairs of dims; use e.g. {m.qk_pos_emb_head_dim + 1}")
