@@ -36,7 +36,7 @@ def rank_params(job: JobConfig) -> int:
     h, f, hd = m.hidden_size, m.ffn_hidden_size, m.head_dim
     attention = h * (m.num_attention_heads + 2 * m.num_query_groups) * hd // tp + m.num_attention_heads * hd * h // tp
     if m.is_moe:
-        mlp = m.num_moe_experts // ep * 3 * h * f // etp + h * m.num_moe_experts
+        mlp = m.num_moe_experts // ep * 3 * h * m.expert_ffn_hidden_size // etp + h * m.num_moe_experts
     else:
         mlp = 3 * h * f // tp
     per_layer = attention + mlp + 2 * h
