@@ -195,3 +195,98 @@ def test_expert_bias_updates_from_global_loads():
                 f"step {step}, rank {rank}: bias {biases[step].tolist()} != {gate.e_score_correction_bias.tolist()}")
     # The bias changed the routing: the later steps checked the biased choice.
     assert changed
+
+
+# ---------------------------------------------------------------------------------------------
+# The sequence-wise aux loss, the MoE layers of a model, the spec's refusals
+# ---------------------------------------------------------------------------------------------
+
+
+def test_seq_aux_loss_is_the_mean_of_each_sequences_switch_loss():
+    """DeepSeek-V3's sequence-wise balance loss: per sequence b, ``coeff * sum_e f_be P_be`` with
+    ``f_be = E / (k S) * (choices of e in b)`` and ``P_be`` the mean normalised score; averaged
+    over the sequences (Megatron's seq_aux_loss). Independent loops over the sequences here."""
+    cfg = _model_config(**DEEPSEEK_ROUTING, moe_router_load_balancing_type="seq_aux_loss")
+    weight = torch.randn(E_DS, H, generator=torch.Generator().manual_seed(3))
+    router = TopKRouter(weight, 4, aux_loss_coeff=0.1, routing=Routing.of(cfg))
+    x = torch.randn(SEQ, BATCH, H, generator=torch.Generator().manual_seed(4))
+    got = router(x.reshape(-1, H), BATCH)[2].detach()
+    want = 0.0
+    for b in range(BATCH):
+        scores = torch.sigmoid(x[:, b] @ weight.t())
+        scores = scores / scores.sum(-1, keepdim=True)
+        picked = torch.topk(scores, 4).indices
+        f = torch.stack([(picked == e).sum() for e in range(E_DS)]).float() * E_DS / (4 * SEQ)
+        want += 0.1 * (f * scores.mean(0)).sum() / BATCH
+    assert abs(float(got) - float(want)) <= 1e-6 * abs(float(want))
+    microbatch = TopKRouter(weight, 4, aux_loss_coeff=0.1, routing=Routing.of(_model_config(**DEEPSEEK_ROUTING)))
+    assert abs(float(microbatch(x.reshape(-1, H), BATCH)[2]) - float(want)) > 1e-3 * abs(float(want))
+
+
+@pytest.mark.parametrize("freq,moe_layers", [(1, [0, 1, 2, 3]), (2, [0, 2]), ((0, 1, 1, 1), [1, 2, 3])])
+def test_moe_layer_freq_picks_the_moe_layers(freq, moe_layers):
+    from workers.model import MLP, ModelChunk
+    from workers.parallel.expert import MoELayer
+
+    cfg = ModelConfig(num_layers=4, hidden_size=H, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=40,
+                      vocab_size=32, seq_length=SEQ, num_moe_experts=4, moe_ffn_hidden_size=F, moe_layer_freq=freq)
+    chunk = ModelChunk(cfg, ShardContext(), [0, 1, 2, 3], pre_process=True, post_process=True,
+                       positions=torch.arange(SEQ))
+    assert [i for i, layer in enumerate(chunk.layers) if isinstance(layer.mlp, MoELayer)] == moe_layers
+    for i, layer in enumerate(chunk.layers):
+        if i not in moe_layers:
+            assert isinstance(layer.mlp, MLP) and layer.mlp.down.weight.shape == (H, 40)  # the dense ffn
+        else:
+            assert layer.mlp.experts.w_down.shape == (4, H, F)
+
+
+def _spec(**model):
+    return {"name": "t", "model": {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
+                                   "ffn_hidden_size": 64, "num_moe_experts": 8, "moe_router_topk": 4, **model},
+            "parallel": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+            "training": {"train_iters": 1, "global_batch_size": 2, "micro_batch_size": 1},
+            "resources": {"num_nodes": 1, "gpus_per_node": 2}}
+
+
+@pytest.mark.parametrize("model,needles", [
+    ({"moe_router_num_groups": 3, "moe_router_group_topk": 1}, ["moe_router_num_groups 3 does not divide "
+                                                                "num_moe_experts 8"]),
+    ({"moe_router_num_groups": 2, "moe_router_group_topk": 3}, ["moe_router_group_topk 3 > moe_router_num_groups 2"]),
+    ({"moe_router_num_groups": 4, "moe_router_group_topk": 1}, ["moe_router_topk 4 > moe_router_group_topk 1 x "
+                                                                "experts per group 2"]),
+    ({"moe_router_topk": 2, "moe_router_num_groups": 8, "moe_router_group_topk": 4},
+     ["moe_router_group_topk 4 > moe_router_topk 2"]),
+    ({"moe_router_num_groups": 2}, ["moe_router_num_groups and moe_router_group_topk go together"]),
+    ({"moe_router_enable_expert_bias": True}, ["moe_router_enable_expert_bias needs moe_router_score_function: "
+                                               "sigmoid"]),
+    ({"moe_router_score_function": "sigmoid", "moe_router_pre_softmax": True}, ["moe_router_pre_softmax"]),
+    ({"moe_router_score_function": "relu"}, ["model.moe_router_score_function"]),
+    ({"moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.01}, ["moe_aux_loss_coeff 0.01",
+                                                                              "set it to 0"]),
+    ({"moe_layer_freq": [0, 1, 1]}, ["moe_layer_freq [0, 1, 1] must list model.num_layers 4 values",
+                                     "[0, 1, 1, 1]"]),
+    ({"moe_layer_freq": [0, 2, 1, 1]}, ["moe_layer_freq [0, 2, 1, 1]"]),
+    ({"moe_layer_freq": 5}, ["moe_layer_freq 5 must be between 1 and model.num_layers 4"]),
+    ({"moe_ffn_hidden_size": 33}, ["model.moe_ffn_hidden_size 33", "expert_tensor_parallel_size 2"]),
+    ({"moe_shared_expert_intermediate_size": 33}, ["model.moe_shared_expert_intermediate_size 33",
+                                                   "tensor_model_parallel_size 2"]),
+    ({"num_moe_experts": None, "moe_router_score_function": "sigmoid"},
+     ["model.moe_router_score_function is for MoE models"]),
+    ({"moe_router_bias_update_rate": 0}, ["model.moe_router_bias_update_rate"]),
+])
+def test_bad_routing_fields_are_refused_naming_them(model, needles):
+    from service.spec.spec import parse_spec
+
+    with pytest.raises(ValueError) as e:
+        parse_spec(_spec(**model))
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_routing_fields_reach_the_model_config():
+    from service.spec.spec import parse_spec, to_job_config
+
+    m = to_job_config(parse_spec(_spec(**DEEPSEEK_ROUTING | {"num_moe_experts": 8, "moe_layer_freq": [0, 1, 1, 1],
+                                                             "moe_router_enable_expert_bias": True}))).model
+    assert Routing.of(m) == Routing("sigmoid", False, 2.5, 4, 2, True, 1e-3, "aux_loss")
+    assert m.moe_layer_freq == (0, 1, 1, 1) and [m.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
