@@ -54,6 +54,19 @@ def tiny_spec(*, moe: bool = False, world: int = 1, parallel: dict | None = None
     return spec
 
 
+# DeepSeek-V3-style routing, every MoE routing feature at once: sigmoid scores, group-limited top-k,
+# (8 experts in 2 groups: a token picks 2 of the best group's 4), the aux-loss-free expert bias (a
+# large rate, so the bias moves the routing within the run), topk
+# scaling, shared experts, an expert ffn of its own, a dense first layer, and the sequence-wise aux
+# loss (V3_TRAIN: 2 sequences per microbatch, so it differs from the microbatch's).
+V3_MODEL = {"num_moe_experts": 8, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
+            "moe_router_score_function": "sigmoid", "moe_router_num_groups": 2, "moe_router_group_topk": 1,
+            "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.01,
+            "moe_router_topk_scaling_factor": 2.5, "moe_shared_expert_intermediate_size": 32,
+            "moe_ffn_hidden_size": 48, "moe_layer_freq": [0, 1, 1, 1], "moe_router_load_balancing_type": "seq_aux_loss"}
+V3_TRAIN = {"micro_batch_size": 2}
+
+
 def job_of(spec: dict):
     return to_job_config(parse_spec(spec))
 

@@ -6,7 +6,7 @@ its gradient, must not depend on how the tokens of a microbatch are sharded over
 
 import pytest
 
-from tests.parity import check_layout, tiny_spec
+from tests.parity import V3_MODEL, V3_TRAIN, check_layout, tiny_spec
 
 pytestmark = pytest.mark.slow
 
@@ -38,16 +38,7 @@ LAYOUTS = {
 }
 
 
-# DeepSeek-V3-style routing, every new MoE feature at once: sigmoid scores, group-limited top-k,
-# the aux-loss-free expert bias (a large rate, so the bias moves the routing within the run),
-# topk scaling, shared experts, an expert ffn of its own, a dense first layer, and the
-# sequence-wise aux loss (2 sequences per microbatch, so it differs from the microbatch's).
-V3 = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
-      "moe_router_score_function": "sigmoid", "moe_router_num_groups": 2, "moe_router_group_topk": 1,
-      "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.01,
-      "moe_router_topk_scaling_factor": 2.5, "moe_shared_expert_intermediate_size": 32,
-      "moe_ffn_hidden_size": 48, "moe_layer_freq": [0, 1, 1, 1], "moe_router_load_balancing_type": "seq_aux_loss"}
-V3_TRAINING = {"micro_batch_size": 2}
+# DeepSeek-V3-style routing (tests.parity.V3_MODEL: every MoE routing feature at once).
 V3_LAYOUTS = {
     "v3-tp2-sp-ep2-etp2": (4, {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                "expert_model_parallel_size": 2}),
@@ -61,8 +52,8 @@ V3_LAYOUTS = {
 @pytest.mark.parametrize("name", list(V3_LAYOUTS))
 def test_deepseek_v3_routing_layout_matches_single_process(name):
     world, parallel = V3_LAYOUTS[name]
-    spec = tiny_spec(world=world, parallel=parallel, training=V3_TRAINING, model=V3)
-    per_rank = check_layout(spec, V3, V3_TRAINING)
+    spec = tiny_spec(world=world, parallel=parallel, training=V3_TRAIN, model=V3_MODEL)
+    per_rank = check_layout(spec, V3_MODEL, V3_TRAIN)
     # The biases moved (the check above compared them): each layer's, on some rank, is not all zero.
     moved = {name for r in per_rank for name, bias in r["expert_bias"].items() if bias.any()}
     assert moved == {f"layers.{i}.mlp.router.expert_bias" for i in (1, 2, 3)}
