@@ -43,6 +43,7 @@ from torch import nn
 
 from workers.parallel import comm
 from workers.parallel.initializer import materialize
+from workers.recompute import is_recomputing
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
@@ -132,8 +133,6 @@ class TopKRouter(nn.Module):
         Returns:
             ``(gates [T, k], topk_idx [T, k] int64, aux_loss scalar)``.
         """
-        from workers.recompute import is_recomputing
-
         logits = F.linear(x, self.weight)
         gates, topk_idx = self.route(logits)
         if self.expert_bias is not None and torch.is_grad_enabled() and not is_recomputing():
