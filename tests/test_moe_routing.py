@@ -325,3 +325,17 @@ def _resume_worker(rank, world, job, root):
     biases = {f"layers.{layer.index}.mlp.router.expert_bias": layer.mlp.router.expert_bias.clone()
               for layer in t.chunks[0].layers if hasattr(layer.mlp, "router")}
     return biases, t.train_step()["loss"]
+
+
+def test_expert_bias_stays_float32_through_a_bf16_cast():
+    """A bf16 model keeps its expert biases in float32, unrounded (they hold steps of the update rate)."""
+    router = TopKRouter(torch.randn(E_DS, H), 4, routing=Routing.of(_model_config(
+        **DEEPSEEK_ROUTING, moe_router_enable_expert_bias=True)))
+    with torch.no_grad():
+        router.expert_bias.fill_(0.0123)
+    router.to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16 and router.expert_bias.dtype == torch.float32
+    assert torch.equal(router.expert_bias, torch.full((E_DS,), 0.0123))
+    assert router.tokens_per_expert.dtype == torch.int64
+    router(torch.randn(6, H, dtype=torch.bfloat16))
+    assert int(router.tokens_per_expert.sum()) == 6 * 4

@@ -127,6 +127,15 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = self.tokens_per_expert = None
 
+    def _apply(self, fn, *args, **kwargs):
+        """Module casts (``.to(torch.bfloat16)``) and moves: the expert bias moves but stays float32,
+        unrounded (as Megatron keeps it)."""
+        bias = self.expert_bias
+        out = super()._apply(fn, *args, **kwargs)
+        if bias is not None:
+            self._buffers["expert_bias"] = bias.to(device=self.weight.device, dtype=torch.float32)
+        return out
+
     def forward(self, x: torch.Tensor, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Route ``x [T, h]``, ``T = s * batch`` tokens in ``[s, batch]`` order.
 
@@ -153,8 +162,6 @@ class TopKRouter(nn.Module):
         else:
             scores = torch.sigmoid(logits.float())
             if self.expert_bias is not None:
-                if self.expert_bias.dtype != torch.float32:  # a module cast: the bias stays fp32
-                    self.expert_bias.data = self.expert_bias.data.float()
                 topk_idx = self._topk(scores + self.expert_bias)[1]
                 gates = scores.gather(1, topk_idx)
             else:
@@ -210,7 +217,6 @@ class TopKRouter(nn.Module):
     def apply_bias_update(self, global_counts: torch.Tensor) -> None:
         """``bias += rate * sign(mean load - load)`` from the global batch's counts; resets the count."""
         counts = global_counts.to(torch.float32)
-        self.expert_bias.data = self.expert_bias.data.float()
         self.expert_bias.add_(torch.sign(counts.mean() - counts) * self.routing.bias_update_rate)
         self.tokens_per_expert.zero_()
 
