@@ -339,3 +339,16 @@ def test_expert_bias_stays_float32_through_a_bf16_cast():
     assert router.tokens_per_expert.dtype == torch.int64
     router(torch.randn(6, H, dtype=torch.bfloat16))
     assert int(router.tokens_per_expert.sum()) == 6 * 4
+
+
+def test_bf16_training_with_deepseek_v3_routing():
+    """bf16 compute (fp32 main params): the routing trains, the biases stay float32 and move."""
+    from tests.parity import V3_MODEL, V3_TRAIN, job_of, tiny_spec
+    from workers.train import Trainer
+
+    t = Trainer(job_of(tiny_spec(model=V3_MODEL, training={**V3_TRAIN, "bf16": True})), 0, 1)
+    losses = [t.train_step()["loss"] for _ in range(3)]
+    assert all(5.0 < loss < 6.0 for loss in losses) and losses[-1] < losses[0]
+    for layer in t.chunks[0].layers[1:]:
+        assert layer.mlp.router.weight.dtype == torch.bfloat16
+        assert layer.mlp.router.expert_bias.dtype == torch.float32 and layer.mlp.router.expert_bias.any()
