@@ -69,7 +69,8 @@ class SwiGLUExperts(nn.Module):
             )
         if ffn % etp:
             raise ValueError(
-                f"ffn_hidden_size ({ffn}) is not divisible by expert_tensor_parallel_size ({etp}); "
+                f"the experts' ffn (moe_ffn_hidden_size, default ffn_hidden_size) {ffn} is not divisible by "
+                f"expert_tensor_parallel_size ({etp}); "
                 f"use an ETP size that divides {ffn}"
             )
         self.num_experts, self.hidden_size = num_experts, hidden
