@@ -69,7 +69,7 @@ class SwiGLUExperts(nn.Module):
             )
         if ffn % etp:
             raise ValueError(
-                f"the experts' ffn (moe_ffn_hidden_size, default ffn_hidden_size) {ffn} is not divisible by "
+                f"the experts' ffn, moe_ffn_hidden_size or else ffn_hidden_size ({ffn}), is not divisible by "
                 f"expert_tensor_parallel_size ({etp}); "
                 f"use an ETP size that divides {ffn}"
             )
