@@ -58,8 +58,9 @@ class Shapes:
         freq = m.moe_layer_freq
         return cls(m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups or m.num_attention_heads,
                    m.ffn_hidden_size or 4 * m.hidden_size, m.vocab_size, m.seq_length, m.num_moe_experts,
-                   m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size,
-                   tuple(freq) if isinstance(freq, list) else freq)
+                   m.moe_router_topk, expert_ffn=m.moe_ffn_hidden_size,
+                   shared_ffn=m.moe_shared_expert_intermediate_size,
+                   moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq)
 
     def is_moe_layer(self, index: int) -> bool:
         if not self.experts:
