@@ -352,3 +352,21 @@ def test_bf16_training_with_deepseek_v3_routing():
     for layer in t.chunks[0].layers[1:]:
         assert layer.mlp.router.weight.dtype == torch.bfloat16
         assert layer.mlp.router.expert_bias.dtype == torch.float32 and layer.mlp.router.expert_bias.any()
+
+
+def test_spec_validation_of_routing_imports_no_torch():
+    """The spec's routing rules are pure (service/spec imports no torch): a DeepSeek-V3-style spec
+    and a refused one are checked without it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; from service.spec.spec import parse_spec; from tests.parity import V3_MODEL, tiny_spec\n"
+            "parse_spec(tiny_spec(model=V3_MODEL))\n"
+            "try: parse_spec(tiny_spec(model={**V3_MODEL, 'moe_router_group_topk': 3}))\n"
+            "except ValueError as e: assert 'moe_router_group_topk 3' in str(e)\n"
+            "else: raise SystemExit('not refused')\n"
+            "sys.stderr.write(str('torch' in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).parent.parent)
+    assert p.returncode == 0 and p.stderr.endswith("False"), p.stderr

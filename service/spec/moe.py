@@ -5,6 +5,7 @@ their conversion to :class:`workers.config.ModelConfig` fields."""
 from __future__ import annotations
 
 from service.spec.sections import ModelSpec
+from workers.routing import Routing, routing_problem
 
 ROUTING_FIELDS = ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_score_function",
                   "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
@@ -15,8 +16,6 @@ ROUTING_FIELDS = ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", 
 def moe_problems(m: ModelSpec, tp: int, etp: int) -> list[str]:
     """Problems of the MoE routing fields (the expert count and parallel sizes are checked in
     :func:`service.spec.spec.spec_problems`)."""
-    from workers.parallel.router import Routing, routing_problem
-
     if not m.num_moe_experts:
         return [f"model.{name} is for MoE models; set model.num_moe_experts or drop it"
                 for name in ROUTING_FIELDS if getattr(m, name) != ModelSpec.model_fields[name].default]
