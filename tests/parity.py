@@ -8,7 +8,8 @@ A layout passes when, against a single process running the same spec:
 * after the last step, every copy of a replicated parameter (over TP, CP, DP, expert-DP) is
   bit-identical to every other copy;
 * every iteration's global grad norm agrees to 1e-5 and the LR to 1e-12, and the validation
-  loss (one evaluation after the last iteration) to 1e-6.
+  loss (one evaluation after the last iteration) to 1e-6;
+* every MoE expert bias (aux-loss-free balancing) equals the single process's after the last step.
 
 The parity job clips at ``clip_grad: 0.05``, below every iteration's grad norm, so clipping
 is active in every step of every layout (the acceptance test of issue 12), and evaluates once
@@ -51,6 +52,19 @@ def tiny_spec(*, moe: bool = False, world: int = 1, parallel: dict | None = None
         "resources": {"num_nodes": 1, "gpus_per_node": world},
     }
     return spec
+
+
+# DeepSeek-V3-style routing, every MoE routing feature at once: sigmoid scores, group-limited top-k,
+# (8 experts in 2 groups: a token picks 2 of the best group's 4), the aux-loss-free expert bias (a
+# large rate, so the bias moves the routing within the run), topk
+# scaling, shared experts, an expert ffn of its own, a dense first layer, and the sequence-wise aux
+# loss (V3_TRAIN: 2 sequences per microbatch, so it differs from the microbatch's).
+V3_MODEL = {"num_moe_experts": 8, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01,
+            "moe_router_score_function": "sigmoid", "moe_router_num_groups": 2, "moe_router_group_topk": 1,
+            "moe_router_enable_expert_bias": True, "moe_router_bias_update_rate": 0.01,
+            "moe_router_topk_scaling_factor": 2.5, "moe_shared_expert_intermediate_size": 32,
+            "moe_ffn_hidden_size": 48, "moe_layer_freq": [0, 1, 1, 1], "moe_router_load_balancing_type": "seq_aux_loss"}
+V3_TRAIN = {"micro_batch_size": 2}
 
 
 def job_of(spec: dict):
@@ -104,9 +118,12 @@ def run_trainer(rank, world_size, job, iters=ITERS) -> dict:
     # An empty capture would make every gradient check vacuous (both sides empty): fail instead.
     assert captured or not iters, "the optimizer step the trainer calls was not hooked: no gradients captured"
     shards = {name: s for name, _, s in _named(trainer)}
+    biases = {f"layers.{layer.index}.mlp.router.expert_bias": layer.mlp.router.expert_bias.numpy().copy()
+              for chunk in trainer.chunks for layer in chunk.layers
+              if getattr(getattr(layer.mlp, "router", None), "expert_bias", None) is not None}
     params = {name: p.detach().float().numpy().copy() for name, p, _ in _named(trainer)}
     return {"losses": [m["loss"] for m in metrics], "aux": [m["moe_aux_loss"] for m in metrics],
-            "grads": captured, "params": params, "shards": shards, "metrics": metrics}
+            "grads": captured, "params": params, "shards": shards, "metrics": metrics, "expert_bias": biases}
 
 
 @functools.lru_cache(maxsize=16)
@@ -205,4 +222,13 @@ def check_layout(spec: dict, model: dict | None = None, training: dict | None = 
         err = np.abs(got_grad - want).max() / np.abs(want).max()
         assert err <= grad_rtol, f"iteration-0 gradient of {name}: relative error {err:.2e}"
     assemble(per_rank, "params")  # asserts replicas bit-equal
+    # Aux-loss-free balancing: every rank's expert biases (updated from the global loads) are the
+    # single process's, exactly; together the ranks hold every layer's.
+    held = set()
+    for r, result in enumerate(per_rank):
+        for name, bias in result["expert_bias"].items():
+            assert np.array_equal(bias, ref["expert_bias"][name]), (
+                f"rank {r}: {name} {bias.tolist()} != single-process {ref['expert_bias'][name].tolist()}")
+            held.add(name)
+    assert held == set(ref["expert_bias"])
     return per_rank

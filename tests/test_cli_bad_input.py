@@ -93,3 +93,11 @@ def test_serve_fault_syntax(tmp_path):
     line = refused("serve", "--fault", "1@2:exit", "--fault", "0@1:boom", "--data-dir", str(tmp_path / "data"))
     assert "--fault" in line and "kind must be one of raise, exit, hang, save" in line, line
     assert not (tmp_path / "data").exists()
+
+
+def test_moe_routing_groups_that_do_not_fit(tmp_path):
+    """MoE routing (issue 21): group-limited routing whose chosen groups hold fewer experts than top-k."""
+    line = run_refused(spec_file(tmp_path, model={
+        "num_moe_experts": 8, "moe_router_topk": 4, "moe_router_score_function": "sigmoid",
+        "moe_router_num_groups": 4, "moe_router_group_topk": 1}))
+    assert "moe_router_topk 4 > moe_router_group_topk 1 x experts per group 2" in line and "raise group_topk" in line

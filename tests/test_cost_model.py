@@ -224,3 +224,16 @@ def test_step_time_parts():
     across = ours(parse_spec(data))["step_seconds"]
     assert across["dp"] / step["dp"] == pytest.approx(450 / 50, rel=0.01)
     assert ParallelGrid(16, pp=2, order="tp-cp-ep-pp-dp").groups("dp")[0] == [0, 2, 4, 6, 8, 10, 12, 14]
+
+
+def test_megatron_flops_with_deepseek_v3_routing():
+    """Megatron's per-layer MLP average: 1 dense layer (ffn 64) and 3 MoE layers of top-2 x expert ffn
+    48 + shared 32 (tests.parity.V3_MODEL)."""
+    from tests.parity import V3_MODEL, tiny_spec
+
+    s = Shapes.of(parse_spec(tiny_spec(model=V3_MODEL)))
+    h, L, seq = 32, 4, 16
+    attention = 1 + 2 / 4 + seq / h / 2
+    mlp = (64 + 3 * (2 * 48 + 32)) / L / h * 1.5
+    want = 12 * 8 * seq * L * h * h * (attention + mlp + 256 / (2 * L * h))
+    assert cost.megatron_flops(s, 8) == pytest.approx(want, rel=1e-12)

@@ -6,7 +6,7 @@ its gradient, must not depend on how the tokens of a microbatch are sharded over
 
 import pytest
 
-from tests.parity import check_layout, tiny_spec
+from tests.parity import V3_MODEL, V3_TRAIN, check_layout, tiny_spec
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +36,30 @@ LAYOUTS = {
     "moe-aux1-tp2-sp-cp2": (True, 4, {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                       "context_parallel_size": 2}, None, {"moe_aux_loss_coeff": 1.0}),
 }
+
+
+# DeepSeek-V3-style routing (tests.parity.V3_MODEL: every MoE routing feature at once).
+V3_LAYOUTS = {
+    "v3-tp2-sp-ep2-etp2": (4, {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                               "expert_model_parallel_size": 2}),
+    "v3-tp2-sp": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    "v3-pp2-vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
+    "v3-dp2-distopt": (2, {"use_distributed_optimizer": True}),
+    "v3-cp2-ep2": (4, {"context_parallel_size": 2, "expert_model_parallel_size": 2}),
+    # full recompute reruns the routers in backward: their loads must count once
+    "v3-tp2-sp-recompute": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+                            {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2}),
+}
+
+
+@pytest.mark.parametrize("name", list(V3_LAYOUTS))
+def test_deepseek_v3_routing_layout_matches_single_process(name):
+    world, parallel, recompute = (V3_LAYOUTS[name] + ({},))[:3]
+    spec = tiny_spec(world=world, parallel=parallel, training=V3_TRAIN, model={**V3_MODEL, **recompute})
+    per_rank = check_layout(spec, V3_MODEL, V3_TRAIN)
+    # The biases moved (the check above compared them): each layer's, on some rank, is not all zero.
+    moved = {name for r in per_rank for name, bias in r["expert_bias"].items() if bias.any()}
+    assert moved == {f"layers.{i}.mlp.router.expert_bias" for i in (1, 2, 3)}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -46,6 +46,27 @@ def test_parameter_counts_match_the_real_model(moe, stage):
         assert p["dense"] + p["expert"] == numel  # mutation: the output layer on stage 0 -> off by vocab x hidden
 
 
+@pytest.mark.parametrize("stage", [None, 0, 1])
+def test_parameter_counts_with_deepseek_v3_routing(stage):
+    """Expert ffn, shared experts and a dense first layer (tests.parity.V3_MODEL), per pp stage."""
+    import torch
+
+    from tests.parity import V3_MODEL
+    from workers.model import ModelChunk, ShardContext
+
+    spec = spec_of(model=V3_MODEL)
+    layers = list(range(4)) if stage is None else [2 * stage, 2 * stage + 1]
+    chunk = ModelChunk(to_job_config(spec).model, ShardContext(seed=1), layers, pre_process=stage in (None, 0),
+                       post_process=stage in (None, 1), positions=torch.arange(16))
+    numel = sum(p.numel() for p in chunk.parameters())
+    if stage is None:
+        assert plan_job(spec)["model_parameters"] == numel
+    else:
+        grid = ParallelGrid(2, pp=2)
+        p = rank_parameters(Shapes.of(spec), grid, grid.rank_of(pp=stage))
+        assert p["dense"] + p["expert"] == numel
+
+
 def _shard_numel(rank, world_size, job):
     from workers.train import Trainer
 

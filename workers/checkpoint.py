@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from workers.checkpoint_layout import ParamView, param_views
+from workers.checkpoint_layout import ParamView, buffer_views, param_views
 from workers.checkpoint_storage import (FORMAT, MANIFEST, VERSION, Storage, checkpoint_name, crc32, prune,
                                         wait_for_files)
 from workers.grid import COORDS
@@ -63,10 +63,11 @@ class Piece:
 
 
 def local_pieces(trainer) -> list[tuple[Piece, torch.Tensor]]:
-    """Every piece this rank holds, with a view of its live data (model, then moments)."""
+    """Every piece this rank holds, with a view of its live data (model and its buffers such as
+    the MoE expert biases, then moments)."""
     views = param_views(trainer)
     out = [(Piece(f"model/{v.name}", v.shape, v.box.offsets, v.box.lengths), v.logical(v.param.detach()))
-           for v in views]
+           for v in views + buffer_views(trainer)]
     opt = trainer.optimizer
     by_id = {id(v.param): v for v in views}
     master = getattr(opt, "low_precision", False)

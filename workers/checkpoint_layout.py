@@ -104,6 +104,20 @@ def param_views(trainer) -> list[ParamView]:
     return views
 
 
+def buffer_views(trainer) -> list[ParamView]:
+    """The model state kept beside the parameters (not trained by the optimizer, the same on
+    every rank of a pipeline stage), as :class:`ParamView` s of whole tensors: each MoE router's
+    expert bias, ``layers.i.mlp.router.expert_bias [E]`` float32 (aux-loss-free balancing)."""
+    views = []
+    for chunk in trainer.chunks:
+        for layer in chunk.layers:
+            bias = getattr(getattr(layer.mlp, "router", None), "expert_bias", None)
+            if bias is not None:
+                name = f"layers.{layer.index}.mlp.router.expert_bias"
+                views.append(ParamView(name, tuple(bias.shape), Box((0,), tuple(bias.shape)), bias))
+    return views
+
+
 def fill(target: torch.Tensor, target_box: Box, piece_box: Box, data: torch.Tensor,
          flat: tuple[int, int] | None, covered: torch.Tensor) -> None:
     """Copy the part of a stored piece that overlaps ``target_box`` into ``target``.

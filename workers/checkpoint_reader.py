@@ -20,7 +20,7 @@ import math
 import torch
 
 from workers.checkpoint import set_rng_state
-from workers.checkpoint_layout import Box, fill, param_views
+from workers.checkpoint_layout import Box, buffer_views, fill, param_views
 from workers.checkpoint_storage import MANIFEST, Storage, crc32, latest_checkpoint, read_manifest
 from workers.grid import COORDS
 from workers.hf_interop import HFReader
@@ -30,6 +30,8 @@ from workers.hf_interop import HFReader
 MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                 "vocab_size", "num_moe_experts", "moe_router_topk", "rotary_base", "norm_epsilon",
                 "add_qkv_bias", "qk_layernorm", "kv_channels", "untie_embeddings_and_output_weights")
+MODEL_FIELDS += ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_score_function",
+                 "moe_layer_freq")  # MoE routing (issue 21)
 
 
 class CheckpointReader:
@@ -144,6 +146,8 @@ def check_model(source, model_config, where: str) -> None:
 
 
 def _differs(a, b) -> bool:
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):  # JSON gives lists for tuples
+        return not isinstance(a, (list, tuple)) or not isinstance(b, (list, tuple)) or list(a) != list(b)
     if isinstance(a, float) or isinstance(b, float):
         return a is None or b is None or abs(float(a) - float(b)) > 1e-12 * max(abs(float(a)), 1.0)
     return a != b
@@ -171,6 +175,9 @@ def load_checkpoint(trainer, source) -> dict:
             raise ValueError(f"{where}: {v.name} has shape {source.shape(key)}, this model needs {v.shape}; "
                              f"it is a checkpoint of another model")
         v.assign(v.param.detach(), source.read(key, v.box))
+    for v in buffer_views(trainer):  # MoE expert biases; a source without them (Mixtral) leaves zeros
+        if source.has(f"model/{v.name}"):
+            v.assign(v.param, source.read(f"model/{v.name}", v.box))
     _load_optimizer(trainer, views, source)
     state = source.trainer_state
     if state is not None:

@@ -29,7 +29,7 @@ class ModelConfig:
     vocab_size: int
     seq_length: int
     num_moe_experts: int | None = None
-    """None: dense MLP in every layer; N: every layer's MLP is a mixture of N experts."""
+    """None: dense MLP in every layer; N: the MoE layers' MLP (see moe_layer_freq) is a mixture of N experts."""
     moe_router_topk: int = 2
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing auxiliary loss weight (reported apart from the LM loss)."""
@@ -71,6 +71,43 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = True
     """False: the output layer uses the embedding's weight (with pp > 1 the last stage keeps a
     copy whose gradient is summed with the first stage's over the embedding group)."""
+    # -- MoE routing as DeepSeek-V3 and Qwen3-MoE route (Megatron-Core's names; workers.parallel.router)
+    moe_ffn_hidden_size: int | None = None
+    """Each routed expert's ffn size; None: ffn_hidden_size (which stays the dense layers')."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Shared experts' total ffn size (a SwiGLU MLP every token passes, TP-sharded like the dense
+    MLP, added to the routed output); None: no shared experts."""
+    moe_router_score_function: str = "softmax"
+    """softmax | sigmoid (DeepSeek-V3: sigmoid, the top-k scores normalised to sum 1)."""
+    moe_router_pre_softmax: bool = False
+    """softmax: the softmax over all experts before the top-k (Qwen3-MoE norm_topk_prob: false);
+    False: a softmax over the k chosen logits (normalised: Mixtral, norm_topk_prob: true)."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiplies the gates (DeepSeek-V3's routed_scaling_factor)."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: experts in this many equal groups ..."""
+    moe_router_group_topk: int | None = None
+    """... of which each token may use this many (ranked by the sum of their top topk/group_topk scores)."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias added to the scores for the top-k choice only."""
+    moe_router_bias_update_rate: float = 1e-3
+    """After each step: bias += rate * sign(mean load - load), loads counted over the global batch."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """aux_loss (over each microbatch) | seq_aux_loss (per sequence, averaged) | none."""
+    moe_layer_freq: int | tuple[int, ...] = 1
+    """N: layers 0, N, 2N, ... are MoE; a tuple: 1 (MoE) or 0 (dense) per layer."""
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether global layer ``index`` has a mixture of experts (else the dense MLP)."""
+        if not self.is_moe:
+            return False
+        if isinstance(self.moe_layer_freq, int):
+            return index % self.moe_layer_freq == 0
+        return bool(self.moe_layer_freq[index])
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     @property
     def head_dim(self) -> int:

@@ -31,7 +31,7 @@ from workers.fused import swiglu
 from workers.mla import MLAttention
 from workers.parallel import comm
 from workers.parallel.context import cp_positions
-from workers.parallel.expert import MoELayer
+from workers.parallel.expert import MoELayer, Routing
 from workers.parallel.initializer import Cat, NormalInit, Zeros
 from workers.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from workers.recompute import is_recomputing, run_layers
@@ -78,9 +78,10 @@ class MLP(nn.Module):
     """SwiGLU. Gate and up share one column-parallel layer (one SP all-gather, not two):
     its full weight interleaves them per TP shard so rank r holds ``[gate_r; up_r]``."""
 
-    def __init__(self, cfg: ModelConfig, ctx: ShardContext, prefix: str):
+    def __init__(self, cfg: ModelConfig, ctx: ShardContext, prefix: str, ffn_hidden_size: int | None = None):
         super().__init__()
-        h, f, std, sp, tp_size = cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_method_std, ctx.sequence_parallel, ctx.tp_size
+        h, std, sp, tp_size = cfg.hidden_size, cfg.init_method_std, ctx.sequence_parallel, ctx.tp_size
+        f = ffn_hidden_size or cfg.ffn_hidden_size
         gate = NormalInit(ctx.seed, f"{prefix}.gate", (f, h), std)
         up = NormalInit(ctx.seed, f"{prefix}.up", (f, h), std)
         per = f // tp_size
@@ -93,6 +94,23 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """SwiGLU MLP of ``x``, plus ``residual`` if given (folded into the down GEMM)."""
         return self.down(swiglu(self.gate_up(x)), residual)
+
+
+def moe_layer(cfg: ModelConfig, ctx: ShardContext, prefix: str) -> MoELayer:
+    """The MoE of layer ``prefix``: router, routed experts (``moe_ffn_hidden_size``) and, with
+    ``moe_shared_expert_intermediate_size``, shared experts (an :class:`MLP`, ``mlp.shared_mlp``)."""
+    e, h, f, std = cfg.num_moe_experts, cfg.hidden_size, cfg.expert_ffn_hidden_size, cfg.init_method_std
+    shared = cfg.moe_shared_expert_intermediate_size
+    return MoELayer.from_full(
+        NormalInit(ctx.seed, f"{prefix}.router", (e, h), std),
+        NormalInit(ctx.seed, f"{prefix}.experts.gate", (e, f, h), std),
+        NormalInit(ctx.seed, f"{prefix}.experts.up", (e, f, h), std),
+        NormalInit(ctx.seed, f"{prefix}.experts.down", (e, h, f), std),
+        topk=cfg.moe_router_topk, ep_group=ctx.ep_group, etp_group=ctx.etp_group,
+        aux_loss_coeff=cfg.moe_aux_loss_coeff, sequence_parallel=ctx.sequence_parallel,
+        token_group=ctx.token_group, routing=Routing.of(cfg),
+        shared=MLP(cfg, ctx, f"{prefix}.shared_mlp", shared) if shared else None,
+    )
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -126,17 +144,8 @@ class DecoderLayer(nn.Module):
         else:
             self.attention = Attention(cfg, ctx, f"{prefix}.attention")
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
-        if cfg.is_moe:
-            e, h, f, std = cfg.num_moe_experts, cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_method_std
-            self.mlp = MoELayer.from_full(
-                NormalInit(ctx.seed, f"{prefix}.router", (e, h), std),
-                NormalInit(ctx.seed, f"{prefix}.experts.gate", (e, f, h), std),
-                NormalInit(ctx.seed, f"{prefix}.experts.up", (e, f, h), std),
-                NormalInit(ctx.seed, f"{prefix}.experts.down", (e, h, f), std),
-                topk=cfg.moe_router_topk, ep_group=ctx.ep_group, etp_group=ctx.etp_group,
-                aux_loss_coeff=cfg.moe_aux_loss_coeff, sequence_parallel=ctx.sequence_parallel,
-                token_group=ctx.token_group,
-            )
+        if cfg.is_moe_layer(index):
+            self.mlp = moe_layer(cfg, ctx, prefix)
         else:
             self.mlp = MLP(cfg, ctx, f"{prefix}.mlp")
         self.aux_scale = 0.0  # gradient weight of this layer's aux loss, set by the trainer

@@ -58,6 +58,7 @@ from workers.parallel.context import cp_split
 from workers.parallel.optimizer import build_optimizer
 from workers.parallel.pipeline import partition_layers, schedule
 from workers.parallel.pipeline_exec import run_pipeline
+from workers.parallel.router import update_expert_biases
 from workers.parallel.tensor import vocab_parallel_cross_entropy
 from workers.tensorboard import EventWriter
 
@@ -210,6 +211,8 @@ class Trainer:
         loss_sum, grad_norm, skipped, found_inf = torch.cat(
             [self._global_loss_tensor(mb_losses), *pending.tensors()]).tolist()
         info = self.optimizer.finish_step(grad_norm, skipped, found_inf)
+        # Aux-loss-free balancing: every expert bias moves by the global batch's loads.
+        update_expert_biases(self.chunks, self.groups.tp_dp_cp_group)
         loss = loss_sum / scale  # a power of two: exact
         aux = self._global_aux_loss() if self.job.model.is_moe else None
         self.sampler.iteration += 1

@@ -117,8 +117,10 @@ def layer_activation_units(s, *, tp: int, sp: bool) -> float:
     whole_attention = 2 + 2
     if s.mla:
         split_attention, whole_attention = s.mla.activation_units(h, a)
-    if s.experts:
+    if s.experts:  # every layer counted as MoE (an upper bound with moe_layer_freq), plus shared experts
+        f = s.expert_ffn or f
         split_mlp, whole_mlp = 2 + 4 * s.experts / h + 4 * s.topk + 6 * s.topk * f / h, 2
+        split_mlp += 6 * (s.shared_ffn or 0) / h
     else:
         split_mlp, whole_mlp = 6 * f / h, 2 + 2
     split = (split_attention + split_mlp) / tp
@@ -164,11 +166,13 @@ def megatron_flops(s, batch: int, *, recompute: str | None = None) -> float:
     (megatron/training/training.py): 12 s L h^2 x (attention (1 + g/a + s/(2h)) + MLP 1.5 f/h x topk
     + logits V/(2 L h)), causal attention halved. Full recompute adds one forward of the layers."""
     h, L = s.hidden, s.layers
-    routed = s.topk if s.experts else 1
     attention = (1 + s.groups / s.heads + s.seq / h / 2) * (s.heads * s.head_dim / h)
     if s.mla:  # Megatron's MLA count, in the same units
         attention = s.mla.flops_per_token(h, s.heads, s.seq) / (12 * h * h)
-    mlp = s.ffn / h * routed * 1.5
+    # Per layer on average, as Megatron: dense layers' ffn, MoE layers' topk x expert ffn + shared ffn.
+    moe = sum(s.is_moe_layer(i) for i in range(L)) if s.experts else 0
+    moe_ffn = (s.expert_ffn or s.ffn) * s.topk + (s.shared_ffn or 0)
+    mlp = ((L - moe) * s.ffn + moe * moe_ffn) / L / h * 1.5
     logits = s.vocab / (2 * L * h)
     total = 12 * batch * s.seq * L * h * h * (attention + mlp + logits)
     if recompute == "full":

@@ -39,7 +39,7 @@ def rank_params(job: JobConfig) -> int:
     if m.multi_latent_attention:
         attention = MLADims.of(m).parameters(h, m.num_attention_heads, tp)
     if m.is_moe:
-        mlp = m.num_moe_experts // ep * 3 * h * f // etp + h * m.num_moe_experts
+        mlp = m.num_moe_experts // ep * 3 * h * m.expert_ffn_hidden_size // etp + h * m.num_moe_experts
     else:
         mlp = 3 * h * f // tp
     per_layer = attention + mlp + 2 * h

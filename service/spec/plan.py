@@ -56,14 +56,27 @@ class Shapes:
     """The output layer uses the embedding's weight (with pp = 1 it is one tensor)."""
     qkv_bias: bool = False
     qk_norm: bool = False
+    # MoE routing (issue 21): the experts' ffn, the shared experts' ffn, which layers are MoE
+    expert_ffn: int | None = None
+    shared_ffn: int | None = None
+    moe_layer_freq: int | tuple[int, ...] = 1
 
     @classmethod
     def of(cls, spec) -> "Shapes":
         m = spec.model
+        freq = m.moe_layer_freq
         return cls(m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups or m.num_attention_heads,
                    m.ffn_hidden_size or 4 * m.hidden_size, m.vocab_size, m.seq_length, m.num_moe_experts,
                    m.moe_router_topk, mla=MLADims.of(m), kv_channels=m.kv_channels,
-                   tied=not m.untie_embeddings_and_output_weights, qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm)
+                   tied=not m.untie_embeddings_and_output_weights, qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm,
+                   expert_ffn=m.moe_ffn_hidden_size, shared_ffn=m.moe_shared_expert_intermediate_size,
+                   moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq)
+
+    def is_moe_layer(self, index: int) -> bool:
+        if not self.experts:
+            return False
+        freq = self.moe_layer_freq
+        return index % freq == 0 if isinstance(freq, int) else bool(freq[index])
 
     @property
     def head_dim(self) -> int:
@@ -81,20 +94,23 @@ def rank_parameters(s: Shapes, grid: ParallelGrid, rank: int) -> dict[str, int]:
     if s.mla:
         qkv, proj = s.mla.parameters(h, s.heads, tp), 0
     dense_layer = qkv + proj + norms
+    # This stage's layers (Megatron's interleaved assignment over pp x vpp chunks): dense MLP or MoE.
+    chunks = grid.vpp or 1
+    per = s.layers // (grid.pp * chunks)
+    ids = [v * per + i for v in range(c["pp"], grid.pp * chunks, grid.pp) for i in range(per)]
+    moe = sum(s.is_moe_layer(i) for i in ids)
+    dense = len(ids) * dense_layer + (len(ids) - moe) * 3 * s.ffn * h // tp  # gate, up (fused) and down
     expert_layer = 0
-    if s.experts:
-        dense_layer += s.experts * h  # the router is replicated
-        expert_layer = (s.experts // grid.ep) * 3 * s.ffn * h // etp
-    else:
-        dense_layer += 3 * s.ffn * h // tp  # gate, up (fused) and down
-    layers = s.layers // grid.pp
-    dense = layers * dense_layer
+    if moe:
+        # the router is replicated; shared experts are TP-sharded like the dense MLP
+        dense += moe * (s.experts * h + 3 * (s.shared_ffn or 0) * h // tp)
+        expert_layer = (s.experts // grid.ep) * 3 * (s.expert_ffn or s.ffn) * h // etp
     padded = -(-s.vocab // tp) * tp
     if c["pp"] == 0:
         dense += padded // tp * h
     if c["pp"] == grid.pp - 1:
         dense += (0 if s.tied and grid.pp == 1 else padded // tp * h) + h
-    return {"dense": dense, "expert": layers * expert_layer}
+    return {"dense": dense, "expert": moe * expert_layer}
 
 
 def memory(s: Shapes, grid: ParallelGrid) -> list[dict]:

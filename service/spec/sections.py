@@ -44,6 +44,28 @@ class ModelSpec(BaseModel):
     recompute_method: Literal["uniform", "block"] | None = Field(None, description="with full: uniform | block")
     recompute_num_layers: int | None = Field(None, ge=1, description="with full: layers per group (uniform) or "
                                              "recomputed layers per pipeline chunk (block)")
+    # -- MoE routing as DeepSeek-V3 and Qwen3-MoE route (rules: service/spec/moe.py) --
+    moe_ffn_hidden_size: int | None = Field(None, ge=1, description="each routed expert's ffn size; default "
+                                            "ffn_hidden_size (Qwen3-MoE: moe_intermediate_size)")
+    moe_shared_expert_intermediate_size: int | None = Field(
+        None, ge=1, description="shared experts' total ffn size (DeepSeek-V3: n_shared_experts x "
+        "moe_intermediate_size), TP-sharded like the dense MLP; null = no shared experts")
+    moe_router_score_function: Literal["softmax", "sigmoid"] = Field("softmax", description="sigmoid: DeepSeek-V3")
+    moe_router_pre_softmax: bool = Field(False, description="softmax over all experts before the top-k, gates not "
+                                         "renormalised (Qwen3-MoE norm_topk_prob: false); false: softmax over the k "
+                                         "chosen logits (norm_topk_prob: true, Mixtral)")
+    moe_router_topk_scaling_factor: float | None = Field(None, gt=0, description="multiplies the gates "
+                                                         "(DeepSeek-V3 routed_scaling_factor)")
+    moe_router_num_groups: int | None = Field(None, ge=1, description="group-limited routing: expert groups "
+                                              "(DeepSeek-V3 n_group)")
+    moe_router_group_topk: int | None = Field(None, ge=1, description="groups a token may use (topk_group)")
+    moe_router_enable_expert_bias: bool = Field(False, description="aux-loss-free balancing: a per-expert bias "
+                                                "for the top-k choice, updated from the global loads (sigmoid)")
+    moe_router_bias_update_rate: float = Field(1e-3, gt=0, description="the bias step per iteration")
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = Field(
+        "aux_loss", description="the moe_aux_loss_coeff loss: per microbatch, per sequence, or none")
+    moe_layer_freq: int | list[int] = Field(1, description="N: layers 0, N, 2N... are MoE; or one 1 (MoE) / "
+                                            "0 (dense) per layer, e.g. DeepSeek's first_k_dense_replace 1: [0,1,1,...]")
     # Multi-latent attention (DeepSeek-V2/V3) and YaRN: rules in service/spec/mla.py, model in workers/mla.py.
     multi_latent_attention: bool = Field(False, description="DeepSeek-V2/V3 multi-latent attention (no GQA: "
                                          "leave num_query_groups unset)")

@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from service.spec.auto import PARALLEL_AUTO, auto_fields, resolve, search_once
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.mla import config_fields as mla_config_fields, mla_problems
+from service.spec.moe import moe_fields, moe_problems
 from service.spec.sections import (  # noqa: F401 (the sections are part of this module's interface)
     STRICT, Auto, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
     from_hf_problems, resources_problems, training_problems)
@@ -180,13 +181,12 @@ def spec_problems(spec: JobSpec) -> list[str]:
             out.append(f"model.num_moe_experts {m.num_moe_experts} is not divisible by expert_model_parallel_size {ep}")
         if m.moe_router_topk > m.num_moe_experts:
             out.append(f"model.moe_router_topk {m.moe_router_topk} > model.num_moe_experts {m.num_moe_experts}")
-        if ffn % etp:
-            out.append(f"model.ffn_hidden_size {ffn} is not divisible by expert_tensor_parallel_size {etp}")
         if tp > 1 and not p.sequence_parallel:
             out.append(f"MoE with tensor_model_parallel_size {tp} needs parallel.sequence_parallel: true "
                        f"(as in Megatron-Core)")
     elif ep > 1:
         out.append(f"expert_model_parallel_size {ep} needs model.num_moe_experts (a dense model has no experts)")
+    out.extend(moe_problems(m, tp, etp))
     if grid is not None and (problem := batch_problem(t.global_batch_size, t.micro_batch_size, grid)):
         out.append(problem)
     out.extend(recompute_problems(m, pp))
@@ -319,7 +319,7 @@ def to_job_config(spec: JobSpec) -> JobConfig:
         seq_length=m.seq_length, num_moe_experts=m.num_moe_experts, moe_router_topk=m.moe_router_topk,
         moe_aux_loss_coeff=m.moe_aux_loss_coeff, rotary_base=m.rotary_base, norm_epsilon=m.norm_epsilon,
         recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
-        recompute_num_layers=m.recompute_num_layers, **mla_config_fields(m),
+        recompute_num_layers=m.recompute_num_layers, **mla_config_fields(m), **moe_fields(m),
         add_qkv_bias=m.add_qkv_bias, qk_layernorm=m.qk_layernorm,
         kv_channels=None if m.kv_channels and m.kv_channels * m.num_attention_heads == m.hidden_size else m.kv_channels,
         untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
