@@ -89,7 +89,7 @@ class DDPRunner:
         import torch
         import torch.distributed as dist
 
-        from workers.parallel.tensor import vocab_parallel_cross_entropy
+        from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
 
         t0 = time.perf_counter()
         t = self.job.training

@@ -50,7 +50,7 @@ def saved_bytes(trainer) -> int:
     import torch
 
     import workers.recompute as recompute
-    from workers.parallel.tensor import vocab_parallel_cross_entropy
+    from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
 
     static = {t.untyped_storage().data_ptr() for c in trainer.chunks for t in list(c.parameters()) + list(c.buffers())}
     seen: dict[int, int] = {}

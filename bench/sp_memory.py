@@ -38,7 +38,7 @@ def saved_bytes(trainer) -> dict[str, int]:
     import torch
 
     import workers.model as model_module
-    from workers.parallel.tensor import vocab_parallel_cross_entropy
+    from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
 
     assert len(trainer.chunks) == 1, "one stage holding the whole model"
     chunk = trainer.chunks[0]

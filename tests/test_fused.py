@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from workers.fused import rms_norm, rotary_qkv, rotary_qkv_tables, swiglu
 from workers.model import rotary_tables
-from workers.parallel.tensor import vocab_parallel_cross_entropy
+from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
 def _grads(fn, inputs, seed):

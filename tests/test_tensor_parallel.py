@@ -27,8 +27,8 @@ from workers.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
 )
+from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
 from workers.spawn import run_ranks
 
 pytestmark = pytest.mark.slow

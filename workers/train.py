@@ -59,7 +59,7 @@ from workers.parallel.optimizer import build_optimizer
 from workers.parallel.pipeline import partition_layers, schedule
 from workers.parallel.pipeline_exec import run_pipeline
 from workers.parallel.router import update_expert_biases
-from workers.parallel.tensor import vocab_parallel_cross_entropy
+from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
 from workers.tensorboard import EventWriter
 
 
