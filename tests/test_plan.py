@@ -23,16 +23,19 @@ def spec_of(*, world=1, nodes=1, moe=False, parallel=None, training=None, vocab=
         "resources": {"num_nodes": nodes, "gpus_per_node": world // nodes}})
 
 
-@pytest.mark.parametrize("moe", [False, True, "qwen"])
+@pytest.mark.parametrize("kind", [False, True, "qwen", "deepseek-v3"])
 @pytest.mark.parametrize("stage", [None, 0, 1])
-def test_parameter_counts_match_the_real_model(moe, stage):
+def test_parameter_counts_match_the_real_model(kind, stage):
     """Single process: the whole model, or the layers of one of two pipeline stages ("qwen":
-    QKV bias, q/k norms, head dim 16, tied output: one table at pp 1, a copy on the last stage)."""
+    QKV bias, q/k norms, head dim 16, tied output: one table at pp 1, a copy on the last stage;
+    "deepseek-v3": expert ffn, shared experts and a dense first layer, tests.parity.V3_MODEL)."""
     import torch
 
+    from tests.parity import V3_MODEL
     from workers.model import ModelChunk, ShardContext
 
-    spec = spec_of(moe=moe is True, model=QWEN if moe == "qwen" else None)
+    model = {"qwen": QWEN, "deepseek-v3": V3_MODEL}.get(kind)
+    spec = spec_of(moe=kind is True, model=model)
     job = to_job_config(spec)
     layers = list(range(4)) if stage is None else [2 * stage, 2 * stage + 1]
     chunk = ModelChunk(job.model, ShardContext(seed=1), layers, pre_process=stage in (None, 0),
@@ -44,27 +47,6 @@ def test_parameter_counts_match_the_real_model(moe, stage):
         grid = ParallelGrid(2, pp=2)
         p = rank_parameters(Shapes.of(spec), grid, grid.rank_of(pp=stage))
         assert p["dense"] + p["expert"] == numel  # mutation: the output layer on stage 0 -> off by vocab x hidden
-
-
-@pytest.mark.parametrize("stage", [None, 0, 1])
-def test_parameter_counts_with_deepseek_v3_routing(stage):
-    """Expert ffn, shared experts and a dense first layer (tests.parity.V3_MODEL), per pp stage."""
-    import torch
-
-    from tests.parity import V3_MODEL
-    from workers.model import ModelChunk, ShardContext
-
-    spec = spec_of(model=V3_MODEL)
-    layers = list(range(4)) if stage is None else [2 * stage, 2 * stage + 1]
-    chunk = ModelChunk(to_job_config(spec).model, ShardContext(seed=1), layers, pre_process=stage in (None, 0),
-                       post_process=stage in (None, 1), positions=torch.arange(16))
-    numel = sum(p.numel() for p in chunk.parameters())
-    if stage is None:
-        assert plan_job(spec)["model_parameters"] == numel
-    else:
-        grid = ParallelGrid(2, pp=2)
-        p = rank_parameters(Shapes.of(spec), grid, grid.rank_of(pp=stage))
-        assert p["dense"] + p["expert"] == numel
 
 
 def _shard_numel(rank, world_size, job):
