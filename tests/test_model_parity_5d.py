@@ -56,7 +56,7 @@ V3_LAYOUTS = {
 def test_deepseek_v3_routing_layout_matches_single_process(name):
     world, parallel, recompute = (V3_LAYOUTS[name] + ({},))[:3]
     spec = tiny_spec(world=world, parallel=parallel, training=V3_TRAIN, model={**V3_MODEL, **recompute})
-    per_rank = check_layout(spec, V3_MODEL, V3_TRAIN)
+    per_rank = check_layout(spec, V3_MODEL, V3_TRAIN, grad_rtol=1e-6, norm_rtol=1e-6)
     # The biases moved (the check above compared them): each layer's, on some rank, is not all zero.
     moved = {name for r in per_rank for name, bias in r["expert_bias"].items() if bias.any()}
     assert moved == {f"layers.{i}.mlp.router.expert_bias" for i in (1, 2, 3)}

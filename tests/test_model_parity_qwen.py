@@ -27,7 +27,10 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_qwen_attention_layout_matches_single_process(name):
     world, parallel = LAYOUTS[name]
-    check_layout(tiny_spec(world=world, parallel=parallel, model=QWEN), QWEN)
+    # Gradients at 2e-6, not 1e-6: the q/k norm weights' gradients ([head_dim]) are each a sum over
+    # every token of every head, summed in another order across TP/CP ranks (measured 1.24e-6 on
+    # k_norm; every other gradient and the norms hold 1e-6).
+    check_layout(tiny_spec(world=world, parallel=parallel, model=QWEN), QWEN, grad_rtol=2e-6, norm_rtol=1e-6)
 
 
 def test_bf16_tied_across_pp_with_the_distributed_optimizer():
