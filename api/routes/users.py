@@ -21,12 +21,12 @@ _ERRORS = {401: {"model": ErrorBody}, 403: {"model": ErrorBody}}
 _NAME = Path(pattern=USER_NAME, max_length=64)
 
 
-async def _audited(accounts, admin: str, action: str, target: str, call, *args, **kw):
+async def _audited(accounts, who: str, action: str, target: str, call, /, *args, **kw):
     """``call(*args, **kw)`` in a worker thread, recorded in the audit trail however it ends."""
     try:
         result = await run_in_threadpool(call, *args, **kw)
     except Exception as e:
-        await run_in_threadpool(accounts.record, admin, action, target, status_of(e), message=str(e)[:500])
+        await run_in_threadpool(accounts.record, who, action, target, status_of(e), message=str(e)[:500])
         raise
     return result
 
