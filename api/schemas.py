@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.spec.limits import MAX_PRIORITY
+
 
 class Problem(BaseModel):
     field: str = Field(description="the spec field, e.g. parallel.tensor_model_parallel_size")
@@ -161,7 +163,7 @@ class UserIn(BaseModel):
     gpu_quota: int | None = Field(None, ge=1, le=1 << 20, description="GPU slots the user's running jobs may hold "
                                   "together; a larger job is refused, one that would exceed it waits QUEUED; "
                                   "null: no quota")
-    max_priority: int | None = Field(None, ge=-1000, le=1000, description="the highest priority the user may give a "
+    max_priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="the highest priority the user may give a "
                                      "job; null: the server's --max-user-priority (admins: no cap)")
 
 
