@@ -156,7 +156,7 @@ USER_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 
 
 class UserIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as written: no false for 0
 
     name: str = Field(pattern=USER_NAME, description="lower-case letters, digits, _ . - (at most 64)")
     admin: bool = Field(False, description="may manage users, read the audit trail and see every job")
