@@ -185,6 +185,8 @@ def test_three_users_on_a_2x4_cluster(tmp_path):
         assert r.status_code == 422 and r.json()["errors"][0]["field"] == "priority" and "cap of 0" in r.json()["message"]
         b1 = bob.post("/jobs", json=tiny("b1", world=1, iters=2)).json()["id"]  # fits: it passes alice's waiting job
         assert wait_for(bob, b1, ("SUCCEEDED", "FAILED"))["state"] == "SUCCEEDED"
+        # many scheduler passes later: the reason was recorded once (mutation: an event per pass)
+        assert len(alice.get(f"/jobs/{a2}/events", params={"kind": "waiting"}).json()["events"]) == 1
 
         # each user sees only their own jobs; the admin sees all, with the owner
         assert {j["id"] for j in alice.get("/jobs").json()["jobs"]} == {a1, a2}

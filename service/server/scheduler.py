@@ -116,6 +116,7 @@ class Scheduler:
                 raise JobNotActive(f"job {job_id} is {row['state']} already; only a queued or running job can be "
                                    f"cancelled")
             self._cancelled.add(job_id)
+            self._quota_noted.pop(job_id, None)
             if job_id not in self._held:
                 try:
                     return self.store.update_job(
