@@ -154,7 +154,11 @@ def test_three_users_on_a_2x4_cluster(tmp_path):
         assert cli.returncode == 0, cli.stderr
         bob_token = json.loads(cli.stdout)["token"]
         carol_token = admin.post("/users", json={"name": "carol"}).json()["token"]
-        spare = admin.post("/users/alice/tokens").json()["token"]  # a second token of alice's
+        cli = _cli(srv, TOKEN, "users", "token", "alice", "--json")  # a second token of alice's
+        assert cli.returncode == 0, cli.stderr
+        spare = json.loads(cli.stdout)["token"]
+        cli = _cli(srv, TOKEN, "users", "list", "--json")
+        assert {u["name"] for u in json.loads(cli.stdout)} == {"admin", "alice", "bob", "carol"}, cli.stderr
         assert admin.post("/users", json={"name": "alice"}).status_code == 409
         alice, bob, carol = srv.client(alice_token), srv.client(bob_token), srv.client(carol_token)
         assert alice.get("/me").json() == {"name": "alice", "admin": False, "gpu_quota": 8, "max_priority": None}
@@ -224,12 +228,14 @@ def test_three_users_on_a_2x4_cluster(tmp_path):
         assert alice.post(f"/jobs/{a1}/cancel").status_code == 202
 
         # a revoked token is refused at once; the user's other token too; a new one works
-        assert admin.post("/users/bob/revoke").json() == {"name": "bob", "revoked": 1}
+        cli = _cli(srv, TOKEN, "users", "revoke", "bob", "--json")
+        assert json.loads(cli.stdout) == {"name": "bob", "revoked": 1}, cli.stderr
         assert bob.get("/jobs").status_code == 401  # mutation: no cache drop on revoke -> 200
         listed = {u["name"]: u for u in admin.get("/users").json()["users"]}
         assert (listed["alice"]["tokens"], listed["bob"]["tokens"], listed["admin"]["admin"]) == (2, 0, True)
         assert srv.client(spare).get("/jobs").status_code == 200
-        assert admin.delete("/users/carol").status_code == 204 and carol.get("/jobs").status_code == 401
+        assert _cli(srv, TOKEN, "users", "remove", "carol").returncode == 0
+        assert carol.get("/jobs").status_code == 401 and admin.delete("/users/carol").status_code == 404
 
         # the audit trail lists every action above with its user (REST and CLI)
         entries = admin.get("/audit", params={"limit": 1000}).json()["entries"]
@@ -264,3 +270,12 @@ def test_three_users_on_a_2x4_cluster(tmp_path):
                     pass
         srv.stop()
         srv.kill_runners()
+
+
+@pytest.mark.parametrize("flag, value", [("--submit-burst", "0"), ("--max-queued-per-user", "-1"),
+                                         ("--max-submits-per-minute", "x")])
+def test_bad_limits_are_refused_before_the_server_starts(tmp_path, flag, value):
+    p = subprocess.run([sys.executable, "-m", "api.cli", "serve", "--data-dir", str(tmp_path), flag, value],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and flag in p.stderr and "expected a positive number" in p.stderr, p.stderr
+    assert not (tmp_path / "raytron.db").exists()
