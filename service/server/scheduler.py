@@ -231,10 +231,9 @@ class Scheduler:
             for job, why in plan.over_quota:
                 if self._quota_noted.get(job.id) != why:
                     self._quota_noted[job.id] = why
-                    self.store.append_event(job.id, {"time": time.time(), "kind": "waiting", "state": "QUEUED",
-                                                     "message": why, "data": {"reason": "gpu_quota", "quota":
-                                                     quotas[job.owner], "held": held.get(job.owner, 0),
-                                                     "needed": job.num_gpus}})
+                    data = {"reason": "gpu_quota", "quota": quotas[job.owner], "held": held.get(job.owner, 0),
+                            "needed": job.num_gpus}
+                    self.store.append_event(job.id, JobEvent.now("waiting", JobState.QUEUED, why, data).to_dict())
             for job, refusal in plan.never_fit:
                 self._finish(job.id, JobState.FAILED.value, "never_fits", refusal)
             for admission in plan.start:
