@@ -98,12 +98,12 @@ def test_a_job_over_its_owners_quota_waits_without_blocking_the_queue():
     plan = admit([4, 4], queued, quotas={"alice": 8, "bob": 4}, held={"alice": 4})
     # a-big (8 more for alice, who holds 4 of 8) waits, and does not hold up the two behind it
     assert [a.job.id for a in plan.start] == ["b-small", "a-small"]  # mutation: over-quota job as head -> []
-    assert [j.id for j, _ in plan.over_quota] == ["a-big"]
+    assert [(j.id, held) for j, _, held in plan.over_quota] == [("a-big", 4)]
     assert "alice's running jobs hold 4 of 8 GPU slots and this job needs 8" in plan.over_quota[0][1]
-    assert plan.over_quota[0] in plan.waiting
+    assert plan.over_quota[0][:2] in plan.waiting
     # each start counts against its owner within one pass
     plan = admit([4, 4], [_job("x", 1, "carol"), _job("y", 2, "carol")], quotas={"carol": 4})
-    assert [a.job.id for a in plan.start] == ["x"] and [j.id for j, _ in plan.over_quota] == ["y"]
+    assert [a.job.id for a in plan.start] == ["x"] and [(j.id, h) for j, _, h in plan.over_quota] == [("y", 4)]
     plan = admit([4, 4], [_job("x", 1, "carol"), _job("y", 2, "carol")], quotas={"carol": None})
     assert [a.job.id for a in plan.start] == ["x", "y"]
 
@@ -116,6 +116,37 @@ def test_the_rate_limiter_allows_a_burst_then_the_rate():
     assert limiter.take("v") is None  # per user
     now[0] = 10.0
     assert limiter.take("u") is None and limiter.take("u") is not None
+
+
+def test_the_scheduler_holds_each_owner_to_its_quota_across_a_restart(tmp_path):
+    """Stepped one pass at a time (tests/test_scheduler.py's fake runners, a real store): u's second
+    job waits on u's quota of 2 while v's runs; a restarted scheduler counts the job it re-attaches
+    to; the waiting job starts once u's first one ends."""
+    from service.server.scheduler import Scheduler, StaticCluster
+    from tests.test_scheduler import FakeRunners, finish, spec
+
+    store = JobStore(sqlite_url(tmp_path))
+    try:
+        runners, quotas = FakeRunners(), {"u": 2}
+        sched = Scheduler(store, runners, StaticCluster(3, 2), vanish_grace_s=0.0, quota_of=quotas.get)
+        j1, j2 = (sched.submit(spec(n), owner="u")["id"] for n in ("j1", "j2"))
+        j3 = sched.submit(spec("j3"), owner="v")["id"]
+        sched.step()
+        sched.step()
+        assert runners.launched == [j1, j3]  # mutation: no quota in admit -> j2 takes j3's place
+        waits = store.events(j2, kind="waiting")
+        assert len(waits) == 1 and waits[0]["data"] == {"reason": "gpu_quota", "quota": 2, "held": 2, "needed": 2}
+        runners.known = {j1, j3}
+        again = Scheduler(store, runners, StaticCluster(3, 2), vanish_grace_s=0.0, quota_of=quotas.get)
+        again.recover()
+        again.step()
+        assert runners.launched == [j1, j3]  # a node is free: mutation: a re-attached job not counted -> j2 starts
+        finish(store, runners, j1)
+        again.step()
+        again.step()
+        assert runners.launched == [j1, j3, j2]
+    finally:
+        store.close()
 
 
 # ---- the acceptance scenario, end to end ---------------------------------------------------------

@@ -79,14 +79,15 @@ class AdmissionPlan:
         never_fit: ``(job, refusal)`` for each job larger than the whole cluster (only when
             ``cluster_total`` was given); the caller fails it with that message.
         free: free slots per node once the started jobs hold theirs.
-        over_quota: ``(job, why)`` for each job that waits on its owner's GPU quota (also in ``waiting``).
+        over_quota: ``(job, why, held)`` for each job that waits on its owner's GPU quota (also in
+            ``waiting``); ``held``: the GPU slots its owner's jobs hold, those started in this call included.
     """
 
     start: list[Admission] = field(default_factory=list)
     waiting: list[tuple[QueuedJob, str]] = field(default_factory=list)
     never_fit: list[tuple[QueuedJob, str]] = field(default_factory=list)
     free: dict[Hashable, int] = field(default_factory=dict)
-    over_quota: list[tuple[QueuedJob, str]] = field(default_factory=list)
+    over_quota: list[tuple[QueuedJob, str, int]] = field(default_factory=list)
 
 
 def queue_order(jobs: Iterable[QueuedJob]) -> list[QueuedJob]:
@@ -141,7 +142,7 @@ def admit(free_slots: Slots, queued: Iterable[QueuedJob], *, cluster_total: Slot
             why = (f"waits for its owner's GPU quota: {job.owner}'s running jobs hold {held.get(job.owner, 0)} of "
                    f"{quota} GPU slots and this job needs {job.num_gpus}")
             plan.waiting.append((job, why))
-            plan.over_quota.append((job, why))
+            plan.over_quota.append((job, why, held.get(job.owner, 0)))
         elif head is not None:
             plan.waiting.append((job, f"waits behind job {head.id} (priority {head.priority}), which is first "
                                       f"in the queue and waits for GPU slots"))

@@ -228,10 +228,10 @@ class Scheduler:
                 held[owner] = held.get(owner, 0) + gpus
             quotas = {owner: self.quota_of(owner) for owner in {j.owner for j in queued if j.owner is not None}}
             plan = admit(free, queued, cluster_total=total, quotas=quotas, held=held)
-            for job, why in plan.over_quota:
+            for job, why, owner_held in plan.over_quota:
                 if self._quota_noted.get(job.id) != why:
                     self._quota_noted[job.id] = why
-                    data = {"reason": "gpu_quota", "quota": quotas[job.owner], "held": held.get(job.owner, 0),
+                    data = {"reason": "gpu_quota", "quota": quotas[job.owner], "held": owner_held,
                             "needed": job.num_gpus}
                     self.store.append_event(job.id, JobEvent.now("waiting", JobState.QUEUED, why, data).to_dict())
             for job, refusal in plan.never_fit:
