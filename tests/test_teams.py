@@ -310,3 +310,13 @@ def test_bad_limits_are_refused_before_the_server_starts(tmp_path, flag, value):
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and flag in p.stderr and "expected a positive number" in p.stderr, p.stderr
     assert not (tmp_path / "raytron.db").exists()
+
+
+def test_a_job_id_with_two_dots_has_a_log_and_no_id_leaves_the_jobs_folder(tmp_path):
+    """schemathesis found it (GET /jobs/i..B-.../logs was a 500): the spec allows the name ``i..B``."""
+    from service.server.logs import job_dir
+
+    assert job_dir(tmp_path, "i..B-b95050ee") == tmp_path / "jobs" / "i..B-b95050ee"
+    for bad in ("..", ".", "../x", "a/../../b", "/etc", ""):
+        with pytest.raises(ValueError, match="not a valid job id"):
+            job_dir(tmp_path, bad)
