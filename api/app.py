@@ -15,10 +15,12 @@ from pathlib import Path
 from fastapi import Depends, FastAPI
 
 from api import http_errors, openapi
-from api.deps import require_token
+from api.deps import require_job_access, require_token
+from api.limits import RateLimiter
 from api.http_errors import error_response
 from api.job_cache import JobCache
-from api.routes import cluster as cluster_routes, console, health, jobs, plan, streams
+from api.routes import cluster as cluster_routes, console, health, jobs, plan, streams, users
+from service.server.accounts import Accounts, load_or_create_secret
 from service.server.runners import JobRunners
 from service.server.scheduler import ClusterView, Scheduler
 from service.server.store import JobStore
@@ -33,9 +35,17 @@ class Settings:
     data_dir: Path
     """Job logs, the token file and (by default) the SQLite database live here."""
     api_token: str = field(repr=False)
-    """The bearer token every request but /healthz must carry; never logged (``repr=False``)."""
+    """The bootstrap admin's bearer token (other users' are in the store); never logged (``repr=False``)."""
     max_body_bytes: int = 1 << 20
     """Larger request bodies are refused with 413 before they are read."""
+    submits_per_minute: float = 60.0
+    """A user's submissions per minute past ``submit_burst`` (429 with Retry-After beyond; admins exempt)."""
+    submit_burst: int = 20
+    """Submissions a user may make at once before the per-minute rate applies."""
+    max_queued_per_user: int = 100
+    """A user's QUEUED jobs at most (429 beyond; admins exempt)."""
+    max_user_priority: int = 0
+    """The highest priority a user without its own ``max_priority`` may give a job (admins: no cap)."""
     poll_s: float = 0.5
     """How often the scheduler looks at runners and the queue."""
     max_stream_s: float | None = None
@@ -95,7 +105,9 @@ def create_app(settings: Settings, *, store: JobStore, runners: JobRunners, clus
         cluster: the nodes and GPU slots jobs are admitted against.
         scheduler: a ready scheduler (tests); default one over ``store``, ``runners`` and ``cluster``.
     """
+    accounts = Accounts(store, load_or_create_secret(settings.data_dir), settings.api_token)
     scheduler = scheduler or Scheduler(store, runners, cluster, poll_s=settings.poll_s)
+    scheduler.quota_of = accounts.gpu_quota
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -107,15 +119,21 @@ def create_app(settings: Settings, *, store: JobStore, runners: JobRunners, clus
 
     app = FastAPI(title="raytron", version="0.1.0", lifespan=lifespan,
                   description="Megatron-style 5D-parallel training jobs on Ray. Every route but /healthz needs "
-                              "`Authorization: Bearer <token>`.")
+                              "`Authorization: Bearer <token>`: a user's (`POST /api/v1/users`), or the bootstrap "
+                              "admin's. A user sees and acts on its own jobs only (another's is a 404); an admin "
+                              "on every job.")
     app.state.settings, app.state.store, app.state.scheduler, app.state.cluster = settings, store, scheduler, cluster
-    app.state.runners = runners
+    app.state.runners, app.state.accounts = runners, accounts
+    app.state.submit_limiter = RateLimiter(settings.submits_per_minute, settings.submit_burst)
     app.state.jobs = JobCache(store, lambda row: jobs.job_views(store, row))
     http_errors.install(app)
     openapi.install(app)
-    api = [jobs.router, jobs.states_router, streams.router, plan.router, cluster_routes.router]
+    api = [jobs.router, jobs.states_router, streams.router, plan.router, cluster_routes.router, users.router,
+           users.admin_router]
     for router in api:
-        app.include_router(router, prefix=API_PREFIX, dependencies=[Depends(require_token)])
+        # require_job_access: every route with a {job_id}, present and future, answers 404 for another's job
+        app.include_router(router, prefix=API_PREFIX, dependencies=[Depends(require_token),
+                                                                     Depends(require_job_access)])
     app.include_router(health.router)
     console.install(app)  # the web console: / and /static/* (no token), /console/yaml
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)

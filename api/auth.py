@@ -1,4 +1,7 @@
-"""The API token: from ``RAYTRON_API_TOKEN``, else a file in the data dir created on first start.
+"""The bootstrap admin's API token: from ``RAYTRON_API_TOKEN``, else a file in the data dir created on first start.
+
+Other users' tokens are issued by the server (:mod:`service.server.accounts`); a client reads
+its own from ``RAYTRON_API_TOKEN`` like this one.
 
 The file (``DATA_DIR/api_token``, mode 0600) is what the CLI reads when the variable is unset.
 Comparison is constant-time (:func:`hmac.compare_digest`); the token is never logged or returned.
@@ -48,6 +51,14 @@ def load_or_create_token(data_dir: str | Path, env: dict | None = None) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token
+
+
+def bearer_token(header: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header; None for none or another scheme."""
+    if not header:
+        return None
+    scheme, _, given = header.partition(" ")
+    return given.strip() or None if scheme.lower() == "bearer" else None
 
 
 def token_matches(header: str | None, token: str) -> bool:

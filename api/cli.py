@@ -89,10 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     # light modules: their heavy imports (torch, ray, uvicorn) are inside the commands
-    from api import client_cmds, export_cmd, preprocess_cmd, serve_cmd
+    from api import client_cmds, export_cmd, preprocess_cmd, serve_cmd, users_cmds
 
     serve_cmd.add_parser(sub)
     client_cmds.add_parsers(sub)
+    users_cmds.add_parsers(sub)
     export_cmd.add_parser(sub)
     preprocess_cmd.add_parser(sub)
     return parser

@@ -127,6 +127,34 @@ class RaytronClient:
     def cluster(self) -> dict:
         return self._call("GET", "/cluster")
 
+    # ---- users and the audit trail (admins) --------------------------------------------------
+    def me(self) -> dict:
+        return self._call("GET", "/me")
+
+    def add_user(self, name: str, *, admin: bool = False, gpu_quota: int | None = None,
+                 max_priority: int | None = None) -> dict:
+        """``{"name", "token"}``: the token is shown this once."""
+        return self._call("POST", "/users", json={"name": name, "admin": admin, "gpu_quota": gpu_quota,
+                                                  "max_priority": max_priority})
+
+    def users(self) -> list[dict]:
+        return self._call("GET", "/users")["users"]
+
+    def new_token(self, name: str) -> dict:
+        return self._call("POST", f"/users/{name}/tokens")
+
+    def revoke(self, name: str) -> dict:
+        return self._call("POST", f"/users/{name}/revoke")
+
+    def remove_user(self, name: str) -> None:
+        self._call("DELETE", f"/users/{name}")
+
+    def audit(self, *, limit: int = 100, user: str | None = None, action: str | None = None,
+              cursor: str | None = None) -> dict:
+        params = {k: v for k, v in (("limit", limit), ("user", user), ("action", action), ("cursor", cursor))
+                  if v is not None}
+        return self._call("GET", "/audit", params=params)
+
     def logs(self, job_id: str, offset: int = 0) -> str:
         return self._call("GET", f"/jobs/{job_id}/logs", params={"offset": offset})
 

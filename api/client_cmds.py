@@ -72,7 +72,7 @@ def _command(fn):
 
     @functools.wraps(fn)
     def run(args) -> int:
-        name = fn.__name__.removeprefix("cmd_")
+        name = fn.__name__.removeprefix("cmd_").replace("_", " ")
         try:
             return fn(args) or 0
         except BadInput as e:

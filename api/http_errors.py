@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.server.accounts import UnknownUser, UserExists
 from service.server.scheduler import JobNotActive, NeverFits
 from service.server.store import UnknownJob
 
@@ -24,12 +25,25 @@ _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "
                415: "unsupported_media_type", 422: "invalid_request", 429: "too_many_requests"}
 
 
+_STATUS = {UnknownJob: 404, UnknownUser: 404, NeverFits: 409, JobNotActive: 409, UserExists: 409}
+
+
 class ApiError(Exception):
     """An error answer: HTTP ``status``, stable ``code``, a readable ``message`` and extra fields."""
 
-    def __init__(self, status: int, code: str, message: str, **extra):
+    def __init__(self, status: int, code: str, message: str, *, headers: dict | None = None, **extra):
         super().__init__(message)
-        self.status, self.code, self.message, self.extra = status, code, message, extra
+        self.status, self.code, self.message, self.extra, self.headers = status, code, message, extra, headers
+
+
+def status_of(exc: Exception) -> int:
+    """The HTTP status the handlers below answer ``exc`` with (for the audit trail)."""
+    if isinstance(exc, ApiError):
+        return exc.status
+    for types, status in _STATUS.items():
+        if isinstance(exc, types):
+            return status
+    return 500
 
 
 def error_response(status: int, code: str, message: str, headers: dict | None = None, **extra) -> JSONResponse:
@@ -53,8 +67,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return error_response(exc.status, exc.code, exc.message, headers, **exc.extra)
+        headers = {**({"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}), **(exc.headers or {})}
+        return error_response(exc.status, exc.code, exc.message, headers or None, **exc.extra)
 
     @app.exception_handler(UnknownJob)
     async def _unknown_job(request: Request, exc: UnknownJob):
@@ -63,6 +77,14 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(NeverFits)
     async def _never_fits(request: Request, exc: NeverFits):
         return error_response(409, "never_fits", str(exc))
+
+    @app.exception_handler(UnknownUser)
+    async def _unknown_user(request: Request, exc: UnknownUser):
+        return error_response(404, "user_not_found", str(exc))
+
+    @app.exception_handler(UserExists)
+    async def _user_exists(request: Request, exc: UserExists):
+        return error_response(409, "user_conflict", str(exc))
 
     @app.exception_handler(JobNotActive)
     async def _not_active(request: Request, exc: JobNotActive):

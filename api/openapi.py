@@ -22,9 +22,11 @@ from api.schemas import ErrorBody
 
 ERROR_REF = {"$ref": "#/components/schemas/ErrorBody"}
 _WHY = {400: "malformed request (e.g. the body is not JSON, an invalid Content-Length)",
-        401: "missing or wrong API token", 404: "no such job (or no such route)",
+        401: "missing, wrong or revoked API token", 403: "the route needs an admin's token",
+        404: "no such job or user (another user's job included), or no such route",
         409: "the request conflicts with the job's or the cluster's state", 413: "the request body is too large",
-        422: "invalid parameters or spec (one entry per problem in `errors`)"}
+        422: "invalid parameters or spec (one entry per problem in `errors`)",
+        429: "too many submissions (see Retry-After) or queued jobs"}
 
 
 def install(app: FastAPI) -> None:
@@ -61,7 +63,7 @@ def complete(doc: dict) -> dict:
             codes = {int(c) for c in responses if c.isdigit() and int(c) >= 400} - {400, 404, 413, 422}
             if op.get("security"):
                 codes.add(401)
-            if "{job_id}" in path:
+            if "{job_id}" in path or "{name}" in path:  # another user's job is a 404 too
                 codes.add(404)
             if body:
                 codes |= {400, 413, 422}

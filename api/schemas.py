@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.spec.limits import MAX_PRIORITY
+
 
 class Problem(BaseModel):
     field: str = Field(description="the spec field, e.g. parallel.tensor_model_parallel_size")
@@ -35,6 +37,7 @@ class JobSummary(BaseModel):
 
     id: str
     name: str
+    owner: str = Field(description="the user who submitted it")
     state: str
     priority: int
     submitted_at: float
@@ -145,3 +148,68 @@ class ClusterPublic(BaseModel):
 
 class Health(BaseModel):
     status: str
+
+
+# ---- users, tokens and the audit trail (api/routes/users.py) -------------------------------------
+
+USER_NAME = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+
+
+class UserIn(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # JSON types as written: no false for 0
+
+    name: str = Field(pattern=USER_NAME, description="lower-case letters, digits, _ . - (at most 64)")
+    admin: bool = Field(False, description="may manage users, read the audit trail and see every job")
+    gpu_quota: int | None = Field(None, ge=1, le=1 << 20, description="GPU slots the user's running jobs may hold "
+                                  "together; a larger job is refused, one that would exceed it waits QUEUED; "
+                                  "null: no quota")
+    max_priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="the highest priority the user may give a "
+                                     "job; null: the server's --max-user-priority (admins: no cap)")
+
+
+class UserPublic(BaseModel):
+    name: str
+    admin: bool
+    gpu_quota: int | None
+    max_priority: int | None
+    tokens: int = Field(description="live tokens (the bootstrap admin's own is not stored, not counted)")
+    created_at: float
+
+
+class UserList(BaseModel):
+    users: list[UserPublic]
+
+
+class Me(BaseModel):
+    name: str
+    admin: bool
+    gpu_quota: int | None
+    max_priority: int | None
+
+
+class TokenIssued(BaseModel):
+    """A new token: shown this once, stored only as a digest."""
+
+    name: str
+    token: str
+
+
+class Revoked(BaseModel):
+    name: str
+    revoked: int = Field(description="how many live tokens were revoked")
+
+
+class AuditEntry(BaseModel):
+    id: int
+    time: float
+    user: str | None = Field(description="who (null: a request without a valid token)")
+    action: str = Field(description="submit, cancel, auth, users.add, users.token, users.revoke, users.remove")
+    target: str | None = Field(description="the job id, the user name, or the refused request's method and path")
+    status: int = Field(description="the HTTP status it was answered with")
+    detail: dict | None = None
+
+
+class AuditPage(BaseModel):
+    entries: list[AuditEntry]
+    count: int
+    next_cursor: str | None = Field(None, description="pass as ?cursor= for the next (older) page")

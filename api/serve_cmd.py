@@ -48,6 +48,18 @@ def _port(text: str) -> int:
     return port
 
 
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        return value
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
@@ -69,6 +81,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-stream-s", type=float, default=None, metavar="SECONDS",
                    help="end a followed event or log stream after this long (clients resume with Last-Event-ID "
                         "or the log offset); default: it lasts until the job ends")
+    # teams (README "Teams"): limits on users' submissions (admins are exempt from the first two)
+    p.add_argument("--max-submits-per-minute", dest="submits_per_minute", type=_positive(float), default=60.0, metavar="N",
+                   help="a user's submissions per minute past --submit-burst; beyond: 429 with Retry-After (default 60)")
+    p.add_argument("--submit-burst", type=_positive(int), default=20, metavar="N", help="submissions a user may make at once "
+                   "(default 20)")
+    p.add_argument("--max-queued-per-user", type=_positive(int), default=100, metavar="N",
+                   help="a user's QUEUED jobs at most; beyond: 429 (default 100)")
+    p.add_argument("--max-user-priority", type=int, default=0, metavar="N",
+                   help="the highest priority a user may give a job unless the admin set its own cap "
+                        "(users add --max-priority); admins: no cap (default 0)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
 
 
@@ -114,7 +136,9 @@ def build_app(args, ray_session=None):
     database_url = args.database_url or sqlite_url(data_dir)
     store = JobStore(database_url)
     settings = Settings(data_dir=data_dir, api_token=load_or_create_token(data_dir),
-                        max_stream_s=getattr(args, "max_stream_s", None))
+                        max_stream_s=getattr(args, "max_stream_s", None),
+                        **{k: getattr(args, k) for k in ("submits_per_minute", "submit_burst", "max_queued_per_user",
+                                                         "max_user_priority") if hasattr(args, k)})
     faults = list(args.fault or [])  # drills for every job (--fault)
     if ray_session is None:
         runners = LocalProcessRunners(data_dir, database_url, faults=faults)

@@ -26,3 +26,15 @@ def test_schemathesis_finds_nothing():
     assert "generated" in result["output"], tail  # it ran (mutation: a wrong token -> every case 401, failures)
     assert result["returncode"] == 0, tail
     assert result["server_tracebacks"] == 0, tail
+
+
+def test_schemathesis_as_two_users_finds_no_auth_bypass():
+    """Two users' tokens configured (alice and bob as peers): ``ignored_auth`` (a request without
+    or with a wrong token passes) and ``object_level_authorization`` (one user's job shown to the
+    other) find nothing (mutation: require_job_access lets every user through -> ST402 on
+    GET /jobs/{job_id} and /placement)."""
+    result = api_fuzz.main(["--users", "--seconds", "30", "--seed", "1"])
+    tail = result["output"][-6000:]
+    assert "generated" in result["output"], tail
+    assert result["returncode"] == 0, tail
+    assert result["server_tracebacks"] == 0, tail

@@ -352,3 +352,28 @@ def test_throughput_chart_and_two_jobs_compared(server, browser, api, artifacts)
     wait(browser, lambda d: d.current_url.endswith(f"#/compare/{second},{first}"), 30, "the compare URL from the list")
     wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#compare-charts .chart[data-chart=loss] polyline"))
          == 2, 60, "both jobs' loss")
+
+
+def test_the_user_logged_in_and_an_owner_column_for_admins(server, browser, api, artifacts):
+    """Teams (issue 22): the header names the token's user; an admin's jobs table has an owner
+    column, a user's has none and lists only their own jobs."""
+    api.post("/jobs", json={**tiny("teams-admin-job", world=1, iters=1)})
+    token = api.post("/users", json={"name": "console-user"}).json()["token"]
+
+    def log_in(as_token: str) -> None:
+        browser.get(f"{server.url}/#/")
+        browser.execute_script("sessionStorage.setItem('raytron-token', arguments[0])", as_token)
+        browser.refresh()
+        wait(browser, lambda d: visible(d, "#jobs-view"), message="the jobs page")
+
+    log_in(token)
+    wait(browser, lambda d: d.find_element(By.ID, "whoami").text == "console-user", 30, "the user's name")
+    assert not visible(browser, "#jobs th.owner-col")  # mutation: the column shown to everyone
+    assert not browser.find_elements(By.CSS_SELECTOR, "#jobs tbody tr")  # the admin's jobs are not theirs
+    shoot(browser, artifacts, "teams-user")
+    log_in(TOKEN)
+    wait(browser, lambda d: d.find_element(By.ID, "whoami").text == "admin (admin)", 30, "the admin's name")
+    wait(browser, lambda d: visible(d, "#jobs th.owner-col"), 30, "the owner column")
+    cells = browser.find_elements(By.CSS_SELECTOR, "#jobs tbody tr td.owner-col")
+    assert cells and all(c.is_displayed() and c.text == "admin" for c in cells)
+    shoot(browser, artifacts, "teams-admin")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
-from api.deps import SchedulerDep, StoreDep, require_token
+from api.deps import SchedulerDep, StoreDep, UserDep, require_token
 from api.routes.jobs import job_restarts
 from api.schemas import Health
 from service.server.store import STATES, TERMINAL_STATES
@@ -22,12 +22,13 @@ def healthz() -> dict:
 @router.get("/metrics", dependencies=[Depends(require_token)], response_class=Response,
             responses={200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {
                 "type": "string"}}}}})
-def metrics(store: StoreDep, scheduler: SchedulerDep) -> Response:
-    """Jobs by state, queue length, and per active (or recent) job: iteration, loss, tokens/s, restarts."""
+def metrics(store: StoreDep, scheduler: SchedulerDep, user: UserDep = None) -> Response:
+    """Jobs by state, queue length, and per active (or recent) job: iteration, loss, tokens/s, restarts
+    (a user's own jobs; an admin's token: every job)."""
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import GaugeMetricFamily
 
-    rows = store.list_jobs(limit=1000)
+    rows = store.list_jobs(limit=1000, owner=None if user is None or user.admin else user.name)
     by_state = {s: 0 for s in STATES}
     for r in rows:
         by_state[r["state"]] += 1

@@ -16,8 +16,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from api import curves
-from api.deps import JobCacheDep, SchedulerDep, StoreDep
-from api.http_errors import ApiError
+from api.deps import AccountsDep, JobCacheDep, SchedulerDep, SettingsDep, StoreDep, UserDep
+from api.http_errors import ApiError, status_of
+from api.limits import check_rate, check_submission
 from api.placement_view import placement_view
 from api.schemas import ErrorBody, JobList, JobPublic, JobStates, MetricsPage, PlacementPublic
 from service.control.controller import count_restarts
@@ -59,8 +60,8 @@ def job_summary(store: JobStore, row: dict) -> dict[str, Any]:
     page draws, from the row and its state events (no metrics row is read)."""
     spec = row["spec"] or {}
     res, training = spec.get("resources") or {}, spec.get("training") or {}
-    return {**{k: row[k] for k in ("id", "name", "state", "priority", "submitted_at", "updated_at", "iteration",
-                                   "ray_job_id", "error", "sizes")},
+    return {**{k: row[k] for k in ("id", "name", "owner", "state", "priority", "submitted_at", "updated_at",
+                                   "iteration", "ray_job_id", "error", "sizes")},
             "train_iters": training.get("train_iters", 0),
             "world_size": res.get("num_nodes", 1) * res.get("gpus_per_node", 1),
             "loss": curves.value(row["loss"]), "tokens_per_s": curves.value(row["tokens_per_s"]),
@@ -92,21 +93,36 @@ def get_row(store: JobStore, job_id: str) -> dict:
 
 
 @router.post("", status_code=201, response_model=JobPublic, openapi_extra=SPEC_BODY,
-             responses={**_ERRORS, 400: {"model": ErrorBody}, 409: {"model": ErrorBody}, 422: {"model": ErrorBody}})
-async def submit_job(request: Request, scheduler: SchedulerDep, store: StoreDep) -> dict:
-    """Store a job QUEUED; it starts when the cluster can hold all of its ranks at once."""
+             responses={**_ERRORS, 400: {"model": ErrorBody}, 409: {"model": ErrorBody}, 422: {"model": ErrorBody},
+                        429: {"model": ErrorBody}})
+async def submit_job(request: Request, scheduler: SchedulerDep, store: StoreDep, user: UserDep,
+                     accounts: AccountsDep, settings: SettingsDep) -> dict:
+    """Store a job QUEUED, owned by the caller; it starts when the cluster can hold all of its ranks at
+    once and the caller's GPU quota allows. 422 for an invalid spec, a job larger than the caller's
+    quota or a priority above its cap; 429 (``Retry-After``) past the rate limit or the queued-jobs cap."""
     from service.spec.placement import plan_placement
     from service.spec.spec import grid_of
 
-    check = await read_spec(request)
-    spec = check.spec
     try:
-        grid = grid_of(spec)
-        plan_placement(grid, spec.resources.gpus_per_node, spec.resources.num_nodes)
-    except ValueError as e:
-        raise ApiError(422, "invalid_spec", str(e), errors=[{"field": "resources", "message": str(e)}]) from None
-    row = await run_in_threadpool(scheduler.submit, spec, priority=check.priority, sizes=grid.sizes())
+        check_rate(request.app.state.submit_limiter, user)
+        check = await read_spec(request)
+        spec = check.spec
+        try:
+            grid = grid_of(spec)
+            plan_placement(grid, spec.resources.gpus_per_node, spec.resources.num_nodes)
+        except ValueError as e:
+            raise ApiError(422, "invalid_spec", str(e), errors=[{"field": "resources", "message": str(e)}]) from None
+        await run_in_threadpool(check_submission, user, accounts, settings, priority=check.priority,
+                                num_gpus=spec.resources.num_nodes * spec.resources.gpus_per_node)
+        row = await run_in_threadpool(scheduler.submit, spec, priority=check.priority, sizes=grid.sizes(),
+                                      owner=user.name)
+    except Exception as e:
+        await run_in_threadpool(accounts.record, user.name, "submit", None, status_of(e),
+                                code=getattr(e, "code", type(e).__name__), message=str(e)[:500])
+        raise
     await run_in_threadpool(_record_auto_layout, store, row["id"], json.loads(await request.body()))
+    await run_in_threadpool(accounts.record, user.name, "submit", row["id"], 201, priority=check.priority,
+                            gpus=spec.resources.num_nodes * spec.resources.gpus_per_node)
     return await run_in_threadpool(job_public, store, row)
 
 
@@ -120,14 +136,18 @@ def _record_auto_layout(store: JobStore, job_id: str, data) -> None:
 
 
 @router.get("", response_model=JobList, responses=_ERRORS)
-def list_jobs(cache: JobCacheDep, store: StoreDep, limit: int = Query(100, ge=1, le=1000),
+def list_jobs(cache: JobCacheDep, store: StoreDep, user: UserDep, limit: int = Query(100, ge=1, le=1000),
               cursor: str | None = Query(None, pattern=r"^[0-9]{1,18}$",
                                          description="the next_cursor of the previous page"),
               state: JobState | None = Query(None, description="only jobs in this state"),
-              name: str | None = Query(None, max_length=256, description="only jobs of this name")) -> JSONResponse:
-    """Jobs, newest first, a page at a time (``next_cursor`` leads to the next one)."""
+              name: str | None = Query(None, max_length=256, description="only jobs of this name"),
+              owner: str | None = Query(None, max_length=128, description="only jobs of this user (admins; a user "
+                                        "sees only their own jobs whatever this says)")) -> JSONResponse:
+    """The caller's jobs (an admin's: everyone's), newest first, a page at a time (``next_cursor`` leads
+    to the next one)."""
     rows = store.list_jobs(limit=limit + 1, states=(state.value,) if state else None, name=name,
-                           before=int(cursor) if cursor is not None else None)
+                           before=int(cursor) if cursor is not None else None,
+                           owner=owner if user.admin else user.name)
     page = rows[:limit]
     more = len(rows) > limit
     return JSONResponse({"jobs": [cache.from_row(r).summary for r in page], "count": len(page),
@@ -232,7 +252,13 @@ def job_states() -> dict:
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobPublic,
              responses={**_ERRORS, 409: {"model": ErrorBody}})
-def cancel_job(job_id: str, scheduler: SchedulerDep, cache: JobCacheDep) -> Response:
+def cancel_job(job_id: str, scheduler: SchedulerDep, cache: JobCacheDep, user: UserDep,
+               accounts: AccountsDep) -> Response:
     """Cancel a job: a queued one at once; a running one is stopped (its ranks too) in the background."""
-    scheduler.cancel(job_id)
+    try:
+        scheduler.cancel(job_id)
+    except Exception as e:
+        accounts.record(user.name, "cancel", job_id, status_of(e), message=str(e)[:500])
+        raise
+    accounts.record(user.name, "cancel", job_id, 202)
     return Response(cache.current(job_id).body, media_type="application/json", status_code=202)

@@ -83,7 +83,7 @@ $("#login-form").addEventListener("submit", async (e) => {
   route();
 });
 
-$("#logout").addEventListener("click", () => { token.clear(); showLogin(); });
+$("#logout").addEventListener("click", () => { token.clear(); me = null; $("#whoami").textContent = ""; showLogin(); });
 setOnUnauthorized(() => { token.clear(); showLogin("The server refused the token; enter it again."); });
 
 // ---- jobs page -----------------------------------------------------------------------------------
@@ -98,7 +98,7 @@ async function refreshJobs() {
   // Rows are kept and only redrawn when their job changed: a button must not vanish under a click.
   const shown = jobs.map((j) => {
     const row = rows.get(j.id) || document.createElement("tr");
-    const sig = JSON.stringify([j.state, j.iteration, j.loss, j.restarts, j.sizes]);
+    const sig = JSON.stringify([j.state, j.iteration, j.loss, j.restarts, j.sizes, me?.admin]);
     if (row.dataset.sig !== sig) fillJobRow(row, j, sig, final);
     row.cells[7].textContent = age(now - j.submitted_at);
     return row;
@@ -107,7 +107,9 @@ async function refreshJobs() {
   $("#jobs-empty").hidden = jobs.length > 0;
 }
 
-const COLUMNS = ["state-cell", "name", "id muted", "sizes", "num iter", "num loss", "num restarts", "num age", "actions"];
+const COLUMNS = ["state-cell", "name", "id muted", "sizes", "num iter", "num loss", "num restarts", "num age", "actions",
+                 "owner-col"];
+let me = null;  // GET /api/v1/me: who is logged in (an admin sees every job, with its owner)
 
 /** Fill a job's row in place: its cells, link and button are made once and then only updated. */
 function fillJobRow(row, j, sig, final) {
@@ -132,6 +134,8 @@ function fillJobRow(row, j, sig, final) {
   row.cells[4].textContent = `${j.iteration} / ${j.train_iters}`;
   row.cells[5].textContent = lossText(j.loss);
   row.cells[6].textContent = String(j.restarts);
+  row.cells[9].textContent = j.owner || "";
+  row.cells[9].hidden = !me?.admin;
   row.cells[8].firstChild.hidden = final.has(j.state);
 }
 
@@ -447,6 +451,11 @@ async function route() {
   if (!token.get()) return showLogin();
   view = new AbortController();
   $("#logout").hidden = false;
+  getJSON(`${API}/me`).then((u) => {
+    me = u;
+    $("#whoami").textContent = `${u.name}${u.admin ? " (admin)" : ""}`;
+    for (const th of document.querySelectorAll("th.owner-col")) th.hidden = !u.admin;
+  }).catch(() => {});
   getJSON(`${API}/cluster`).then((c) => {
     $("#cluster").textContent = `${c.nodes.length} node(s), ${c.gpus_free} of ${c.gpus_total} GPU slots free, ` +
       `${c.queue_length} queued`;

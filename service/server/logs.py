@@ -22,8 +22,10 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 def job_dir(data_dir: str | Path, job_id: str) -> Path:
-    """The job's folder (not created). Refuses ids that could leave ``DATA_DIR/jobs``."""
-    if not _SAFE_ID.match(job_id) or ".." in job_id:
+    """The job's folder (not created). Refuses ids that could leave ``DATA_DIR/jobs``: one path
+    component, no ``/``, not ``.`` or ``..`` (the first character is a letter or digit); ``a..b``
+    is an ordinary name (a job named so by its spec must have a log like any other)."""
+    if not _SAFE_ID.match(job_id):
         raise ValueError(f"job id {job_id!r} is not a valid job id")
     return Path(data_dir) / "jobs" / job_id
 

@@ -18,6 +18,11 @@ A job that can never fit the cluster (see :func:`can_ever_fit`) is refused at su
 :func:`admit` sets such a job aside when given the cluster's totals, so that it never blocks
 the queue (e.g. after the cluster lost a node).
 
+GPU quotas (Kueue's ClusterQueue quotas, per user): given ``quotas`` (owner -> GPU slots) and
+``held`` (owner -> GPU slots its running jobs hold), a job whose start would take its owner past
+the quota stays QUEUED (``over_quota``, with the numbers) and does **not** become the head: it
+waits on its owner's own jobs, not on the cluster, so the jobs behind it are considered in order.
+
 Within one call, each admitted job's slots are taken from the free counts before the next job
 is considered, and nodes are chosen best-fit (the fullest nodes that still hold a bundle), so
 large free nodes stay whole for the wide jobs behind. The caller passes free slots net of the
@@ -43,6 +48,7 @@ class QueuedJob:
     num_nodes: int
     gpus_per_node: int
     priority: int = 0
+    owner: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_nodes", "gpus_per_node"):
@@ -73,12 +79,15 @@ class AdmissionPlan:
         never_fit: ``(job, refusal)`` for each job larger than the whole cluster (only when
             ``cluster_total`` was given); the caller fails it with that message.
         free: free slots per node once the started jobs hold theirs.
+        over_quota: ``(job, why, held)`` for each job that waits on its owner's GPU quota (also in
+            ``waiting``); ``held``: the GPU slots its owner's jobs hold, those started in this call included.
     """
 
     start: list[Admission] = field(default_factory=list)
     waiting: list[tuple[QueuedJob, str]] = field(default_factory=list)
     never_fit: list[tuple[QueuedJob, str]] = field(default_factory=list)
     free: dict[Hashable, int] = field(default_factory=dict)
+    over_quota: list[tuple[QueuedJob, str, int]] = field(default_factory=list)
 
 
 def queue_order(jobs: Iterable[QueuedJob]) -> list[QueuedJob]:
@@ -98,7 +107,8 @@ def place_gang(job: QueuedJob, free: Slots) -> tuple[Hashable, ...] | None:
     return tuple(fits[: job.num_nodes]) if len(fits) >= job.num_nodes else None
 
 
-def admit(free_slots: Slots, queued: Iterable[QueuedJob], *, cluster_total: Slots | None = None) -> AdmissionPlan:
+def admit(free_slots: Slots, queued: Iterable[QueuedJob], *, cluster_total: Slots | None = None,
+          quotas: Mapping[str, int | None] | None = None, held: Mapping[str, int] | None = None) -> AdmissionPlan:
     """Decide which queued jobs start now (gang admission, strict order; see the module docstring).
 
     Args:
@@ -106,6 +116,8 @@ def admit(free_slots: Slots, queued: Iterable[QueuedJob], *, cluster_total: Slot
         queued: the QUEUED jobs, in any order.
         cluster_total: GPU slots per node when all are free; given, a job that can never fit is
             put in ``never_fit`` instead of blocking the jobs behind it.
+        quotas: GPU slots each owner's running jobs may hold together (absent or None: no quota).
+        held: GPU slots each owner's running jobs hold now.
 
     Returns:
         The :class:`AdmissionPlan`.
@@ -120,10 +132,17 @@ def admit(free_slots: Slots, queued: Iterable[QueuedJob], *, cluster_total: Slot
         raise ValueError(f"job ids {dupes} are queued more than once; each job must be queued once")
     plan = AdmissionPlan()
     head: QueuedJob | None = None  # the first job that cannot start: everything behind it waits
+    held = dict(held or {})
     for job in queue_order(jobs):
         refusal = can_ever_fit(job, cluster_total) if cluster_total is not None else None
+        quota = (quotas or {}).get(job.owner) if job.owner is not None else None
         if refusal is not None:
             plan.never_fit.append((job, refusal))
+        elif quota is not None and held.get(job.owner, 0) + job.num_gpus > quota:
+            why = (f"waits for its owner's GPU quota: {job.owner}'s running jobs hold {held.get(job.owner, 0)} of "
+                   f"{quota} GPU slots and this job needs {job.num_gpus}")
+            plan.waiting.append((job, why))
+            plan.over_quota.append((job, why, held.get(job.owner, 0)))
         elif head is not None:
             plan.waiting.append((job, f"waits behind job {head.id} (priority {head.priority}), which is first "
                                       f"in the queue and waits for GPU slots"))
@@ -133,6 +152,8 @@ def admit(free_slots: Slots, queued: Iterable[QueuedJob], *, cluster_total: Slot
         else:
             for node in nodes:
                 free[node] -= job.gpus_per_node
+            if job.owner is not None:
+                held[job.owner] = held.get(job.owner, 0) + job.num_gpus
             plan.start.append(Admission(job, nodes))
     plan.free = free
     return plan

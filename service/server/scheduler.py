@@ -4,6 +4,9 @@ A :class:`Scheduler` owns no job state of its own: the store is the record (jobs
 the runner each back end starts writes the job's events there. The scheduler only
 
 * stores a submitted job QUEUED, refusing one that can never fit the cluster (:class:`NeverFits`);
+* admits within each user's GPU quota (``quota_of(owner)``): a job that would take its owner past
+  it waits QUEUED, with a ``"waiting"`` event saying so (once per reason), and the jobs behind it
+  go on in order (:func:`service.server.queue.admit`);
 * in a background thread, admits queued jobs with :func:`service.server.queue.admit` against the free
   GPU slots (the cluster's slots minus those held by the jobs it launched), records the
   admission (an ``"admission"`` event naming the nodes, so a restarted server knows which slots
@@ -26,47 +29,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable
 
 from service.control.controller import count_restarts
 from service.control.events import ACTIVE_STATES, TERMINAL_STATES, JobEvent, JobState
+from service.server.cluster_view import ClusterView, NodeSlots, StaticCluster  # noqa: F401 (re-exported)
 from service.server.runners import JobRunners
 from service.server.queue import QueuedJob, admit, can_ever_fit
 from service.spec.sections import FaultToleranceSpec
 from service.spec.spec import JobSpec
-from service.server.store import InvalidTransition, JobStore, UnknownJob
+from service.server.store import BOOTSTRAP_ADMIN, InvalidTransition, JobStore, UnknownJob
 
 log = logging.getLogger("raytron.scheduler")
-
-
-@dataclass(frozen=True)
-class NodeSlots:
-    node_id: str
-    gpus: int
-    alive: bool = True
-
-
-class ClusterView(Protocol):
-    """What the scheduler and ``GET /api/v1/cluster`` know of the cluster."""
-
-    ray_address: str | None
-    dashboard_url: str | None
-
-    def nodes(self) -> list[NodeSlots]:
-        """The alive nodes and their GPU slots (all of them, free or not)."""
-
-
-class StaticCluster:
-    """A fixed cluster of ``num_nodes`` x ``gpus_per_node`` slots (``--simulate``, tests)."""
-
-    def __init__(self, num_nodes: int, gpus_per_node: int, *, ray_address: str | None = None,
-                 dashboard_url: str | None = None):
-        self._nodes = [NodeSlots(f"node-{i}", gpus_per_node) for i in range(num_nodes)]
-        self.ray_address, self.dashboard_url = ray_address, dashboard_url
-
-    def nodes(self) -> list[NodeSlots]:
-        return list(self._nodes)
 
 
 class NeverFits(ValueError):
@@ -86,7 +60,8 @@ def max_restarts(row: dict) -> int:
 def queued_job(row: dict) -> QueuedJob:
     res = row["spec"].get("resources") or {}
     return QueuedJob(id=row["id"], submitted_at=row["submitted_at"], priority=row["priority"],
-                     num_nodes=int(res.get("num_nodes", 1)), gpus_per_node=int(res.get("gpus_per_node", 1)))
+                     num_nodes=int(res.get("num_nodes", 1)), gpus_per_node=int(res.get("gpus_per_node", 1)),
+                     owner=row.get("owner"))
 
 
 class Scheduler:
@@ -99,11 +74,15 @@ class Scheduler:
         poll_s: how often the loop looks at runners and the queue (a submit or cancel wakes it at once).
         vanish_grace_s: a runner that exited is given this long for its last events to land
             before the scheduler records a final state for it.
+        quota_of: ``quota_of(owner)``: the GPU slots the owner's running jobs may hold together (None: no quota).
     """
 
     def __init__(self, store: JobStore, runners: JobRunners, cluster: ClusterView, *, poll_s: float = 0.5,
-                 vanish_grace_s: float = 2.0):
+                 vanish_grace_s: float = 2.0, quota_of: Callable[[str], int | None] | None = None):
         self.store, self.runners, self.cluster = store, runners, cluster
+        self.quota_of = quota_of or (lambda owner: None)
+        self._owners: dict[str, tuple[str | None, int]] = {}  # launched job -> (owner, GPU slots)
+        self._quota_noted: dict[str, str] = {}  # queued job -> the quota reason last recorded
         self.poll_s, self.vanish_grace_s = poll_s, vanish_grace_s
         self._held: dict[str, tuple[tuple[str, ...], int]] = {}  # launched job -> (nodes, gpus per node)
         self._dead_since: dict[str, float] = {}
@@ -114,15 +93,16 @@ class Scheduler:
         self._thread: threading.Thread | None = None
 
     # ---- the API's calls ----------------------------------------------------------------------
-    def submit(self, spec: JobSpec, *, priority: int = 0, sizes: dict | None = None) -> dict:
-        """Store the job QUEUED; raises :class:`NeverFits` when the cluster can never hold it."""
+    def submit(self, spec: JobSpec, *, priority: int = 0, sizes: dict | None = None,
+               owner: str = BOOTSTRAP_ADMIN) -> dict:
+        """Store ``owner``'s job QUEUED; raises :class:`NeverFits` when the cluster can never hold it."""
         data = {**spec.model_dump(mode="json"), "priority": priority}
         probe = QueuedJob(id=spec.name, submitted_at=0.0, priority=priority, num_nodes=spec.resources.num_nodes,
                           gpus_per_node=spec.resources.gpus_per_node)
         refusal = can_ever_fit(probe, self.total_slots())
         if refusal is not None:
             raise NeverFits(refusal.replace(f"job {spec.name} ", "this job ", 1))
-        row = self.store.create_job(data, name=spec.name, priority=priority, sizes=sizes)
+        row = self.store.create_job(data, name=spec.name, priority=priority, sizes=sizes, owner=owner)
         self._wake.set()
         return row
 
@@ -136,6 +116,7 @@ class Scheduler:
                 raise JobNotActive(f"job {job_id} is {row['state']} already; only a queued or running job can be "
                                    f"cancelled")
             self._cancelled.add(job_id)
+            self._quota_noted.pop(job_id, None)
             if job_id not in self._held:
                 try:
                     return self.store.update_job(
@@ -186,6 +167,7 @@ class Scheduler:
                 log.info("re-attached to job %s (%s)", row["id"], row["state"])
                 with self._lock:
                     self._held[row["id"]] = (nodes, queued_job(row).gpus_per_node)
+                    self._owners[row["id"]] = (row.get("owner"), queued_job(row).num_gpus)
             elif row["state"] == JobState.QUEUED.value:
                 # Admitted, but its runner never recorded a thing (the server died around the launch):
                 # nothing ran, so it simply waits for admission again.
@@ -193,6 +175,7 @@ class Scheduler:
             else:
                 with self._lock:
                     self._held[row["id"]] = self._slots_for(row, nodes)
+                    self._owners[row["id"]] = (row.get("owner"), queued_job(row).num_gpus)
                 self._runner_gone(row["id"], "runner_vanished", "the job's runner was gone when the server restarted")
 
     def step(self) -> None:
@@ -240,7 +223,17 @@ class Scheduler:
             total = self.total_slots()
             used = self.used_slots()
             free = {node: max(0, n - used.get(node, 0)) for node, n in total.items()}
-            plan = admit(free, queued, cluster_total=total)
+            held: dict[str, int] = {}
+            for owner, gpus in self._owners.values():
+                held[owner] = held.get(owner, 0) + gpus
+            quotas = {owner: self.quota_of(owner) for owner in {j.owner for j in queued if j.owner is not None}}
+            plan = admit(free, queued, cluster_total=total, quotas=quotas, held=held)
+            for job, why, owner_held in plan.over_quota:
+                if self._quota_noted.get(job.id) != why:
+                    self._quota_noted[job.id] = why
+                    data = {"reason": "gpu_quota", "quota": quotas[job.owner], "held": owner_held,
+                            "needed": job.num_gpus}
+                    self.store.append_event(job.id, JobEvent.now("waiting", JobState.QUEUED, why, data).to_dict())
             for job, refusal in plan.never_fit:
                 self._finish(job.id, JobState.FAILED.value, "never_fits", refusal)
             for admission in plan.start:
@@ -252,6 +245,8 @@ class Scheduler:
         self.store.append_event(job.id, {"time": time.time(), "kind": "admission", "state": JobState.QUEUED.value,
                                          "message": f"admitted on {', '.join(nodes)}", "data": {"nodes": list(nodes)}})
         self._held[job.id] = (nodes, job.gpus_per_node)
+        self._owners[job.id] = (job.owner, job.num_gpus)
+        self._quota_noted.pop(job.id, None)
         row = self.store.get_job(job.id)
         try:
             handle = self.runners.launch(row)
@@ -260,6 +255,7 @@ class Scheduler:
             log.exception("launching job %s failed", job.id)
             self._finish(job.id, JobState.FAILED.value, "launch_failed", f"could not start the job's runner: {exc}")
             self._held.pop(job.id, None)
+            self._owners.pop(job.id, None)
 
     def _runner_gone(self, job_id: str, code: str, why: str) -> bool:
         """The runner of a job that has not ended is gone: start a new one, which goes on from the
@@ -312,6 +308,7 @@ class Scheduler:
     def _release(self, job_id: str) -> None:
         with self._lock:
             self._held.pop(job_id, None)
+            self._owners.pop(job_id, None)
             self._dead_since.pop(job_id, None)
             self._cancelled.discard(job_id)
         reap = getattr(self.runners, "reap", None)

@@ -43,7 +43,7 @@ from sqlalchemy.engine import Connection, make_url
 
 from service.control.events import STATES, TERMINAL_STATES, JobState  # noqa: F401 (part of the store's interface)
 from service.server import store_schema
-from service.server.store_schema import SchemaError, attempts, events, jobs, metrics, sqlite_pragmas  # noqa: F401
+from service.server.store_schema import BOOTSTRAP_ADMIN, SchemaError, attempts, events, jobs, metrics, sqlite_pragmas  # noqa: F401
 
 
 class UnknownJob(LookupError):
@@ -128,8 +128,8 @@ class JobStore:
 
     # ---- jobs -------------------------------------------------------------------------------
     def create_job(self, spec: dict, *, name: str | None = None, priority: int | None = None,
-                   job_id: str | None = None, sizes: dict | None = None) -> dict:
-        """Store a new QUEUED job and its first event (seq 1, "submitted"); returns the job."""
+                   job_id: str | None = None, sizes: dict | None = None, owner: str = BOOTSTRAP_ADMIN) -> dict:
+        """Store a new QUEUED job of ``owner`` and its first event (seq 1, "submitted"); returns the job."""
         name = name or spec.get("name") or "job"
         priority = int(spec.get("priority", 0) if priority is None else priority)
         job_id = job_id or f"{name}-{uuid.uuid4().hex[:8]}"
@@ -139,7 +139,7 @@ class JobStore:
                 queued = JobState.QUEUED.value
                 conn.execute(jobs.insert().values(id=job_id, name=name, spec=spec, priority=priority, state=queued,
                                                   submitted_at=now, updated_at=now, sizes=sizes, iteration=0,
-                                                  last_seq=1))
+                                                  last_seq=1, owner=owner))
                 conn.execute(events.insert().values(job_id=job_id, seq=1, time=now, kind="state", state=queued,
                                                     message="submitted", data={"priority": priority}))
                 return self._job(conn, job_id)
@@ -154,9 +154,9 @@ class JobStore:
         return dict(row) if row is not None else None
 
     def list_jobs(self, *, limit: int = 100, states: tuple[str, ...] | None = None, name: str | None = None,
-                  before: int | None = None) -> list[dict]:
-        """Newest first, at most ``limit``, optionally only jobs in ``states``, named ``name``, or
-        submitted before the job whose ``number`` is ``before`` (the next page after that job)."""
+                  before: int | None = None, owner: str | None = None) -> list[dict]:
+        """Newest first, at most ``limit``, optionally only jobs in ``states``, named ``name``, of
+        ``owner``, or submitted before the job whose ``number`` is ``before`` (the next page after that job)."""
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
         query = sa.select(jobs).order_by(jobs.c.number.desc()).limit(limit)
@@ -166,6 +166,8 @@ class JobStore:
             query = query.where(jobs.c.name == name)
         if before is not None:
             query = query.where(jobs.c.number < before)
+        if owner is not None:
+            query = query.where(jobs.c.owner == owner)
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(query).mappings()]
 

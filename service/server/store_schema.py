@@ -17,7 +17,9 @@ from typing import Callable
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+BOOTSTRAP_ADMIN = "admin"
+"""The user of ``RAYTRON_API_TOKEN`` / ``DATA_DIR/api_token``; owns every job of a pre-v3 database."""
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
 """``MIGRATIONS[v](conn)`` brings a version-``v`` database to ``v + 1`` (inside one transaction)."""
 
@@ -42,6 +44,9 @@ jobs = sa.Table(
     sa.Column("tokens_per_s", sa.Double),
     sa.Column("metric_names", _json),  # every metric name the job reported, sorted
     sa.Column("last_seq", sa.Integer, nullable=False, server_default="0"),
+    # v3: who submitted it
+    sa.Column("owner", sa.String(128), nullable=False, server_default=BOOTSTRAP_ADMIN),
+    sa.Index("ix_jobs_owner_state", "owner", "state"),
 )
 
 
@@ -72,6 +77,34 @@ metrics = sa.Table(
     sa.Column("iteration", sa.Integer, primary_key=True, autoincrement=False),
     sa.Column("data", _json, nullable=False),
     sa.Column("attempt", sa.Integer),  # v2: the attempt that wrote it (NULL in rows migrated from v1)
+)
+# v3: users, their tokens' digests and the audit trail
+users = sa.Table(
+    "users", _md,
+    sa.Column("name", sa.String(128), primary_key=True),
+    sa.Column("admin", sa.Boolean, nullable=False),
+    sa.Column("gpu_quota", sa.Integer),  # GPU slots its running jobs may hold together; NULL: no quota
+    sa.Column("max_priority", sa.Integer),  # the highest priority it may give a job; NULL: no cap
+    sa.Column("created_at", sa.Double, nullable=False),
+)
+tokens = sa.Table(
+    "tokens", _md,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("user", sa.String(128), sa.ForeignKey("users.name", ondelete="CASCADE"), nullable=False, index=True),
+    sa.Column("digest", sa.String(64), nullable=False, unique=True),  # HMAC-SHA256(server secret, token), hex
+    sa.Column("created_at", sa.Double, nullable=False),
+    sa.Column("revoked_at", sa.Double),
+)
+audit = sa.Table(
+    "audit", _md,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("time", sa.Double, nullable=False),
+    sa.Column("user", sa.String(128)),  # NULL: the request carried no valid token
+    sa.Column("action", sa.String(64), nullable=False),
+    sa.Column("target", sa.String(256)),
+    sa.Column("status", sa.Integer, nullable=False),  # the HTTP status it was answered with
+    sa.Column("detail", _json),
+    sa.Index("ix_audit_user", "user", "id"),
 )
 schema_version = sa.Table("schema_version", _md, sa.Column("version", sa.Integer, nullable=False))
 
@@ -131,6 +164,17 @@ def number(value) -> float | None:
 
 
 MIGRATIONS[1] = _v1_to_v2
+
+
+def _v2_to_v3(conn: Connection) -> None:
+    """Jobs get an owner (the bootstrap admin for those already there); the users, tokens and audit tables."""
+    conn.execute(sa.text(f"ALTER TABLE jobs ADD COLUMN owner VARCHAR(128) NOT NULL DEFAULT '{BOOTSTRAP_ADMIN}'"))
+    next(i for i in jobs.indexes if i.name == "ix_jobs_owner_state").create(conn)
+    for table in (users, tokens, audit):
+        table.create(conn)
+
+
+MIGRATIONS[2] = _v2_to_v3
 
 
 def sqlite_pragmas(engine: sa.Engine, busy_timeout_s: float) -> None:
