@@ -70,25 +70,16 @@ def install(app: FastAPI) -> None:
         headers = {**({"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}), **(exc.headers or {})}
         return error_response(exc.status, exc.code, exc.message, headers or None, **exc.extra)
 
-    @app.exception_handler(UnknownJob)
-    async def _unknown_job(request: Request, exc: UnknownJob):
-        return error_response(404, "job_not_found", str(exc))
+    def _plain(status: int, code: str):
+        async def handler(request: Request, exc: Exception):
+            return error_response(status, code, str(exc))
+        return handler
 
-    @app.exception_handler(NeverFits)
-    async def _never_fits(request: Request, exc: NeverFits):
-        return error_response(409, "never_fits", str(exc))
-
-    @app.exception_handler(UnknownUser)
-    async def _unknown_user(request: Request, exc: UnknownUser):
-        return error_response(404, "user_not_found", str(exc))
-
-    @app.exception_handler(UserExists)
-    async def _user_exists(request: Request, exc: UserExists):
-        return error_response(409, "user_conflict", str(exc))
-
-    @app.exception_handler(JobNotActive)
-    async def _not_active(request: Request, exc: JobNotActive):
-        return error_response(409, "job_not_active", str(exc))
+    # A store or scheduler exception is an answer of its own: (status, code), the message its text.
+    for exc_type, status, code in ((UnknownJob, 404, "job_not_found"), (NeverFits, 409, "never_fits"),
+                                   (UnknownUser, 404, "user_not_found"), (UserExists, 409, "user_conflict"),
+                                   (JobNotActive, 409, "job_not_active")):
+        app.add_exception_handler(exc_type, _plain(status, code))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
