@@ -91,6 +91,8 @@ LOSS = 8  # the float64 loss scalar
 # Which traffic a collective belongs to, by the module that issued it.
 _SOURCES = {
     "workers.parallel.tensor": "tp",
+    "workers.parallel.cross_entropy": "tp",
+    "workers.mla": "tp",
     "workers.parallel.sequence": "tp",
     "workers.parallel.context": "cp",
     "workers.parallel.context_ring": "cp",
