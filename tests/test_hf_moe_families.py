@@ -209,3 +209,64 @@ def test_export_of_a_trained_checkpoint_loads_as_the_same_class(family, tmp_path
         (bias,) = buffer_views(t)
         exported = load_file(tmp_path / "hf" / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]
         assert torch.equal(exported, bias.param) and not torch.equal(exported, before[0])
+
+
+def test_a_dense_mla_model_exports_as_deepseek_v3_and_imports_back(tmp_path):
+    """Without experts an MLA model is a DeepSeek-V3 whose layers are all dense
+    (first_k_dense_replace = num_layers); ``from_hf`` reads it back as dense, ``hf:DIR`` loads it."""
+    from tests.parity import tiny_spec
+    from tests.test_mla_parity import MLA
+    from workers.checkpoint import Checkpointer
+    from workers.checkpoint_reader import load_checkpoint
+    from workers.hf_export import export_hf
+    from workers.train import Trainer
+
+    t = Trainer(job_of(tiny_spec(model={**MLA, "num_layers": 2, "norm_epsilon": 1e-6})), 0, 1)
+    t.train_step()
+    Checkpointer(str(tmp_path / "ckpt")).save(t)
+    assert export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))["architecture"] == "DeepseekV3ForCausalLM"
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    name, want = hf_logits(tmp_path / "hf", ids)
+    assert name == "DeepseekV3ForCausalLM"
+    assert_close(raytron_logits(t, ids), want)
+    back = Trainer(job_of(spec(tmp_path / "hf")), 0, 1)
+    assert back.job.model.num_moe_experts is None and back.job.model.rotary_scaling_factor == 4.0
+    load_checkpoint(back, f"hf:{tmp_path / 'hf'}")
+    assert_close(raytron_logits(back, ids), want)
+
+
+@pytest.mark.parametrize("model, needle", [
+    ({"num_moe_experts": 4, "moe_router_score_function": "sigmoid"}, "sigmoid is DeepSeek-V3's, whose attention"),
+    ({"num_moe_experts": 4, "moe_shared_expert_intermediate_size": 16}, "moe_shared_expert_intermediate_size 16: "
+                                                                         "Mixtral"),
+    ({"num_moe_experts": 4, "qk_layernorm": True, "moe_shared_expert_intermediate_size": 16},
+     "Qwen3-MoE has no shared experts"),
+    ({"multi_latent_attention": True, "norm_epsilon": 1e-5}, "norm_epsilon 1e-05: DeepSeek-V3's q_a_layernorm"),
+    ({"multi_latent_attention": True, "norm_epsilon": 1e-6, "num_moe_experts": 8, "moe_router_topk": 6,
+      "moe_router_score_function": "sigmoid", "moe_router_num_groups": 4, "moe_router_group_topk": 2},
+     "moe_router_topk 6 // moe_router_group_topk 2 != 2"),
+], ids=["sigmoid-gqa", "mixtral-shared", "qwen3-moe-shared", "mla-eps", "groups"])
+def test_export_refuses_a_model_no_family_expresses(model, needle):
+    import dataclasses
+
+    from workers.config import ModelConfig
+    from workers.hf_families import hf_config
+
+    m = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=64,
+                    vocab_size=256, seq_length=16, **model)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        hf_config(dataclasses.asdict(m))
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"rms_norm_eps": 1e-5}, "rms_norm_eps 1e-05 is not supported"),
+    ({"rope_interleave": False}, "rope_interleave: false"),
+    ({"attention_bias": True}, "attention_bias: true"),
+    ({"rope_parameters": {**YARN, "attention_factor": 1.2}}, "attention_factor"),
+], ids=["eps", "interleave", "bias", "attention-factor"])
+def test_import_refuses_a_deepseek_v3_config_it_cannot_reproduce(saved, change, needle):
+    from workers.hf_families import model_from_hf_config
+
+    c = json.loads((saved["deepseek_v3"] / "config.json").read_text())
+    with pytest.raises(ValueError, match=f"hf: deepseek_v3: .*{needle}"):
+        model_from_hf_config({**c, **change})

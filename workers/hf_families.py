@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from workers.hf_mla import hf_mla_config, mla_fields_from_hf, mla_refusal, rope_of, rope_type
+from workers.hf_mla import LATENT_NORM_EPS, hf_mla_config, mla_fields_from_hf, mla_refusal, rope_of, rope_type
 from workers.hf_moe import hf_moe_config, moe_fields_from_hf
 
 
@@ -128,6 +128,10 @@ def family_of(m: dict) -> str:
     moe, bias, qk = bool(m.get("num_moe_experts")), m.get("add_qkv_bias", False), m.get("qk_layernorm", False)
     sigmoid = moe and m.get("moe_router_score_function", "softmax") == "sigmoid"
     if m.get("multi_latent_attention"):
+        if m["norm_epsilon"] != LATENT_NORM_EPS:
+            raise ValueError(f"hf export: norm_epsilon {m['norm_epsilon']:g}: DeepSeek-V3's q_a_layernorm and "
+                             f"kv_a_layernorm use eps {LATENT_NORM_EPS:g} whatever rms_norm_eps says, raytron's "
+                             f"norm_epsilon; export a model trained with norm_epsilon: {LATENT_NORM_EPS:g}")
         if moe and not sigmoid:
             raise ValueError("hf export: multi_latent_attention is DeepSeek-V3's, whose router is "
                              "moe_router_score_function: sigmoid; this model routes by softmax")

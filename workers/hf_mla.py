@@ -41,9 +41,17 @@ def rope_type(rope: dict) -> str:
     return rope.get("rope_type", rope.get("type", "default"))
 
 
+LATENT_NORM_EPS = 1e-6
+"""The epsilon of transformers' (and DeepSeek's own) q_a_layernorm and kv_a_layernorm, whatever
+``rms_norm_eps`` is; raytron's MLA uses ``norm_epsilon`` for them as for every norm (Megatron)."""
+
+
 def mla_refusal(c: dict) -> str:
     """Why raytron cannot run a DeepSeek-V3 config's attention ("" if it can)."""
     rope = rope_of(c)
+    if c.get("rms_norm_eps", LATENT_NORM_EPS) != LATENT_NORM_EPS:
+        return (f"rms_norm_eps {c['rms_norm_eps']:g} is not supported: DeepSeek-V3's q_a_layernorm and kv_a_layernorm "
+                f"use {LATENT_NORM_EPS:g} whatever it says, raytron's MLA one norm_epsilon for every norm")
     if c.get("attention_bias"):
         return "attention_bias: true is not supported (raytron's MLA projections have no bias)"
     if c.get("rope_interleave", True) is False:
