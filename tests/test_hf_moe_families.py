@@ -270,3 +270,21 @@ def test_import_refuses_a_deepseek_v3_config_it_cannot_reproduce(saved, change, 
     c = json.loads((saved["deepseek_v3"] / "config.json").read_text())
     with pytest.raises(ValueError, match=f"hf: deepseek_v3: .*{needle}"):
         model_from_hf_config({**c, **change})
+
+
+def test_a_job_with_other_yarn_or_routing_does_not_load_the_model(saved):
+    """The MLA, YaRN and routing fields are part of the model a checkpoint holds: a job that
+    differs in one is refused, naming it, not run with the wrong rotary or router."""
+    import dataclasses
+
+    from workers.checkpoint_reader import load_checkpoint
+    from workers.train import Trainer
+
+    path = saved["deepseek_v3"]
+    job = job_of(spec(path))
+    for change, needle in (({"mscale": 1.0}, "model.mscale: 0.9 there, 1.0 in this job"),
+                           ({"moe_router_score_function": "softmax", "moe_router_enable_expert_bias": False},
+                            "model.moe_router_score_function: 'sigmoid' there, 'softmax' in this job")):
+        t = Trainer(dataclasses.replace(job, model=dataclasses.replace(job.model, **change)), 0, 1)
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            load_checkpoint(t, f"hf:{path}")

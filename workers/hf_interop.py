@@ -1,6 +1,6 @@
 """Hugging Face interop: export a checkpoint as a Hugging Face model of one of the families of
-:mod:`workers.hf_families` (Llama, Mixtral, Qwen2, Qwen3), and read such a directory as a
-checkpoint source (``checkpoint.load: hf:DIR``).
+:mod:`workers.hf_families` (Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3), and read such
+a directory as a checkpoint source (``checkpoint.load: hf:DIR``).
 
 raytron's decoder is those architectures exactly (rotate-half rotary, RMSNorm, SwiGLU, Qwen2's
 QKV bias, Qwen3's q/k norms, tied or untied output), so the conversion only renames and splits
@@ -24,7 +24,10 @@ layers.i.mlp.experts.w_{gate,up,down}  layers.i.block_sparse_moe.experts.e.w{1,3
 final_norm.weight / output.weight      norm.weight / lm_head.weight (tied: no lm_head)
 =====================================  ==============================================
 
-``d`` is the head dimension (``kv_channels``, Hugging Face's ``head_dim``).
+``d`` is the head dimension (``kv_channels``, Hugging Face's ``head_dim``). Qwen3-MoE and
+DeepSeek-V3 name their MoE tensors as :func:`workers.hf_moe.hf_moe_names` says (router, expert
+bias, experts, shared experts) and MLA's (:mod:`workers.mla`) are transformers' own
+(``layers.i.attention.X`` <-> ``layers.i.self_attn.X``).
 
 Mixtral's router (softmax over all experts, top-k, renormalised) equals raytron's (softmax
 over the top-k logits). Import also takes transformers 5's in-memory Mixtral names
