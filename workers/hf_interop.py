@@ -72,7 +72,8 @@ def logical_shapes(m: dict) -> dict[str, tuple[int, ...]]:
             out[f"{p}.attention.proj.weight"] = (h, heads * d)
         out[f"{p}.post_norm.weight"] = (h,)
         if _is_moe_layer(m, i):
-            e, fe, shared = m["num_moe_experts"], m.get("moe_ffn_hidden_size") or f, m.get("moe_shared_expert_intermediate_size")
+            e, fe = m["num_moe_experts"], m.get("moe_ffn_hidden_size") or f
+            shared = m.get("moe_shared_expert_intermediate_size")
             out.update({f"{p}.mlp.router.weight": (e, h), f"{p}.mlp.experts.w_gate": (e, fe, h),
                         f"{p}.mlp.experts.w_up": (e, fe, h), f"{p}.mlp.experts.w_down": (e, h, fe)})
             if m.get("moe_router_enable_expert_bias"):

@@ -18,7 +18,8 @@ beta_fast, beta_slow            ``beta_fast`` (absent: 32), ``beta_slow`` (absen
 
 An absent ``mscale`` reads as 0 when ``mscale_all_dim`` is set because transformers then scales
 cos and sin by ``mscale(factor, 1)``, which is what :func:`workers.yarn.rotary_attention_factor`
-does with a zero ``mscale``.
+does with a zero ``mscale``. transformers' ``q_a_layernorm`` and ``kv_a_layernorm`` have eps 1e-6
+whatever ``rms_norm_eps`` says, raytron's the one ``norm_epsilon``: both directions need 1e-6.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from __future__ import annotations
 MLA_KEYS = {"q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_head_dim": "qk_nope_head_dim",
             "qk_pos_emb_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim"}
 
-PLAIN_ROPE = {"rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0, "original_max_position_embeddings": 4096,
-              "beta_fast": 32.0, "beta_slow": 1.0}
+PLAIN_ROPE = {"rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
+              "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
 """The YaRN fields of a model with plain RoPE: their defaults (workers.config.ModelConfig)."""
 
 
