@@ -288,3 +288,34 @@ def test_a_job_with_other_yarn_or_routing_does_not_load_the_model(saved):
         t = Trainer(dataclasses.replace(job, model=dataclasses.replace(job.model, **change)), 0, 1)
         with pytest.raises(ValueError, match=re.escape(needle)):
             load_checkpoint(t, f"hf:{path}")
+
+
+def test_transformers_5_fused_expert_tensors_load_too(saved, tmp_path):
+    """A directory holding transformers 5's in-memory expert names (``experts.gate_up_proj
+    [E, 2f, h]``, ``experts.down_proj [E, h, f]``; f the expert ffn, not the dense layers') loads as
+    the per-expert one does."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from workers.checkpoint_reader import load_checkpoint
+
+    path = saved["qwen3_moe"]
+    fused, experts = {}, {}  # experts: prefix -> proj -> {expert: tensor}
+    for name, t in load_file(path / "model.safetensors").items():
+        if ".mlp.experts." in name:
+            p, e, proj, _ = name.rsplit(".", 3)
+            experts.setdefault(p, {}).setdefault(proj, {})[int(e)] = t
+        else:
+            fused[name] = t
+    for p, projs in experts.items():
+        w = {proj: torch.stack([by[e] for e in sorted(by)]) for proj, by in projs.items()}
+        fused[f"{p}.gate_up_proj"] = torch.cat([w["gate_proj"], w["up_proj"]], dim=1)
+        fused[f"{p}.down_proj"] = w["down_proj"]
+    assert fused["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 32, 32)  # [E, 2 x 16, h]
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    save_file(fused, tmp_path / "model.safetensors")
+    t = trainer(path)
+    load_checkpoint(t, f"hf:{tmp_path}")
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    assert_close(raytron_logits(t, ids), hf_logits(path, ids)[1])
