@@ -319,3 +319,15 @@ def test_transformers_5_fused_expert_tensors_load_too(saved, tmp_path):
     load_checkpoint(t, f"hf:{tmp_path}")
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
     assert_close(raytron_logits(t, ids), hf_logits(path, ids)[1])
+
+
+def test_moe_layer_freq_of_all_moe_and_all_dense_configs(saved):
+    """Every layer MoE reads as moe_layer_freq 1 (the default, so a spec without it loads the
+    model); DeepSeek-V3 with every layer dense reads as a dense MLA model."""
+    from workers.hf_families import model_from_hf_config
+
+    q = json.loads((saved["qwen3_moe"] / "config.json").read_text())
+    assert model_from_hf_config({**q, "mlp_only_layers": []})["moe_layer_freq"] == 1
+    d = json.loads((saved["deepseek_v3"] / "config.json").read_text())
+    m = model_from_hf_config({**d, "first_k_dense_replace": 2})
+    assert m["num_moe_experts"] is None and "moe_layer_freq" not in m and m["multi_latent_attention"]
