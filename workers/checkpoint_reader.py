@@ -32,6 +32,9 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_g
                 "add_qkv_bias", "qk_layernorm", "kv_channels", "untie_embeddings_and_output_weights")
 MODEL_FIELDS += ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_score_function",
                  "moe_layer_freq")  # MoE routing (issue 21)
+MODEL_FIELDS += ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                 "v_head_dim", "rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings",
+                 "beta_fast", "beta_slow")  # MLA and YaRN (issue 21)
 
 
 class CheckpointReader:

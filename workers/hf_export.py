@@ -2,7 +2,8 @@
 
 Reads the full (logical) tensors through :class:`workers.checkpoint_reader.CheckpointReader` and
 writes them under Hugging Face's names (:func:`workers.hf_interop.to_hf`), so transformers
-loads the result as ``LlamaForCausalLM`` or ``MixtralForCausalLM``.
+loads the result as the class of its family (:mod:`workers.hf_families`: Llama, Mixtral, Qwen2,
+Qwen3, Qwen3-MoE, DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -28,18 +29,22 @@ def export_hf(checkpoint: str, out_dir: str) -> dict:
     reader = CheckpointReader.open(checkpoint)
     reader.verify()  # every byte against the manifest before it leaves raytron
     m = reader.model
-    if m.get("multi_latent_attention"):
-        raise ValueError(f"{checkpoint}: a multi_latent_attention model; Hugging Face export is not there yet for it")
+    config = hf_config(m)  # refuses a model no family expresses before anything is read
     tensors, storages = {}, set()
-    for name, shape in logical_shapes(m).items():
-        full = reader.read(f"model/{name}", Box((0,) * len(shape), shape))
+    # every DeepSeek-V3 router has a bias: a sigmoid router without one writes zeros
+    shapes = logical_shapes({**m, "moe_router_enable_expert_bias": config["model_type"] == "deepseek_v3"})
+    for name, shape in shapes.items():
+        key = f"model/{name}"
+        if reader.has(key) or not name.endswith("router.expert_bias"):
+            full = reader.read(key, Box((0,) * len(shape), shape))
+        else:
+            full = torch.zeros(shape)
         tensors.update({k: _own(v, storages) for k, v in to_hf(name, full, m).items()})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "model.safetensors"
     save_file(tensors, path, {"format": "pt", "raytron_iteration": str(reader.iteration)})
     size = path.stat().st_size
-    config = hf_config(m)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {"iteration": reader.iteration, "architecture": config["architectures"][0], "bytes": size, "path": str(out)}
 

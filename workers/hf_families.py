@@ -8,12 +8,15 @@ llama      LlamaForCausalLM       (none)
 mixtral    MixtralForCausalLM     num_moe_experts, moe_router_topk
 qwen2      Qwen2ForCausalLM       add_qkv_bias: true (q/k/v biases, none on o_proj)
 qwen3      Qwen3ForCausalLM       qk_layernorm: true (q_norm / k_norm over each head)
+qwen3_moe  Qwen3MoeForCausalLM    qk_layernorm, the MoE fields of :func:`workers.hf_moe.moe_fields_from_hf`
+deepseek_v3 DeepseekV3ForCausalLM the MoE fields (sigmoid, groups, expert bias, shared experts,
+                                  first_k_dense_replace), MLA and YaRN (:mod:`workers.hf_mla`)
 =========  =====================  ===========================================================
 
 Every family carries ``head_dim`` (``kv_channels``) and ``tie_word_embeddings``
-(``untie_embeddings_and_output_weights``). A new family (Qwen3-MoE, DeepSeek-V3) is one more
-:class:`Family`: its architecture, what it reads beyond the common fields, what it refuses and
-what it writes. No torch here: the spec (``model: {from_hf: DIR}``) uses it too.
+(``untie_embeddings_and_output_weights``). A family is one :class:`Family`: its architecture,
+what it reads beyond the common fields, what it refuses and what it writes. No torch here: the
+spec (``model: {from_hf: DIR}``) uses it too.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from workers.hf_mla import LATENT_NORM_EPS, hf_mla_config, mla_fields_from_hf, mla_refusal, rope_of, rope_type
+from workers.hf_moe import hf_moe_config, moe_fields_from_hf
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,8 @@ class Family:
     """config.json -> why raytron cannot run it ("" if it can)."""
     write: dict = field(default_factory=dict)
     """config.json keys this family always writes (beyond the common ones)."""
+    scaled_rope: bool = False
+    """Whether ``read`` takes the rope scaling (YaRN) itself; else only plain RoPE is read."""
 
 
 def _no_bias(c: dict) -> str:
@@ -51,6 +59,21 @@ def _moe(c: dict) -> dict:
     return {"num_moe_experts": c["num_local_experts"], "moe_router_topk": c.get("num_experts_per_tok", 2)}
 
 
+def _routed(c: dict) -> dict:
+    """The MoE fields of a Qwen3-MoE / DeepSeek-V3 config; none if every layer is dense, and
+    ``moe_layer_freq`` 1 if every layer is MoE (the field's default)."""
+    out = moe_fields_from_hf(c)
+    if not any(out["moe_layer_freq"]):
+        return {}
+    if all(out["moe_layer_freq"]):
+        out["moe_layer_freq"] = 1
+    return out
+
+
+def _deepseek(c: dict) -> dict:
+    return {**mla_fields_from_hf(c), **_routed(c)}
+
+
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaForCausalLM", refuse=_no_bias, write={"attention_bias": False, "mlp_bias": False}),
     "mixtral": Family("MixtralForCausalLM", read=_moe, write={"output_router_logits": False, "sliding_window": None}),
@@ -59,6 +82,13 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("Qwen3ForCausalLM", read=lambda c: {"qk_layernorm": True},
                     refuse=lambda c: _no_sliding(c) or _no_bias(c),
                     write={"attention_bias": False, "use_sliding_window": False, "sliding_window": None}),
+    # -- the MoE families (issue 21): routing in workers/hf_moe.py, MLA and YaRN in workers/hf_mla.py
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", read=lambda c: {"qk_layernorm": True, **_routed(c)},
+                        refuse=lambda c: _no_sliding(c) or _no_bias(c),
+                        write={"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+                               "output_router_logits": False}),
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", read=_deepseek, refuse=mla_refusal, scaled_rope=True,
+                          write={"output_router_logits": False}),
 }
 
 
@@ -68,8 +98,8 @@ def model_from_hf_config(c: dict) -> dict:
     if kind not in FAMILIES:
         raise ValueError(f"hf: model_type {kind!r} is not supported; raytron reads {', '.join(FAMILIES)} models")
     family = FAMILIES[kind]
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
+    rope = rope_of(c)
+    if rope_type(rope) != "default" and not family.scaled_rope:
         raise ValueError(f"hf: rope scaling {rope.get('rope_type') or rope.get('type')!r} is not supported; "
                          f"raytron implements plain rotary embeddings")
     problem = family.refuse(c)
@@ -82,7 +112,7 @@ def model_from_hf_config(c: dict) -> dict:
              "vocab_size": c["vocab_size"], "seq_length": c.get("max_position_embeddings"), "num_moe_experts": None,
              "rotary_base": float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
              "norm_epsilon": float(c.get("rms_norm_eps", 1e-6)),
-             "add_qkv_bias": False, "qk_layernorm": False,
+             "add_qkv_bias": False, "qk_layernorm": False, "multi_latent_attention": False,
              "kv_channels": None if head_dim * heads == h else head_dim,
              "untie_embeddings_and_output_weights": not c.get("tie_word_embeddings", False)}
     model.update(family.read(c))
@@ -90,15 +120,59 @@ def model_from_hf_config(c: dict) -> dict:
 
 
 def family_of(m: dict) -> str:
-    """The model_type a model (a ModelConfig as a dict) is exported as."""
+    """The model_type a model (a ModelConfig as a dict) is exported as.
+
+    Raises:
+        ValueError: a model no family raytron writes expresses, naming the fields.
+    """
     moe, bias, qk = bool(m.get("num_moe_experts")), m.get("add_qkv_bias", False), m.get("qk_layernorm", False)
-    if moe and (bias or qk):
-        raise ValueError("hf export: an MoE model with add_qkv_bias or qk_layernorm has no Hugging Face family "
-                         "raytron writes yet (Mixtral has neither)")
+    sigmoid = moe and m.get("moe_router_score_function", "softmax") == "sigmoid"
+    if m.get("multi_latent_attention"):
+        if m["norm_epsilon"] != LATENT_NORM_EPS:
+            raise ValueError(f"hf export: norm_epsilon {m['norm_epsilon']:g}: DeepSeek-V3's q_a_layernorm and "
+                             f"kv_a_layernorm use eps {LATENT_NORM_EPS:g} whatever rms_norm_eps says, raytron's "
+                             f"norm_epsilon; export a model trained with norm_epsilon: {LATENT_NORM_EPS:g}")
+        if moe and not sigmoid:
+            raise ValueError("hf export: multi_latent_attention is DeepSeek-V3's, whose router is "
+                             "moe_router_score_function: sigmoid; this model routes by softmax")
+        groups, pick = m.get("moe_router_num_groups") or 1, m.get("moe_router_group_topk") or 1
+        if moe and groups > 1 and m["moe_router_topk"] // pick != 2:
+            raise ValueError(f"hf export: moe_router_topk {m['moe_router_topk']} // moe_router_group_topk {pick} "
+                             f"!= 2: DeepSeek-V3 ranks a group by its best 2 scores, raytron by its best "
+                             f"topk // group_topk")
+        return "deepseek_v3"
+    if sigmoid:
+        raise ValueError("hf export: moe_router_score_function sigmoid is DeepSeek-V3's, whose attention is "
+                         "multi_latent_attention; this model has grouped-query attention")
+    if moe and bias:
+        raise ValueError("hf export: an MoE model with add_qkv_bias has no Hugging Face family raytron writes "
+                         "(Mixtral and Qwen3-MoE have no q/k/v bias)")
+    if moe and qk:
+        return "qwen3_moe"
+    if moe:
+        extra = _not_mixtral(m)
+        if extra:
+            raise ValueError(f"hf export: {', '.join(extra)}: Mixtral (an MoE model without qk_layernorm) routes "
+                             f"every layer by a softmax over the top-k, with no shared experts; set "
+                             f"qk_layernorm: true to export as Qwen3-MoE")
+        return "mixtral"
     if bias and qk:
         raise ValueError("hf export: add_qkv_bias with qk_layernorm has no Hugging Face family (Qwen2 has the "
                          "bias, Qwen3 the norms); export a model with one of them")
-    return "mixtral" if moe else "qwen2" if bias else "qwen3" if qk else "llama"
+    return "qwen2" if bias else "qwen3" if qk else "llama"
+
+
+def _not_mixtral(m: dict) -> list[str]:
+    """The routing fields of an MoE model (with their values) that Mixtral cannot express."""
+    f = m.get("moe_ffn_hidden_size")
+    freq = m.get("moe_layer_freq", 1)
+    odd = {"moe_ffn_hidden_size": f is not None and f != m["ffn_hidden_size"],
+           "moe_shared_expert_intermediate_size": bool(m.get("moe_shared_expert_intermediate_size")),
+           "moe_router_pre_softmax": bool(m.get("moe_router_pre_softmax")),
+           "moe_router_topk_scaling_factor": m.get("moe_router_topk_scaling_factor") not in (None, 1.0),
+           "moe_router_num_groups": bool(m.get("moe_router_num_groups")),
+           "moe_layer_freq": freq != 1 and (isinstance(freq, int) or not all(freq))}
+    return [f"{k} {m.get(k)!r}" for k, on in odd.items() if on]
 
 
 def hf_config(m: dict) -> dict:
@@ -119,6 +193,16 @@ def hf_config(m: dict) -> dict:
     if kind == "mixtral":
         config.update({"num_local_experts": m["num_moe_experts"], "num_experts_per_tok": m["moe_router_topk"],
                        "router_aux_loss_coef": m["moe_aux_loss_coeff"]})
+    elif kind == "qwen3_moe":
+        config.update(hf_moe_config(m))
+    elif kind == "deepseek_v3":
+        config.update(hf_mla_config(m))
+        if m.get("num_moe_experts"):
+            config.update(hf_moe_config(m))
+        else:  # a dense MLA model: every layer before first_k_dense_replace
+            config.update({"n_routed_experts": 1, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1,
+                           "n_shared_experts": 0, "moe_intermediate_size": m["ffn_hidden_size"],
+                           "first_k_dense_replace": m["num_layers"]})
     return config
 
 

@@ -1,6 +1,6 @@
 """Hugging Face interop: export a checkpoint as a Hugging Face model of one of the families of
-:mod:`workers.hf_families` (Llama, Mixtral, Qwen2, Qwen3), and read such a directory as a
-checkpoint source (``checkpoint.load: hf:DIR``).
+:mod:`workers.hf_families` (Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3), and read such
+a directory as a checkpoint source (``checkpoint.load: hf:DIR``).
 
 raytron's decoder is those architectures exactly (rotate-half rotary, RMSNorm, SwiGLU, Qwen2's
 QKV bias, Qwen3's q/k norms, tied or untied output), so the conversion only renames and splits
@@ -24,7 +24,10 @@ layers.i.mlp.experts.w_{gate,up,down}  layers.i.block_sparse_moe.experts.e.w{1,3
 final_norm.weight / output.weight      norm.weight / lm_head.weight (tied: no lm_head)
 =====================================  ==============================================
 
-``d`` is the head dimension (``kv_channels``, Hugging Face's ``head_dim``).
+``d`` is the head dimension (``kv_channels``, Hugging Face's ``head_dim``). Qwen3-MoE and
+DeepSeek-V3 name their MoE tensors as :func:`workers.hf_moe.hf_moe_names` says (router, expert
+bias, experts, shared experts) and MLA's (:mod:`workers.mla`) are transformers' own
+(``layers.i.attention.X`` <-> ``layers.i.self_attn.X``).
 
 Mixtral's router (softmax over all experts, top-k, renormalised) equals raytron's (softmax
 over the top-k logits). Import also takes transformers 5's in-memory Mixtral names
@@ -40,7 +43,8 @@ import torch
 from safetensors import safe_open
 
 from workers.checkpoint_layout import Box
-from workers.hf_families import hf_config, model_from_hf_config, read_hf_config  # noqa: F401 (re-exported)
+from workers.hf_families import family_of, hf_config, model_from_hf_config, read_hf_config  # noqa: F401
+from workers.hf_moe import ARCHITECTURES, hf_moe_names
 
 
 def head_dim(m: dict) -> int:
@@ -48,29 +52,58 @@ def head_dim(m: dict) -> int:
 
 
 def logical_shapes(m: dict) -> dict[str, tuple[int, ...]]:
-    """Every logical tensor of a model (a ModelConfig as a dict) with its shape."""
+    """Every logical tensor of a model (a ModelConfig as a dict) with its shape, MoE expert
+    biases included."""
     h, f, v = m["hidden_size"], m["ffn_hidden_size"], m["vocab_size"]
     heads, groups = m["num_attention_heads"], m["num_query_groups"]
     d = head_dim(m)
     out = {"embedding.weight": (v, h)}
     for i in range(m["num_layers"]):
         p = f"layers.{i}"
-        out.update({f"{p}.input_norm.weight": (h,), f"{p}.attention.qkv.weight": ((heads + 2 * groups) * d, h)})
-        if m.get("add_qkv_bias"):
-            out[f"{p}.attention.qkv.bias"] = ((heads + 2 * groups) * d,)
-        if m.get("qk_layernorm"):
-            out.update({f"{p}.attention.q_norm.weight": (d,), f"{p}.attention.k_norm.weight": (d,)})
-        out.update({f"{p}.attention.proj.weight": (h, heads * d), f"{p}.post_norm.weight": (h,)})
-        e = m.get("num_moe_experts")
-        if e:
-            out.update({f"{p}.mlp.router.weight": (e, h), f"{p}.mlp.experts.w_gate": (e, f, h),
-                        f"{p}.mlp.experts.w_up": (e, f, h), f"{p}.mlp.experts.w_down": (e, h, f)})
+        out[f"{p}.input_norm.weight"] = (h,)
+        if m.get("multi_latent_attention"):
+            out.update({f"{p}.attention.{k}.weight": s for k, s in _mla_shapes(m).items()})
+        else:
+            out[f"{p}.attention.qkv.weight"] = ((heads + 2 * groups) * d, h)
+            if m.get("add_qkv_bias"):
+                out[f"{p}.attention.qkv.bias"] = ((heads + 2 * groups) * d,)
+            if m.get("qk_layernorm"):
+                out.update({f"{p}.attention.q_norm.weight": (d,), f"{p}.attention.k_norm.weight": (d,)})
+            out[f"{p}.attention.proj.weight"] = (h, heads * d)
+        out[f"{p}.post_norm.weight"] = (h,)
+        if _is_moe_layer(m, i):
+            e, fe = m["num_moe_experts"], m.get("moe_ffn_hidden_size") or f
+            shared = m.get("moe_shared_expert_intermediate_size")
+            out.update({f"{p}.mlp.router.weight": (e, h), f"{p}.mlp.experts.w_gate": (e, fe, h),
+                        f"{p}.mlp.experts.w_up": (e, fe, h), f"{p}.mlp.experts.w_down": (e, h, fe)})
+            if m.get("moe_router_enable_expert_bias"):
+                out[f"{p}.mlp.router.expert_bias"] = (e,)
+            if shared:
+                out.update({f"{p}.mlp.shared_mlp.gate_up.weight": (2, shared, h),
+                            f"{p}.mlp.shared_mlp.down.weight": (h, shared)})
         else:
             out.update({f"{p}.mlp.gate_up.weight": (2, f, h), f"{p}.mlp.down.weight": (h, f)})
     out["final_norm.weight"] = (h,)
     if m.get("untie_embeddings_and_output_weights", True):
         out["output.weight"] = (v, h)
     return out
+
+
+def _is_moe_layer(m: dict, i: int) -> bool:
+    """:meth:`workers.config.ModelConfig.is_moe_layer` of a model dict."""
+    freq = m.get("moe_layer_freq", 1)
+    return bool(m.get("num_moe_experts")) and bool(i % freq == 0 if isinstance(freq, int) else freq[i])
+
+
+def _mla_shapes(m: dict) -> dict[str, tuple[int, ...]]:
+    """The attention weights of an MLA layer (:mod:`workers.mla`), transformers' names."""
+    h, heads, rope = m["hidden_size"], m["num_attention_heads"], m["qk_pos_emb_head_dim"]
+    qk, q_rank, kv_rank = m["qk_head_dim"] + rope, m.get("q_lora_rank"), m["kv_lora_rank"]
+    q = ({"q_proj": (heads * qk, h)} if q_rank is None else
+         {"q_a_proj": (q_rank, h), "q_a_layernorm": (q_rank,), "q_b_proj": (heads * qk, q_rank)})
+    return {**q, "kv_a_proj_with_mqa": (kv_rank + rope, h), "kv_a_layernorm": (kv_rank,),
+            "kv_b_proj": (heads * (m["qk_head_dim"] + m["v_head_dim"]), kv_rank),
+            "o_proj": (h, heads * m["v_head_dim"])}
 
 
 def _split_qkv(qkv: torch.Tensor, m: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,6 +133,12 @@ def to_hf(name: str, t: torch.Tensor, m: dict) -> dict[str, torch.Tensor]:
         return {f"model.{simple[name]}": t}
     _, i, rest = name.split(".", 2)
     p = f"model.layers.{i}"
+    if m.get("multi_latent_attention") and rest.startswith("attention."):  # transformers' names already
+        return {f"{p}.self_attn.{rest[len('attention.'):]}": t}
+    if family_of(m) in ARCHITECTURES:  # Qwen3-MoE, DeepSeek-V3: workers.hf_moe's names
+        hub = hf_moe_names(name, m["num_moe_experts"])
+        if hub is not None:
+            return {hub[0]: t} if len(hub) == 1 else dict(zip(hub, t))
     if rest in ("attention.qkv.weight", "attention.qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
         return {f"{p}.self_attn.{x}_proj.{kind}": part for x, part in zip("qkv", _split_qkv(t, m))}
@@ -183,7 +222,7 @@ class HFReader:
         if ".mlp.experts." in name:
             p = f"model.{name.split('.mlp')[0]}.mlp.experts"
             if f"{p}.gate_up_proj" in self.files:  # transformers 5: fused [E, 2F, h]
-                f = m["ffn_hidden_size"]
+                f = m.get("moe_ffn_hidden_size") or m["ffn_hidden_size"]
                 gate_up, down = self._get(f"{p}.gate_up_proj"), self._get(f"{p}.down_proj")
                 return {"w_gate": gate_up[:, :f], "w_up": gate_up[:, f:], "w_down": down}[name.rsplit(".", 1)[1]]
         hub = to_hf(name, torch.empty(self.shapes[name], device="meta"), m)

@@ -17,19 +17,15 @@ def config_fields(m) -> dict:
     return {name: getattr(m, name) for name in ("multi_latent_attention",) + MLA_FIELDS + YARN_FIELDS}
 
 
-def mla_problems(m, load: str | None = None) -> list[str]:
+def mla_problems(m) -> list[str]:
     """Megatron-Core's MLA rules, each naming the field and the fix. A field that only MLA reads must
-    keep its default on other models (compared by value: a dumped and re-read spec sets every field).
-    ``load``: the spec's ``checkpoint.load`` (Hugging Face import of MLA models is not there yet)."""
+    keep its default on other models (compared by value: a dumped and re-read spec sets every field)."""
     defaults = type(m).model_fields
     changed = [f for f in MLA_FIELDS + YARN_FIELDS if getattr(m, f) != defaults[f].default]
     if not m.multi_latent_attention:
         return [f"model.{f} {getattr(m, f)} is for multi-latent attention; set model.multi_latent_attention: true "
                 f"or drop model.{f}" for f in changed]
     out = []
-    if load and load.startswith("hf:"):
-        out.append(f"checkpoint.load {load!r}: Hugging Face import is not there yet for multi_latent_attention "
-                   f"models; start from the seed or from a raytron checkpoint")
     heads = m.num_attention_heads
     if m.num_query_groups is not None and m.num_query_groups != heads:
         out.append(f"model.num_query_groups {m.num_query_groups} is for grouped-query attention; "

@@ -107,7 +107,8 @@ class ModelSpec(BaseModel):
 
 def hf_model_fields(directory: str) -> dict:
     """The ModelSpec architecture fields of a Hugging Face directory's config.json (all but
-    seq_length: max_position_embeddings is not the training sequence length)."""
+    seq_length: max_position_embeddings is not the training sequence length), MoE routing, MLA
+    and YaRN fields included (Qwen3-MoE, DeepSeek-V3: :mod:`workers.hf_families`)."""
     config = read_hf_config(directory, "model.from_hf")
     try:
         hf = model_from_hf_config(config)

@@ -190,7 +190,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
     if grid is not None and (problem := batch_problem(t.global_batch_size, t.micro_batch_size, grid)):
         out.append(problem)
     out.extend(recompute_problems(m, pp))
-    out.extend(mla_problems(m, spec.checkpoint.load))
+    out.extend(mla_problems(m))
     out.extend(training_problems(t))
     out.extend(resources_problems(res))
     if res.min_nodes is not None and res.min_nodes > res.num_nodes:
