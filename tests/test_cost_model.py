@@ -306,6 +306,13 @@ def test_on_shared_cores_tp_pays_a_latency_per_message_and_dp_its_bytes():
     assert hop_latency(cl, 4) == dict(cl.hop_latency_s)[4] and hop_latency(cl, 3) == hop_latency(cl, 4)
     assert hop_latency(cl, 1) == 0 and hop_latency(cl, 64) == dict(cl.hop_latency_s)[8]
     assert dp8["dp_exposed"] == dp8["dp"] > 0 and dp8["tp"] == 0
+    # dp 8: every rank's gradient bytes (the plan's traffic, all ranks) at the machine's loopback rate,
+    # plus 2 x 7 messages per 1M-element bucket at a ring of 8's wait
+    from service.spec.plan import plan_job
+
+    sent = sum(plan_job(cpu_spec({}))["traffic"]["dp"].values())
+    dense = rank_parameters(Shapes.of(cpu_spec({})), grid_of(cpu_spec({})), 0)["dense"]
+    assert dp8["dp"] == pytest.approx(sent / cl.intra_bytes_per_s + -(-dense // 1_000_000) * 14 * hop_latency(cl, 8))
     # with and without SP the same messages (all-gather + reduce-scatter, or all-reduce: tp-1 steps each)
     no_sp = ours(cpu_spec({"tensor_model_parallel_size": 4}))["step_seconds"]
     assert no_sp["latency"] == pytest.approx(tp4["latency"])
