@@ -62,9 +62,10 @@ SIMULATED_CPU = {"memory_gb": 16, "peak_tflops": 0.1, "intra_gbps": 2, "inter_gb
 # The simulated CPU cluster (``gpu_type: cpu``, and the default): ranks are single-threaded
 # processes sharing one machine's cores (:mod:`service.spec.cost_cpu`). Measured on the 2-core dev
 # VM by bench/cpu_calibrate.py with 8 ranks (the 2 x 4 simulated cluster): the machine's fp32 GEMM
-# rate over all cores (peak_tflops; the model applies EFFICIENCY to it as to a GPU's peak), gloo's
-# loopback throughput of all ranks together (intra/inter: one machine), the wait per message of a
-# collective with every rank in one (hop_latency_s), the machine's memory bandwidth (a large add).
+# rate over all cores (peak_tflops: an achieved rate, no EFFICIENCY applied), gloo's loopback
+# throughput of all ranks together (intra/inter: one machine), the wait per message of a collective
+# per group size with every rank busy (hop_latency_s), the machine's memory bandwidth (a large add).
+# Medians of 4-5 calibrations at load 9-18 (README "Auto layout" gives the spread); 16 GB assumed.
 CPU_FIGURES = {"memory_gb": 16, "peak_tflops": 0.1, "intra_gbps": 4.2, "inter_gbps": 4.2, "cores": 2,
                "hop_latency_s": {2: 0.00016, 4: 0.0009, 8: 0.002}, "memory_gbps": 13.6}
 
