@@ -280,6 +280,11 @@ def test_on_shared_cores_the_machine_does_every_ranks_work_and_a_bubble_is_not_i
                                               + step["ep"] + step["pp"] + step["dp_exposed"] + step["optimizer"])
     pp8 = steps["pp8"]
     assert pp8["dp"] == 0 and pp8["tp"] == 0 and pp8["pp"] > 0
+    # one single-threaded rank uses one of the machine's cores
+    one = parse_spec({"model": SMALL, "training": {"global_batch_size": 16, "micro_batch_size": 1},
+                      "resources": {"num_nodes": 1, "gpus_per_node": 1}})
+    assert ours(one)["step_seconds"]["compute"] == pytest.approx(
+        cost.megatron_flops(s, 16) / (cl.peak_flops / cost.CPU_FIGURES["cores"]))
     # on 8 dedicated devices the same pipeline idles (p-1)/m of the work
     gpus = ours(cpu_spec({"pipeline_model_parallel_size": 8}, gpu_peak_tflops=0.1, intra_node_bandwidth_gbps=2,
                          inter_node_bandwidth_gbps=2))["step_seconds"]

@@ -15,7 +15,8 @@ the other:
   the model's), not a datasheet peak, so :data:`~service.spec.cost.EFFICIENCY` does not apply. TP and CP split the FLOPs without repeating them, so the sum does not depend on
   the layout;
 * **bytes**: every byte any rank sends (the plan's traffic, all ranks summed) at the machine's
-  loopback throughput (the kernel copies it through memory, on the same cores);
+  loopback throughput (the kernel copies it through memory, on the same cores; the simulated
+  cluster's "nodes" are one machine, so both bandwidth figures are that throughput unless given);
 * **latency**: each collective is a chain of messages, each waiting for its receiver to be woken
   and scheduled on the shared cores; per rank and iteration the chain lengths add up (the rank
   cannot go on before its collective ends): TP 8 (tp-1) per layer and microbatch (with SP 4
@@ -41,18 +42,17 @@ replicated elementwise work of TP without SP, the CPU time of Python per operati
 
 from __future__ import annotations
 
-from service.spec.cost import Cluster, megatron_flops
+from service.spec.cost import Cluster, megatron_flops, state_bytes
 
 DEFAULT_BUCKET_ELEMENTS = 1_000_000
 """The trainer's gradient bucket (``workers.parallel.data.DEFAULT_BUCKET_SIZE``; not imported: no torch here)."""
 
 
-def collective_hops(s, *, tp: int, cp: int, ep: int, pp: int, vpp: int | None, dp_cp: int, sp: bool,
-                    num_microbatches: int, dense_parameters: float) -> dict[str, float]:
+def collective_hops(s, *, tp: int, cp: int, ep: int, pp: int, vpp: int | None, dp_cp: int,
+                    num_microbatches: int, dense_parameters: float) -> dict[str, tuple[float, int]]:
     """Messages one rank waits for in one iteration and the size of the group they pass in, per
     parallel kind (module docstring): ``{kind: (messages, group_size)}``."""
-    m, layers = num_microbatches, s.layers // pp
-    del sp  # with and without SP a layer's TP messages are 8 (tp-1)
+    m, layers = num_microbatches, s.layers // pp  # TP: 8 (tp-1) per layer with or without SP
     buckets = -(-dense_parameters // DEFAULT_BUCKET_ELEMENTS)
     return {"tp": (m * (layers * 8 + 4 * 2) * (tp - 1), tp),
             "cp": (m * layers * 2 * (cp - 1), cp),
@@ -84,12 +84,32 @@ def shared_step_time(s, *, world: int, global_batch_size: int, recompute: str | 
     recompute_s = megatron_flops(s, global_batch_size, recompute=recompute) / rate - compute
     parts, latency = {}, {}
     for kind in ("tp", "cp", "ep", "pp", "dp"):
-        sent = sum(a + b for a, b in rank_bytes.get(kind, {}).values()) * scale.get(kind, 1.0)
+        seconds = sum(a / cluster.intra_bytes_per_s + b / cluster.inter_bytes_per_s  # in-node, cross-node
+                      for a, b in rank_bytes.get(kind, {}).values()) * scale.get(kind, 1.0)
         messages, group = hops.get(kind, (0, 1))
         latency[kind] = messages * hop_latency(cluster, group)
-        parts[kind] = sent / cluster.intra_bytes_per_s + latency[kind]
+        parts[kind] = seconds + latency[kind]
     optimizer = 2 * state_bytes_all_ranks / cluster.memory_bytes_per_s
     total = compute + recompute_s + sum(parts.values()) + optimizer
     return {"compute": compute, "recompute": recompute_s, **{k: parts[k] for k in ("tp", "cp", "ep", "pp")},
             "bubble": 0.0, "dp": parts["dp"], "dp_exposed": parts["dp"], "optimizer": optimizer,
             "latency": sum(latency.values()), "total": total}
+
+
+def spec_step_time(s, spec, grid, rank_bytes, cluster: Cluster, stage_ranks: list[dict], num_microbatches: int,
+                   act_scale: float, mixed: bool) -> dict[str, float]:
+    """:func:`shared_step_time` of a concrete spec (:func:`service.spec.plan.estimate`'s inputs):
+    ``stage_ranks`` the parameters of one rank per pipeline stage (the others repeat them),
+    ``rank_bytes`` the plan's traffic per kind and rank."""
+    p = spec.parallel
+    per_stage = grid.world_size // grid.pp
+    state_all = per_stage * sum(
+        state_bytes(r["dense"], r["expert"], grid.dp * grid.cp, grid.expert_dp, mixed=mixed,
+                    distributed=p.use_distributed_optimizer)["total"] for r in stage_ranks)
+    hops = collective_hops(s, tp=grid.tp, cp=grid.cp, ep=grid.ep, pp=grid.pp, vpp=grid.vpp, dp_cp=grid.dp * grid.cp,
+                           num_microbatches=num_microbatches,
+                           dense_parameters=max(r["dense"] for r in stage_ranks))
+    return shared_step_time(s, world=grid.world_size, global_batch_size=spec.training.global_batch_size,
+                            recompute=spec.model.recompute_granularity, rank_bytes=rank_bytes,
+                            scale={k: act_scale for k in ("tp", "cp", "ep", "pp")}, hops=hops,
+                            state_bytes_all_ranks=state_all, cluster=cluster)

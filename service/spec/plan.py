@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.spec import cost
+from service.spec.cost_cpu import spec_step_time
 from service.spec.mla import MLADims
 from service.spec.placement import plan_placement
 from workers.grid import ParallelGrid
@@ -223,7 +224,7 @@ def estimate(spec, grid: ParallelGrid, node_of: list[int], tr: _Traffic | None =
     tr = tr or count_traffic(s, spec, grid, node_of)
     act_scale = (2 if mixed else 4) / BYTES  # the traffic model counts fp32; DP gradients stay fp32
     if cluster.cores:  # ranks sharing a machine's cores: the machine's work (service/spec/cost_cpu.py)
-        step = _shared_step(s, spec, grid, tr, cluster, ranks, num_microbatches, act_scale, mixed)
+        step = spec_step_time(s, spec, grid, tr.by_rank, cluster, ranks, num_microbatches, act_scale, mixed)
     else:
         comm = cost.comm_seconds(tr.by_rank, cluster, {k: act_scale for k in ("tp", "cp", "ep", "pp")})
         step = cost.step_time(s, world=grid.world_size, pp=grid.pp, vpp=grid.vpp,
@@ -236,25 +237,6 @@ def estimate(spec, grid: ParallelGrid, node_of: list[int], tr: _Traffic | None =
             "peak_bytes_per_rank": peak, "fits": peak <= cost.MEMORY_MARGIN * cluster.memory_bytes,
             "memory_margin": cost.MEMORY_MARGIN, "num_microbatches": num_microbatches,
             "cross_node_bytes": cross, "step_seconds": step, "predicted_step_s": step["total"]}
-
-
-def _shared_step(s, spec, grid, tr, cluster, stage_ranks, num_microbatches, act_scale, mixed) -> dict:
-    """:func:`service.spec.cost_cpu.shared_step_time` of a spec: hops per rank, all ranks' state bytes."""
-    from service.spec import cost_cpu
-
-    p = spec.parallel
-    per_stage = grid.world_size // grid.pp  # stage_ranks: one rank per stage, the others repeat it
-    state_all = per_stage * sum(
-        cost.state_bytes(r["dense"], r["expert"], grid.dp * grid.cp, grid.expert_dp, mixed=mixed,
-                         distributed=p.use_distributed_optimizer)["total"] for r in stage_ranks)
-    hops = cost_cpu.collective_hops(s, tp=grid.tp, cp=grid.cp, ep=grid.ep, pp=grid.pp, vpp=grid.vpp,
-                                    dp_cp=grid.dp * grid.cp, sp=p.sequence_parallel,
-                                    num_microbatches=num_microbatches,
-                                    dense_parameters=max(r["dense"] for r in stage_ranks))
-    return cost_cpu.shared_step_time(s, world=grid.world_size, global_batch_size=spec.training.global_batch_size,
-                                     recompute=spec.model.recompute_granularity, rank_bytes=tr.by_rank,
-                                     scale={k: act_scale for k in ("tp", "cp", "ep", "pp")}, hops=hops,
-                                     state_bytes_all_ranks=state_all, cluster=cluster)
 
 
 def plan_job(spec) -> dict:
