@@ -75,8 +75,8 @@ def print_cost(plan: dict, out=None) -> None:
           f"(state {c['state_bytes']['total'] / GB:.1f} + activations {c['activation_bytes']['total'] / GB:.1f}), "
           f"{'fits' if c['fits'] else 'does NOT fit'} {c['cluster']['memory_gb']:g} GB x {c['memory_margin']}; "
           f"step {c['predicted_step_s']:.3f} s = " + " + ".join(
-              f"{k} {t[k]:.3f}" for k in ("compute", "recompute", "tp", "cp", "ep", "pp", "bubble", "dp_exposed")
-              if t[k]), file=out)
+              f"{k} {t[k]:.3f}" for k in ("compute", "recompute", "tp", "cp", "ep", "pp", "bubble", "dp_exposed",
+                                         "optimizer") if t.get(k)), file=out)
 
 
 def trial_args_problem(args, *, auto: bool, trial_launcher: bool) -> str:

@@ -19,10 +19,12 @@ batch 16) on a 2 x 4 cluster of local processes (the simulated CPU cluster; ``--
 :mod:`service.control.trials` (median after the warm-up, slowest rank); the cost model's
 predicted ranking of the 8 against the measured one (Spearman's rho), then ``plan --auto
 --trial 4`` (the model's top 4 of the whole search, trialled) and its pick's measured time
-against the fastest of the 8. The cluster figures the model uses are calibrated first
-(:func:`calibrate`): one rank's fp32 GEMM rate with the cores shared by the 8 ranks, and gloo's
-loopback all-reduce bandwidth. The processes share the machine's cores (and, on a shared dev
-machine, other people's work): the timings are only as quiet as the machine.
+against the fastest of the 8. The model uses the simulated CPU cluster's stored figures
+(``gpu_type: cpu``: :data:`service.spec.cost.CPU_FIGURES`, ranks sharing the machine's cores,
+:mod:`service.spec.cost_cpu`); the bench measures them again first (:mod:`bench.cpu_calibrate`)
+and prints both, so a drift of the machine shows. The processes share the machine's cores (and,
+on a shared dev machine, other people's work): the timings are only as quiet as the machine; the
+load average is printed beside each.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -60,8 +61,6 @@ TIME_LAYOUTS = {
     "cp2 dp4": {"context_parallel_size": 2},
     "tp2 pp2 dp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
 }
-GB = 1e9
-MIB = 2**20
 
 
 def spec_of(model: dict, parallel: dict, nodes: int, gpus: int, gbs: int, mbs, iters: int = 3,
@@ -128,43 +127,6 @@ def memory_table(iters: int = 3) -> list[dict]:
 # ----------------------------------------------------------------------------- time
 
 
-def _gemm_rank(rank: int, world_size: int, n: int, reps: int) -> float:
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    return 2 * n**3 * reps / (time.perf_counter() - t0)
-
-
-def _allreduce_rank(rank: int, world_size: int, nbytes: int, reps: int) -> float:
-    import torch
-    import torch.distributed as dist
-
-    x = torch.zeros(nbytes // 4)
-    dist.all_reduce(x)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dist.all_reduce(x)
-    # ring all-reduce: each rank sends 2 (n-1)/n of the buffer
-    return 2 * (world_size - 1) / world_size * nbytes * reps / (time.perf_counter() - t0)
-
-
-def calibrate(ranks: int = 8) -> dict:
-    """Per-rank GEMM FLOP/s with ``ranks`` ranks sharing the cores, and gloo's loopback bandwidth per
-    rank in an 8-rank ring: the figures of the simulated cluster on this machine."""
-    from workers.spawn import run_ranks
-
-    flops = min(run_ranks(_gemm_rank, ranks, args=(512, 20), timeout_s=600))
-    bw = min(run_ranks(_allreduce_rank, ranks, args=(16 * MIB, 5), timeout_s=600))
-    from service.spec.cost import EFFICIENCY
-
-    return {"gpu_peak_tflops": round(flops / EFFICIENCY / 1e12, 5), "intra_node_bandwidth_gbps": round(bw / GB, 4),
-            "inter_node_bandwidth_gbps": round(bw / GB, 4), "gpu_memory_gb": 16}
-
-
 def spearman(a: list[float], b: list[float]) -> float:
     def ranks(x):
         order = sorted(range(len(x)), key=lambda i: x[i])
@@ -184,19 +146,24 @@ def time_table(iters: int, ray: bool) -> dict:
     from service.spec.plan import plan_job
     from service.spec.spec import parse_spec, search_layouts
 
-    res = calibrate()
-    print(f"\ncalibrated simulated-cluster figures (per rank, 8 ranks on {os.cpu_count()} cores): {res}")
+    from bench.cpu_calibrate import calibrate
+    from service.spec.cost import CPU_FIGURES
+
+    now = calibrate()
+    print(f"\nthe simulated CPU cluster's figures (service/spec/cost.py CPU_FIGURES, what the model uses): "
+          f"{CPU_FIGURES}\nmeasured now by bench/cpu_calibrate.py (8 ranks on {os.cpu_count()} cores): {now}")
+    res = {"gpu_type": "cpu"}
     rows = []
     with open_launcher("ray" if ray else "processes", shape=(2, 4), simulate=(2, 4) if ray else None) as launcher:
         print(f"time: {len(TIME_LAYOUTS)} layouts on 2 x 4 ({'Ray --simulate 2x4' if ray else 'local processes'}), "
               f"{iters} iterations each, median after the first, slowest rank; load {os.getloadavg()[0]:.1f}")
-        print(f"{'layout':<14} {'pred s':>8} {'meas s':>8}")
+        print(f"{'layout':<14} {'pred s':>8} {'meas s':>8} {'load':>5}")
         for name, par in TIME_LAYOUTS.items():
             data = spec_of(TIME_MODEL, par, 2, 4, 16, 1, iters, res)
             pred = plan_job(parse_spec(data))["cost"]["predicted_step_s"]
             m = run_trial(launcher, data, iters, f"bench-{len(rows)}")
             rows.append({"layout": name, "predicted": pred, "measured": m.get("measured_step_s", float("inf"))})
-            print(f"{name:<14} {pred:>8.4f} {rows[-1]['measured']:>8.4f}", flush=True)
+            print(f"{name:<14} {pred:>8.4f} {rows[-1]['measured']:>8.4f} {os.getloadavg()[0]:>5.1f}", flush=True)
         rho = spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])
         fastest = min(rows, key=lambda r: r["measured"])
         slowest = max(rows, key=lambda r: r["measured"])
@@ -211,7 +178,8 @@ def time_table(iters: int, ray: bool) -> dict:
     print(f"--auto --trial 4 picks tp {s['tp']} pp {s['pp']} vpp {s['vpp'] or '-'} cp {s['cp']} dp {s['dp']} "
           f"mbs {win['micro_batch_size']}: {win['measured_step_s']:.4f} s measured in its trial = {ratio:.3f} x the "
           f"fastest of the 8 ({fastest['layout']}, {fastest['measured']:.4f} s) (acceptance: <= 1.10)")
-    return {"rows": rows, "spearman": rho, "pick_ratio": ratio, "calibration": res}
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+    return {"rows": rows, "spearman": rho, "pick_ratio": ratio, "calibration": now}
 
 
 def main(argv=None) -> int:

@@ -100,3 +100,15 @@ def test_every_bucket_launches_during_backward_with_interleaving():
     for r in dp_overlap.measure(2):
         # Megatron enables each chunk's grad sync on that chunk's last microbatch.
         assert r["launched"] == r["buckets"] > 1, r
+
+
+def test_cpu_calibration_measures_every_figure_the_cpu_cluster_stores():
+    """bench/cpu_calibrate.py on 2 real ranks: the figures of service.spec.cost.CPU_FIGURES, each
+    positive (no value is asserted: they are the machine's)."""
+    from bench.cpu_calibrate import calibrate
+    from service.spec.cost import CPU_FIGURES
+
+    got = calibrate(ranks=2, repeats=1)
+    assert set(CPU_FIGURES) - {"memory_gb"} <= set(got)
+    assert got["peak_tflops"] > 0 and got["intra_gbps"] > 0 and got["memory_gbps"] > 0 and got["cores"] >= 1
+    assert set(got["hop_latency_s"]) == {2} and got["hop_latency_s"][2] >= 0

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from service.spec import cost
-from service.spec.plan import Shapes, estimate
+from service.spec.plan import Shapes, estimate, rank_parameters
 from service.spec.spec import grid_of, parse_spec
 from workers.grid import ParallelGrid
 
@@ -237,3 +237,97 @@ def test_megatron_flops_with_deepseek_v3_routing():
     mlp = (64 + 3 * (2 * 48 + 32)) / L / h * 1.5
     want = 12 * 8 * seq * L * h * h * (attention + mlp + 256 / (2 * L * h))
     assert cost.megatron_flops(s, 8) == pytest.approx(want, rel=1e-12)
+
+
+# ---------------------------------------------------------------- the simulated CPU cluster (shared cores)
+SMALL = {"num_layers": 8, "hidden_size": 256, "num_attention_heads": 8, "num_query_groups": 4,
+         "ffn_hidden_size": 1024, "vocab_size": 2048, "seq_length": 256}
+
+
+def cpu_spec(parallel: dict, **resources):
+    """bench/auto_layout_bench.py's timed model on the 2 x 4 simulated CPU cluster."""
+    return parse_spec({"model": SMALL, "parallel": parallel, "training": {"global_batch_size": 16,
+                                                                          "micro_batch_size": 1},
+                       "resources": {"num_nodes": 2, "gpus_per_node": 4, **resources}})
+
+
+def test_the_simulated_cpu_cluster_is_the_default_and_shares_its_cores():
+    default = cost.cluster_of(cpu_spec({}).resources)
+    assert default == cost.cluster_of(cpu_spec({}, gpu_type="cpu").resources)
+    assert default.name == "simulated-cpu" and default.cores == cost.CPU_FIGURES["cores"] > 0
+    assert default.peak_flops == cost.CPU_FIGURES["peak_tflops"] * 1e12
+    assert default.hop_latency_s and all(t > 0 for _, t in default.hop_latency_s) and default.memory_bytes_per_s > 0
+    assert cost.cluster_of(cpu_spec({}, intra_node_bandwidth_gbps=1).resources).intra_bytes_per_s == 1e9
+    # a peak without a type describes an accelerator of one's own: one per rank, the GPU model
+    assert cost.cluster_of(cpu_spec({}, gpu_peak_tflops=100).resources).cores == 0
+    assert cost.cluster_of(spec_of(LLAMA3_8B).resources).cores == 0
+    with pytest.raises(ValueError, match="resources.gpu_peak_tflops is given with resources.gpu_type cpu"):
+        cpu_spec({}, gpu_type="cpu", gpu_peak_tflops=1)
+
+
+def test_on_shared_cores_the_machine_does_every_ranks_work_and_a_bubble_is_not_idle():
+    """Compute = the whole batch's FLOPs at the machine's rate, the same in every layout (TP and PP
+    split the work, they do not shrink it); no bubble; a pp 8 pipeline costs its sends only."""
+    cl = cost.cluster_of(cpu_spec({}).resources)
+    s = Shapes.of(cpu_spec({}))
+    steps = {name: ours(cpu_spec(par))["step_seconds"] for name, par in
+             {"dp8": {}, "pp8": {"pipeline_model_parallel_size": 8},
+              "tp2 pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}}.items()}
+    for step in steps.values():
+        assert step["compute"] == pytest.approx(cost.megatron_flops(s, 16) / cl.peak_flops)
+        assert step["bubble"] == 0
+        assert step["total"] == pytest.approx(step["compute"] + step["recompute"] + step["tp"] + step["cp"]
+                                              + step["ep"] + step["pp"] + step["dp_exposed"] + step["optimizer"])
+    pp8 = steps["pp8"]
+    assert pp8["dp"] == 0 and pp8["tp"] == 0 and pp8["pp"] > 0
+    # one single-threaded rank uses one of the machine's cores
+    one = parse_spec({"model": SMALL, "training": {"global_batch_size": 16, "micro_batch_size": 1},
+                      "resources": {"num_nodes": 1, "gpus_per_node": 1}})
+    assert ours(one)["step_seconds"]["compute"] == pytest.approx(
+        cost.megatron_flops(s, 16) / (cl.peak_flops / cost.CPU_FIGURES["cores"]))
+    # on 8 dedicated devices the same pipeline idles (p-1)/m of the work
+    gpus = ours(cpu_spec({"pipeline_model_parallel_size": 8}, gpu_peak_tflops=0.1, intra_node_bandwidth_gbps=2,
+                         inter_node_bandwidth_gbps=2))["step_seconds"]
+    assert gpus["bubble"] > 0.4 * gpus["compute"]
+
+
+def test_on_shared_cores_tp_pays_a_latency_per_message_and_dp_its_bytes():
+    """The ranking the measured CPU cluster shows (README): TP's many small collectives cost their
+    latency, so tp 4 ranks below dp 8; DP's gradient all-reduce is not hidden behind backward."""
+    from service.spec.cost_cpu import hop_latency
+
+    cl = cost.cluster_of(cpu_spec({}).resources)
+    tp4_spec = cpu_spec({"tensor_model_parallel_size": 4, "sequence_parallel": True})
+    dp8 = ours(cpu_spec({}))["step_seconds"]
+    tp4 = ours(tp4_spec)["step_seconds"]
+    pp8 = ours(cpu_spec({"pipeline_model_parallel_size": 8}))["step_seconds"]
+    assert tp4["total"] > dp8["total"] > pp8["total"]
+    # tp: m 8 microbatches x (8 layers x 8 + 4 x 2 output-layer messages) x (tp - 1), each at a ring
+    # of 4's wait; dp 2: 2 (n - 1) per 1M-element gradient bucket at a pair's wait
+    grid = grid_of(tp4_spec)
+    dense = max(rank_parameters(Shapes.of(tp4_spec), grid, r)["dense"] for r in grid.groups("pp")[0])
+    want = 8 * (8 * 8 + 8) * 3 * hop_latency(cl, 4) + -(-dense // 1_000_000) * 2 * hop_latency(cl, 2)
+    assert tp4["latency"] == pytest.approx(want)
+    assert hop_latency(cl, 4) == dict(cl.hop_latency_s)[4] and hop_latency(cl, 3) == hop_latency(cl, 4)
+    assert hop_latency(cl, 1) == 0 and hop_latency(cl, 64) == dict(cl.hop_latency_s)[8]
+    assert dp8["dp_exposed"] == dp8["dp"] > 0 and dp8["tp"] == 0
+    # dp 8: every rank's gradient bytes (the plan's traffic, all ranks) at the machine's loopback rate,
+    # plus 2 x 7 messages per 1M-element bucket at a ring of 8's wait
+    from service.spec.plan import plan_job
+
+    sent = sum(plan_job(cpu_spec({}))["traffic"]["dp"].values())
+    dense = rank_parameters(Shapes.of(cpu_spec({})), grid_of(cpu_spec({})), 0)["dense"]
+    assert dp8["dp"] == pytest.approx(sent / cl.intra_bytes_per_s + -(-dense // 1_000_000) * 14 * hop_latency(cl, 8))
+    # with and without SP the same messages (all-gather + reduce-scatter, or all-reduce: tp-1 steps each)
+    no_sp = ours(cpu_spec({"tensor_model_parallel_size": 4}))["step_seconds"]
+    assert no_sp["latency"] == pytest.approx(tp4["latency"])
+
+
+def test_on_shared_cores_the_optimizer_update_is_repeated_by_dp_replicas():
+    """Every rank streams its state through the machine's memory: dp 8 copies cost 8 times one
+    pp 8 stage set; the distributed optimizer shards the moments."""
+    plain = ours(cpu_spec({}))["step_seconds"]["optimizer"]
+    sharded = ours(cpu_spec({"use_distributed_optimizer": True}))["step_seconds"]["optimizer"]
+    pp8 = ours(cpu_spec({"pipeline_model_parallel_size": 8}))["step_seconds"]["optimizer"]
+    assert sharded < 0.8 * plain
+    assert plain > 7 * pp8  # pp 8 adds only the second vocabulary matrix (embedding and output apart)

@@ -2,10 +2,12 @@
 
 **Cluster figures** (:func:`cluster_of`). ``resources.gpu_type`` picks the vendor figures below;
 ``gpu_memory_gb``, ``gpu_peak_tflops``, ``intra_node_bandwidth_gbps``, ``inter_node_bandwidth_gbps``
-give them one by one (bandwidths may override a type's: fabrics differ). Without any, the figures
-are the simulated CPU cluster's (``--simulate``: gloo over loopback on one machine), deliberately
-conservative guesses, not measurements: 16 GB per rank, 0.1 TFLOP/s, 2 GB/s in a node, 1 GB/s
-across nodes.
+give them one by one (bandwidths may override a type's: fabrics differ). ``gpu_type: cpu``, and
+the default when no peak is given, is the simulated CPU cluster (``--simulate``, local processes:
+gloo over loopback on one machine), whose ranks share the machine's cores: its figures
+(:data:`CPU_FIGURES`) are measured by bench/cpu_calibrate.py, and its step time is
+:mod:`service.spec.cost_cpu`'s (the machine's work summed over ranks, per-message latency, no
+bubble) instead of the one below.
 
 **Memory per rank** (:func:`state_bytes`, :func:`activation_bytes`), for the most loaded rank:
 
@@ -28,7 +30,7 @@ across nodes.
   the output layer (its input and the fp32 logits ``4 s b V / tp``). Multi-latent attention's
   terms replace the attention's (:meth:`service.spec.mla.MLADims.activation_units`).
 
-**Step time** (:func:`step_time`): Megatron's FLOPs (``num_floating_point_operations``, causal
+**Step time** on accelerators (:func:`step_time`): Megatron's FLOPs (``num_floating_point_operations``, causal
 attention halved; its MLA count with multi-latent attention) over peak x :data:`EFFICIENCY`; the bubble ``(pp-1)/(vpp m)`` of the work of one
 stage; TP, CP, EP and PP bytes from :mod:`service.spec.plan`'s traffic (one traffic model) over
 the bandwidth of each hop, the slowest rank counting (a ring moves at its slowest hop), not
@@ -56,7 +58,16 @@ GPU_FIGURES: dict[str, dict[str, float]] = {
     "B200": {"memory_gb": 180, "peak_tflops": 2250, "intra_gbps": 900, "inter_gbps": 50},
 }
 SIMULATED_CPU = {"memory_gb": 16, "peak_tflops": 0.1, "intra_gbps": 2, "inter_gbps": 1}
-"""The simulated CPU cluster's figures (assumed, conservative; see the module docstring)."""
+"""Figures a cluster described by ``gpu_peak_tflops`` without a type falls back on (memory, bandwidths)."""
+# The simulated CPU cluster (``gpu_type: cpu``, and the default): ranks are single-threaded
+# processes sharing one machine's cores (:mod:`service.spec.cost_cpu`). Measured on the 2-core dev
+# VM by bench/cpu_calibrate.py with 8 ranks (the 2 x 4 simulated cluster): the machine's fp32 GEMM
+# rate over all cores (peak_tflops: an achieved rate, no EFFICIENCY applied), gloo's loopback
+# throughput of all ranks together (intra/inter: one machine), the wait per message of a collective
+# per group size with every rank busy (hop_latency_s), the machine's memory bandwidth (a large add).
+# Medians of 4-5 calibrations at load 9-18 (README "Auto layout" gives the spread); 16 GB assumed.
+CPU_FIGURES = {"memory_gb": 16, "peak_tflops": 0.1, "intra_gbps": 4.2, "inter_gbps": 4.2, "cores": 2,
+               "hop_latency_s": {2: 0.00016, 4: 0.0009, 8: 0.002}, "memory_gbps": 13.6}
 
 EFFICIENCY = 0.5
 """Achieved / peak FLOP/s of the GEMMs (model FLOPs utilisation before communication and bubble)."""
@@ -75,15 +86,31 @@ class Cluster:
     peak_flops: float
     intra_bytes_per_s: float
     inter_bytes_per_s: float
+    cores: int = 0
+    """0: each rank has its own accelerator; n: the ranks share n cores (:mod:`service.spec.cost_cpu`;
+    then peak and bandwidths are the whole machine's)."""
+    hop_latency_s: tuple[tuple[int, float], ...] = ()
+    """Shared cores: (group size, seconds per message of a collective in a group of that size: a
+    receiver woken and scheduled), per measured group size."""
+    memory_bytes_per_s: float = 0.0
+    """Shared cores: the machine's memory bandwidth (the optimizer's update streams through it)."""
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "memory_gb": self.memory_bytes / GB, "peak_tflops": self.peak_flops / 1e12,
-                "intra_node_bandwidth_gbps": self.intra_bytes_per_s / GB,
-                "inter_node_bandwidth_gbps": self.inter_bytes_per_s / GB}
+        out = {"name": self.name, "memory_gb": self.memory_bytes / GB, "peak_tflops": self.peak_flops / 1e12,
+               "intra_node_bandwidth_gbps": self.intra_bytes_per_s / GB,
+               "inter_node_bandwidth_gbps": self.inter_bytes_per_s / GB}
+        if self.cores:
+            out.update(shared_cores=self.cores, hop_latency_s={str(g): t for g, t in self.hop_latency_s},
+                       memory_bandwidth_gbps=self.memory_bytes_per_s / GB)
+        return out
 
 
 def cluster_of(resources) -> Cluster:
-    """The cluster figures of a spec's ``resources`` section (validated: a type excludes memory and peak)."""
+    """The cluster figures of a spec's ``resources`` section (validated: a type excludes memory and peak).
+    ``gpu_type: cpu``, or no type and no ``gpu_peak_tflops``, is the simulated CPU cluster (shared cores)."""
+    shared = resources.gpu_type == "cpu" or (resources.gpu_type is None and resources.gpu_peak_tflops is None)
+    if shared:
+        return _shared_cluster(resources)
     base = GPU_FIGURES[resources.gpu_type] if resources.gpu_type else SIMULATED_CPU
     name = resources.gpu_type or "simulated-cpu"
     given = {"memory_gb": resources.gpu_memory_gb, "peak_tflops": resources.gpu_peak_tflops,
@@ -92,6 +119,18 @@ def cluster_of(resources) -> Cluster:
     if any(v is not None for v in given.values()):
         name += " (as given)" if not resources.gpu_type else " (bandwidth as given)"
     return Cluster(name, f["memory_gb"] * GB, f["peak_tflops"] * 1e12, f["intra_gbps"] * GB, f["inter_gbps"] * GB)
+
+
+def _shared_cluster(resources) -> Cluster:
+    """The simulated CPU cluster's figures (:data:`CPU_FIGURES`), memory and bandwidths as given."""
+    f = CPU_FIGURES
+    given = {"memory_gb": resources.gpu_memory_gb, "intra_gbps": resources.intra_node_bandwidth_gbps,
+             "inter_gbps": resources.inter_node_bandwidth_gbps}
+    v = {k: (x if x is not None else f[k]) for k, x in given.items()}
+    name = "simulated-cpu" + (" (as given)" if any(x is not None for x in given.values()) else "")
+    return Cluster(name, v["memory_gb"] * GB, f["peak_tflops"] * 1e12, v["intra_gbps"] * GB, v["inter_gbps"] * GB,
+                   cores=f["cores"], hop_latency_s=tuple(sorted(f["hop_latency_s"].items())),
+                   memory_bytes_per_s=f["memory_gbps"] * GB)
 
 
 def state_bytes(dense: float, expert: float, dense_shards: int, expert_shards: int, *, mixed: bool,

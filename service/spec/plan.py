@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.spec import cost
+from service.spec.cost_cpu import spec_step_time
 from service.spec.mla import MLADims
 from service.spec.placement import plan_placement
 from workers.grid import ParallelGrid
@@ -222,10 +223,14 @@ def estimate(spec, grid: ParallelGrid, node_of: list[int], tr: _Traffic | None =
                                 recompute_num_layers=m.recompute_num_layers, element_bytes=2 if mixed else 4)
     tr = tr or count_traffic(s, spec, grid, node_of)
     act_scale = (2 if mixed else 4) / BYTES  # the traffic model counts fp32; DP gradients stay fp32
-    comm = cost.comm_seconds(tr.by_rank, cluster, {k: act_scale for k in ("tp", "cp", "ep", "pp")})
-    step = cost.step_time(s, world=grid.world_size, pp=grid.pp, vpp=grid.vpp, global_batch_size=t.global_batch_size,
-                          num_microbatches=num_microbatches, recompute=m.recompute_granularity, comm=comm,
-                          cluster=cluster, distributed=p.use_distributed_optimizer)
+    if cluster.cores:  # ranks sharing a machine's cores: the machine's work (service/spec/cost_cpu.py)
+        step = spec_step_time(s, spec, grid, tr.by_rank, cluster, ranks, num_microbatches, act_scale, mixed)
+    else:
+        comm = cost.comm_seconds(tr.by_rank, cluster, {k: act_scale for k in ("tp", "cp", "ep", "pp")})
+        step = cost.step_time(s, world=grid.world_size, pp=grid.pp, vpp=grid.vpp,
+                              global_batch_size=t.global_batch_size, num_microbatches=num_microbatches,
+                              recompute=m.recompute_granularity, comm=comm, cluster=cluster,
+                              distributed=p.use_distributed_optimizer)
     peak = state["total"] + act["total"]
     cross = sum(d["cross_node"] for d in tr.totals.values())
     return {"cluster": cluster.as_dict(), "state_bytes": state, "activation_bytes": act,

@@ -250,9 +250,10 @@ class ResourcesSpec(BaseModel):
     min_nodes: int | None = Field(None, ge=1, description="elastic floor: dp may shrink down to what min_nodes "
                                   "hold; default num_nodes (no shrinking)")
     # The cluster the cost model (raytron plan, parallel: auto) predicts for; see service/spec/cost.py.
-    gpu_type: Literal["A100", "H100", "H200", "B200"] | None = Field(
-        None, description="an accelerator with known figures (memory, dense bf16 peak, NVLink, InfiniBand); "
-        "exclusive with gpu_memory_gb and gpu_peak_tflops; default: the simulated CPU cluster's figures")
+    gpu_type: Literal["A100", "H100", "H200", "B200", "cpu"] | None = Field(
+        None, description="an accelerator with known figures (memory, dense bf16 peak, NVLink, InfiniBand), or "
+        "cpu: the simulated CPU cluster, ranks sharing one machine's cores (measured figures); exclusive with "
+        "gpu_memory_gb and gpu_peak_tflops; default: cpu, unless gpu_peak_tflops is given")
     gpu_memory_gb: float | None = Field(None, gt=0, le=4096, description="memory per accelerator, GB (10^9 bytes)")
     gpu_peak_tflops: float | None = Field(None, gt=0, le=100000, description="dense peak TFLOP/s per accelerator "
                                           "in the training precision")
