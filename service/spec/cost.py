@@ -94,20 +94,41 @@ def cluster_of(resources) -> Cluster:
     return Cluster(name, f["memory_gb"] * GB, f["peak_tflops"] * 1e12, f["intra_gbps"] * GB, f["inter_gbps"] * GB)
 
 
+BUCKET_ELEMENTS = 1_000_000
+"""The trainer's gradient bucket (``workers.parallel.data.DEFAULT_BUCKET_SIZE``, elements)."""
+SCATTERS_IN_FLIGHT = 2
+"""Reduce-scatters in flight at most (``workers.parallel.data.MAX_SCATTERS_IN_FLIGHT``)."""
+
+
 def state_bytes(dense: float, expert: float, dense_shards: int, expert_shards: int, *, mixed: bool,
                 distributed: bool) -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state of one rank holding ``dense`` and ``expert``
     parameters, whose optimizer state the distributed optimizer shards ``dense_shards`` /
-    ``expert_shards`` ways."""
+    ``expert_shards`` ways: the tensors :mod:`workers.parallel.optimizer` allocates.
+
+    * weights: the model params (fp32 4, bf16/fp16 2 bytes); the replicated optimizer's flat
+      main buffer *is* them in fp32 (the params are views of it);
+    * gradients: the fp32 flat gradient buffer (4), and with the distributed optimizer the
+      reduce-scatter's output, a shard buffer of its own (4 / n; Megatron's is in place);
+    * optimizer: the two fp32 moments (8), plus the fp32 main params where they are not the
+      model's (bf16/fp16: 4); the distributed optimizer keeps all three for its shard (12 / n:
+      in fp32 too, a master shard apart from the params);
+    * scratch (distributed only): the param all-gather's bucket buffer and gloo's staging copy
+      of each reduce-scatter in flight (:data:`SCATTERS_IN_FLIGHT` fp32 buckets).
+    """
     params = dense + expert
-    weight, grad = (2, 4) if mixed else (4, 4)
+    weight = 2 if mixed else 4
     shard = dense / dense_shards + expert / expert_shards
-    if mixed:  # fp32 master + 2 moments (12 bytes), sharded by the distributed optimizer
-        optimizer = 12 * (shard if distributed else params)
-    else:  # fp32: the moments (8), or with the distributed optimizer a master copy and the moments of a shard
-        optimizer = 12 * shard if distributed else 8 * params
-    return {"weights": weight * params, "gradients": grad * params, "optimizer": optimizer,
-            "total": (weight + grad) * params + optimizer}
+    grad = 4 * params + (4 * shard if distributed else 0)
+    if distributed:
+        optimizer = 12 * shard
+        bucket = min(BUCKET_ELEMENTS, params)
+        scratch = bucket * weight + SCATTERS_IN_FLIGHT * bucket * 4
+    else:
+        optimizer = (12 if mixed else 8) * params
+        scratch = 0.0
+    return {"weights": weight * params, "gradients": grad, "optimizer": optimizer, "scratch": scratch,
+            "total": weight * params + grad + optimizer + scratch}
 
 
 def layer_activation_units(s, *, tp: int, sp: bool) -> float:
@@ -150,7 +171,11 @@ def activation_bytes(s, *, tp: int, pp: int, cp: int, vpp: int | None, sp: bool,
         in_flight = min(pp, num_microbatches)
     tokens = s.seq // cp * micro_batch_size
     embedding = 8 * tokens * in_flight  # int64 token ids
-    output = 2 * sbh * 2 / (tp if sp else 1) + 4 * tokens * s.vocab / tp  # final norm in/out, fp32 logits
+    # final norm in/out, the logits (saved by the cross-entropy) and, when backward starts with
+    # every activation still held, the logits' fp32 gradient (bf16/fp16: plus its cast copy)
+    vocab = -(-s.vocab // tp)
+    logits_grad = tokens * vocab * (4 + (element_bytes if element_bytes != 4 else 0))
+    output = 2 * sbh * 2 / (tp if sp else 1) + tokens * vocab * element_bytes + logits_grad
     first = kept * in_flight + working + embedding
     last = kept + working + output
     if pp == 1:
@@ -158,7 +183,7 @@ def activation_bytes(s, *, tp: int, pp: int, cp: int, vpp: int | None, sp: bool,
     peak = max(first, last)
     return {"layers": kept * (in_flight if first >= last else 1), "recompute_working": working,
             "embedding": embedding if first >= last else 0.0, "output_layer": output if last > first or pp == 1
-            else 0.0, "in_flight_microbatches": in_flight if first >= last else 1, "total": peak}
+            else 0.0, "logits_grad": logits_grad if last > first or pp == 1 else 0.0, "in_flight_microbatches": in_flight if first >= last else 1, "total": peak}
 
 
 def megatron_flops(s, batch: int, *, recompute: str | None = None) -> float:

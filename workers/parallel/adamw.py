@@ -30,21 +30,37 @@ def _check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_dec
         raise ValueError(f"betas {tuple(betas)} must each lie in [0, 1), e.g. (0.9, 0.999)")
 
 
-def decay_runs(mask: torch.Tensor) -> list[tuple[int, int, bool]]:
-    """Split a flat buffer into maximal runs of elements that do / do not decay.
+def decay_runs(pieces, n: int) -> list[tuple[int, int, bool]]:
+    """Split a flat buffer of ``n`` elements into maximal runs of elements that do / do not decay.
+
+    Built from the params' ranges, not from a per-element mask (a bool mask is 1 byte per
+    element: a quarter of the fp32 params, transient or, kept, for good).
 
     Args:
-        mask: bool ``[n]``, True where weight decay applies.
+        pieces: ``(start, end, decays)`` of each param's range in the buffer, any order,
+            disjoint; elements no piece covers (bucket padding) do not decay.
+        n: the buffer's length.
 
     Returns:
         ``[(start, end, decays), ...]`` covering ``[0, n)`` in order.
     """
-    n = mask.numel()
-    if n == 0:
-        return []
-    cuts = (torch.nonzero(mask[1:] != mask[:-1]).flatten() + 1).tolist()
-    bounds = [0, *cuts, n]
-    return [(a, b, bool(mask[a])) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    runs: list[list] = []
+    pos = 0
+    for a, b, d in sorted((a, b, bool(d)) for a, b, d in pieces if b > a):
+        for lo, hi, dec in ((pos, a, False), (a, b, d)):
+            if hi <= lo:
+                continue
+            if runs and runs[-1][2] == dec:
+                runs[-1][1] = hi
+            else:
+                runs.append([lo, hi, dec])
+        pos = b
+    if pos < n:
+        if runs and not runs[-1][2]:
+            runs[-1][1] = n
+        else:
+            runs.append([pos, n, False])
+    return [tuple(r) for r in runs]
 
 
 class FlatAdamW:
@@ -59,15 +75,15 @@ class FlatAdamW:
 
     Args:
         param, grad, exp_avg, exp_avg_sq: flat fp32 buffers of one length (live: views are kept).
-        mask: bool, True where weight decay applies.
+        runs: :func:`decay_runs` of the buffer (which elements weight decay applies to).
     """
 
     def __init__(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 mask: torch.Tensor):
+                 runs: list[tuple[int, int, bool]]):
         self.groups = {}
         for decay in (True, False):
-            runs = [(a, b) for a, b, d in decay_runs(mask) if d == decay]
-            self.groups[decay] = [[t[a:b] for a, b in runs] for t in (param, grad, exp_avg, exp_avg_sq)]
+            runs_of = [(a, b) for a, b, d in runs if d == decay]
+            self.groups[decay] = [[t[a:b] for a, b in runs_of] for t in (param, grad, exp_avg, exp_avg_sq)]
         # The op reads the step count per tensor from a (float) tensor.
         self.step_t = torch.zeros((), dtype=torch.float32, device=param.device)
 

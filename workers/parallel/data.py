@@ -43,6 +43,14 @@ from workers.parallel import comm
 DEFAULT_BUCKET_SIZE = 1_000_000
 """Elements per bucket: large enough to amortise latency, small enough to overlap."""
 
+MAX_SCATTERS_IN_FLIGHT = 2
+"""Reduce-scatters (``shard=True``) launched and not yet waited for, at most. Gloo stages each
+one's input in a copy of its own that lives until the work is waited for: with every bucket in
+flight at the end of backward, that is a second full gradient buffer (measured: the distributed
+optimizer's training peak was above the replicated one's). Waiting for the oldest before
+launching past this bound keeps the staging to two buckets; gloo runs its collectives one after
+the other anyway, so the backward still overlaps the one in progress."""
+
 ParamGroups = Sequence[tuple[Iterable[torch.nn.Parameter], object]]
 
 
@@ -145,6 +153,10 @@ class GradBuffer:
     def _launch(self, bucket: _Bucket) -> None:
         flat = self.grad[bucket.start : bucket.end]
         if self.shard:
+            in_flight = [b for b in self.buckets[: bucket.index] if b.work is not None]
+            for old in in_flight[: max(0, len(in_flight) - MAX_SCATTERS_IN_FLIGHT + 1)]:
+                old.work.wait()
+                old.work = None  # releases gloo's staging copy
             lo, hi, base = self.shard_range(bucket)
             out = self.shard_grad[base : base + hi - lo]
             bucket.work = comm.reduce_scatter_into(out, flat, self.group, async_op=True)
