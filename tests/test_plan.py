@@ -92,7 +92,7 @@ def test_memory_with_and_without_the_distributed_optimizer():
     assert mem[0]["param_bytes"] == mem[0]["grad_bytes"] == BYTES * n
     assert mem[0]["optimizer_bytes"] == 2 * BYTES * n and mem[0]["total_bytes"] == 16 * n
     assert mem[0]["optimizer_bytes_distributed"] == round(12 * n / 4)  # master + 2 moments over dp 4
-    assert mem[0]["total_bytes_distributed"] == 8 * n + round(16 * n / 4)  # + the reduce-scatter's grad shard
+    assert mem[0]["total_bytes_distributed"] == 8 * n + round(12 * n / 4)
 
 
 def test_traffic_splits_in_node_and_cross_node_by_the_placement():

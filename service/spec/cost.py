@@ -13,7 +13,9 @@ across nodes.
   (megatron/training/theoretical_memory_usage.py): bf16/fp16 mixed precision 18 bytes per
   parameter (2 weight + 4 fp32 grad + 4 fp32 master + 8 moments), with the distributed optimizer
   ``6 + 12/n``; fp32 (the trainer's default) 16, distributed ``8 + 12/n`` as :mod:`service.spec.plan`
-  states. ``n`` is dp x cp for dense weights, expert dp for expert weights.
+  states. ``n`` is dp x cp for dense weights, expert dp for expert weights. Each term is a tensor
+  :mod:`workers.parallel.optimizer` allocates (:func:`state_bytes`), plus the distributed
+  optimizer's scratch: one all-gather bucket and gloo's staging of two reduce-scatters.
 * activations per Korthikanti et al. 2022 (arXiv 2205.05198) Table 2, re-derived for this model
   (RMSNorm, SwiGLU, GQA, no dropout, flash attention), bytes per layer per microbatch in units of
   ``s b h`` (s = seq / cp, 2-byte elements; fp32 doubles it): tensors every TP rank holds whole
@@ -25,7 +27,10 @@ across nodes.
   outputs 4 k, the experts' SwiGLU 6 k f/h. Full recompute keeps each recomputed layer's input
   (2) and, in backward, one recompute group whole. The first stage holds min(pp, microbatches)
   microbatches in flight (1F1B), pp x (1 + (pp-1)/(pp vpp)) interleaved; the last stage one, plus
-  the output layer (its input and the fp32 logits ``4 s b V / tp``). Multi-latent attention's
+  the output layer: its input, the logits the cross-entropy saves and, live with every activation
+  when backward starts, the logits' fp32 gradient (``4 s b V / tp``; bf16/fp16 also its cast copy).
+  Checked on CPU against what autograd saves (``saved_tensors_hooks``: 141 MB saved against 132
+  counted for a 6-layer h-512 model) and the process's peak (``bench/auto_layout_bench.py --memory``). Multi-latent attention's
   terms replace the attention's (:meth:`service.spec.mla.MLADims.activation_units`).
 
 **Step time** (:func:`step_time`): Megatron's FLOPs (``num_floating_point_operations``, causal
@@ -108,8 +113,8 @@ def state_bytes(dense: float, expert: float, dense_shards: int, expert_shards: i
 
     * weights: the model params (fp32 4, bf16/fp16 2 bytes); the replicated optimizer's flat
       main buffer *is* them in fp32 (the params are views of it);
-    * gradients: the fp32 flat gradient buffer (4), and with the distributed optimizer the
-      reduce-scatter's output, a shard buffer of its own (4 / n; Megatron's is in place);
+    * gradients: the fp32 flat gradient buffer (4; the distributed optimizer reduce-scatters
+      into it in place, as Megatron);
     * optimizer: the two fp32 moments (8), plus the fp32 main params where they are not the
       model's (bf16/fp16: 4); the distributed optimizer keeps all three for its shard (12 / n:
       in fp32 too, a master shard apart from the params);
@@ -119,7 +124,7 @@ def state_bytes(dense: float, expert: float, dense_shards: int, expert_shards: i
     params = dense + expert
     weight = 2 if mixed else 4
     shard = dense / dense_shards + expert / expert_shards
-    grad = 4 * params + (4 * shard if distributed else 0)
+    grad = 4 * params
     if distributed:
         optimizer = 12 * shard
         bucket = min(BUCKET_ELEMENTS, params)

@@ -126,8 +126,7 @@ def memory(s: Shapes, grid: ParallelGrid) -> list[dict]:
                     "optimizer_bytes": 2 * BYTES * total,
                     "optimizer_bytes_distributed": round(3 * BYTES * shard),
                     "total_bytes": 4 * BYTES * total,
-                    # + the reduce-scatter's own fp32 shard of the gradients (cost.state_bytes)
-                    "total_bytes_distributed": round(2 * BYTES * total + 4 * BYTES * shard)})
+                    "total_bytes_distributed": round(2 * BYTES * total + 3 * BYTES * shard)})
     return out
 
 

@@ -51,8 +51,10 @@ class DistributedOptimizer(AdamWOverGrads):
             self.shards.append({"param": master, "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)})
             self._load_master(buf, master)
         # Which shard elements belong to params that decay (padding never matters: grad 0).
-        self.flat = [FlatAdamW(s["param"], buf.shard_grad, s["exp_avg"], s["exp_avg_sq"],
-                               decay_runs(((s0, s0 + b - a, decays(p)) for p, a, b, s0 in buf.pieces()), s["param"].numel()))
+        # The grads are this rank's slices of the buckets, in place: runs end at bucket bounds.
+        self.flat = [FlatAdamW(s["param"], None, s["exp_avg"], s["exp_avg_sq"],
+                               decay_runs(((s0, s0 + b - a, decays(p)) for p, a, b, s0 in buf.pieces()),
+                                          s["param"].numel(), cuts=buf.shard_bounds()), grad_at=buf.shard_view)
                      for buf, s in zip(self.grads.buffers, self.shards)]
         self._cast_params()
 
@@ -63,12 +65,12 @@ class DistributedOptimizer(AdamWOverGrads):
             master[s : s + b - a].copy_(p.detach().reshape(-1)[a:b])
 
     def main_grads(self) -> list[torch.Tensor]:
-        return [buf.shard_grad for buf in self.grads.buffers]
+        return [view for buf in self.grads.buffers for view in buf.shard_views]
 
     def owned_grads(self):
         for buf in self.grads.buffers:
             for p, a, b, s in buf.pieces():
-                yield p, buf.shard_grad[s : s + b - a]
+                yield p, buf.shard_view(s, s + b - a)
 
     def _apply_updates(self, grad_scale) -> None:
         """Update this rank's shard of the fp32 main params, all-gather the model params."""
