@@ -49,6 +49,7 @@ from workers import evaluation
 from workers.config import JobConfig
 from workers.dataset import GlobalSampler
 from workers.grid import ParallelGrid
+from workers.heap import pin_mmap_threshold, release_free_heap
 from workers.groups import ProcessGroups, build_process_groups
 from workers.lr_schedule import LRSchedule
 from workers.mixed_precision import DynamicGradScaler, compute_dtype
@@ -321,45 +322,6 @@ def _world_group():
     import torch.distributed as dist
 
     return dist.group.WORLD
-
-
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD = 128 * 1024
-"""Bytes from which glibc serves a block by ``mmap`` (its initial default, pinned)."""
-
-
-def _libc():
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-def pin_mmap_threshold() -> None:
-    """Keep glibc serving every block of :data:`MMAP_THRESHOLD` bytes or more by ``mmap``, so a
-    freed tensor's memory goes back to the OS at once (elsewhere than glibc: nothing).
-
-    glibc raises its threshold to the size of each mmapped block freed (up to 32 MiB), after
-    which activations, gradients of activations and the initializer's draws come from the heap,
-    whose free pages stay resident and fragment: measured on CPU (``bench/auto_layout_bench.py
-    --memory``), the training peak sat ~0.6 x the saved activations above what the tensors
-    needed. Setting the threshold explicitly turns the dynamic rise off."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-
-
-def release_free_heap() -> None:
-    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``; elsewhere nothing):
-    what building the shard freed below the mmap threshold (small params' first storage, which
-    the optimizer copies into its flat buffers)."""
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
 
 
 def peak_memory_mb(device: torch.device) -> float:
