@@ -251,3 +251,18 @@ def test_megatron_flops_with_deepseek_v3_routing():
     mlp = (64 + 3 * (2 * 48 + 32)) / L / h * 1.5
     want = 12 * 8 * seq * L * h * h * (attention + mlp + 256 / (2 * L * h))
     assert cost.megatron_flops(s, 8) == pytest.approx(want, rel=1e-12)
+
+
+def test_the_last_stage_counts_the_logits_gradient():
+    """Backward starts with every activation held and the fp32 gradient of the logits (bf16: and
+    its cast copy): ``s b V / tp`` x (4 + 2), in the peak of the stage holding the output layer."""
+    tokens = LLAMA3_8B["seq_length"]
+    for tp in (1, 2):
+        act = ours(spec_of(LLAMA3_8B, tp=tp))["activation_bytes"]
+        logits = tokens * -(-LLAMA3_8B["vocab_size"] // tp)
+        assert act["logits_grad"] == logits * 6, (tp, act)
+        assert act["output_layer"] >= act["logits_grad"] + logits * 2  # + the saved bf16 logits
+    # pp 2: the first stage is the busier one; no output layer there
+    assert ours(spec_of(LLAMA3_8B, tp=2, pp=2))["activation_bytes"]["logits_grad"] == 0
+    pp1 = ours(spec_of(LLAMA3_8B))["activation_bytes"]
+    assert pp1["total"] == pytest.approx(pp1["layers"] + pp1["embedding"] + pp1["output_layer"])
