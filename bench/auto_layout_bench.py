@@ -5,8 +5,10 @@ measured peak, and its step-time ranking against measured step times, with ``--t
     .venv/bin/python bench/auto_layout_bench.py --memory     # memory only (~2 min on 2 cores)
     .venv/bin/python bench/auto_layout_bench.py --time       # timing only (~5 min on 2 cores)
 
-**Memory** (:func:`memory_table`). One model (4 layers, h 256, fp32, seq 256, micro batch 2,
-global batch 8) in 6 layouts of 4 ranks (2 nodes x 2). Each rank is a process of
+**Memory** (:func:`memory_table`). One model (8 layers, h 512, vocab 8192: 42 M parameters, fp32,
+seq 256, micro batch 2, global batch 8; ``--small-model``: the earlier 4 layers, h 256, 5 M
+parameters, where the per-process costs below weigh more than the model) in 6 layouts of 4 ranks
+(2 nodes x 2). Each rank is a process of
 :func:`workers.spawn.run_ranks`; *measured peak* = the process's ``VmHWM`` after 3 iterations
 minus its ``VmRSS`` just before the trainer is built (the torch import and the process group are
 there already: about 0.2-0.3 GB that no layout changes and the cost model does not count). The
@@ -37,8 +39,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-MEMORY_MODEL = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_query_groups": 4,
-                "ffn_hidden_size": 1024, "vocab_size": 2048, "seq_length": 256}
+MEMORY_MODEL = {"num_layers": 8, "hidden_size": 512, "num_attention_heads": 8, "num_query_groups": 4,
+                "ffn_hidden_size": 2048, "vocab_size": 8192, "seq_length": 256}
+SMALL_MEMORY_MODEL = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "num_query_groups": 4,
+                      "ffn_hidden_size": 1024, "vocab_size": 2048, "seq_length": 256}
 MEMORY_LAYOUTS = {
     "dp4": {},
     "dp4+distopt": {"use_distributed_optimizer": True},
@@ -99,7 +103,8 @@ def _measured_and_plan(model: dict, par: dict, iters: int) -> tuple[float, dict]
     return max((r["hwm_kb"] - r["before_kb"]) * 1024 for r in out), plan_job(spec)["cost"]
 
 
-def memory_table(iters: int = 3) -> list[dict]:
+def memory_table(iters: int = 3, model: dict | None = None) -> list[dict]:
+    model = model or MEMORY_MODEL
     print(f"\nmemory: plan vs measured peak per rank, {len(MEMORY_LAYOUTS)} layouts of 4 ranks (2 x 2), "
           f"fp32, {iters} iterations; measured = VmHWM - VmRSS before the trainer (the largest rank); "
           f"fixed = the same for the same layout of a negligible model (h 32, seq 32, vocab 256); "
@@ -108,7 +113,7 @@ def memory_table(iters: int = 3) -> list[dict]:
           f"{'fixed':>6} {'net meas':>9} {'net plan':>9} {'net p/m':>8}")
     rows = []
     for name, par in MEMORY_LAYOUTS.items():
-        measured, cost = _measured_and_plan(MEMORY_MODEL, par, iters)
+        measured, cost = _measured_and_plan(model, par, iters)
         fixed, fixed_cost = _measured_and_plan(FIXED_MODEL, par, iters)
         row = {"layout": name, "state": cost["state_bytes"]["total"], "activations": cost["activation_bytes"]["total"],
                "plan": cost["peak_bytes_per_rank"], "measured": measured, "fixed": fixed,
@@ -186,12 +191,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--memory", action="store_true", help="the memory part only")
     p.add_argument("--time", action="store_true", help="the timing part only")
+    p.add_argument("--small-model", action="store_true", help="memory: the 5 M-parameter model")
     p.add_argument("--iters", type=int, default=4, help="iterations per timed layout (default 4)")
     p.add_argument("--ray", action="store_true", help="time on Ray --simulate 2x4 instead of local processes")
     args = p.parse_args(argv)
     both = not (args.memory or args.time)
     if args.memory or both:
-        memory_table()
+        memory_table(model=SMALL_MEMORY_MODEL if args.small_model else MEMORY_MODEL)
     if args.time or both:
         time_table(args.iters, args.ray)
     return 0

@@ -87,7 +87,7 @@ def _reduced_grads(trainer) -> dict[str, np.ndarray]:
             flat = torch.empty(buf.numel, dtype=buf.grad.dtype)
             for bucket in buf.buckets:
                 lo, hi, base = buf.shard_range(bucket)
-                comm.all_gather_into(flat[bucket.start : bucket.end], buf.shard_grad[base : base + hi - lo], buf.group)
+                comm.all_gather_into(flat[bucket.start : bucket.end], buf.grad[lo:hi], buf.group)
         for p in buf.params:
             flat_of[id(p)] = flat[buf.offsets[id(p)] : buf.offsets[id(p)] + p.numel()].view(p.shape)
     return {name: flat_of[id(p)].detach().float().numpy().copy() for name, p, _ in _named(trainer)}

@@ -49,6 +49,7 @@ from workers import evaluation
 from workers.config import JobConfig
 from workers.dataset import GlobalSampler
 from workers.grid import ParallelGrid
+from workers.heap import pin_mmap_threshold, release_free_heap
 from workers.groups import ProcessGroups, build_process_groups
 from workers.lr_schedule import LRSchedule
 from workers.mixed_precision import DynamicGradScaler, compute_dtype
@@ -76,6 +77,7 @@ class Trainer:
     def __init__(self, job: JobConfig, rank: int, world_size: int, device: torch.device | None = None):
         self.job, self.rank = job, rank
         self.device = device or torch.device("cpu")
+        pin_mmap_threshold()
         self.grid = ParallelGrid.from_config(job.parallel, world_size)
         self.groups: ProcessGroups = build_process_groups(self.grid, rank)
         self.coords = self.grid.coords(rank)
@@ -121,6 +123,7 @@ class Trainer:
             # NCCL: batched p2p on a group whose communicator does not exist yet needs every
             # member to take part in that first call; one collective creates it up front.
             comm.all_reduce(torch.zeros(1, device=self.device), self.groups.pp_group)
+        release_free_heap()
 
     def close(self) -> None:
         """Release what outlives a dropped reference: the gradient hooks (a param -> hook ->

@@ -15,7 +15,9 @@ bubble) instead of the one below.
   (megatron/training/theoretical_memory_usage.py): bf16/fp16 mixed precision 18 bytes per
   parameter (2 weight + 4 fp32 grad + 4 fp32 master + 8 moments), with the distributed optimizer
   ``6 + 12/n``; fp32 (the trainer's default) 16, distributed ``8 + 12/n`` as :mod:`service.spec.plan`
-  states. ``n`` is dp x cp for dense weights, expert dp for expert weights.
+  states. ``n`` is dp x cp for dense weights, expert dp for expert weights. Each term is a tensor
+  :mod:`workers.parallel.optimizer` allocates (:func:`state_bytes`), plus the distributed
+  optimizer's scratch: one all-gather bucket and gloo's staging of two reduce-scatters.
 * activations per Korthikanti et al. 2022 (arXiv 2205.05198) Table 2, re-derived for this model
   (RMSNorm, SwiGLU, GQA, no dropout, flash attention), bytes per layer per microbatch in units of
   ``s b h`` (s = seq / cp, 2-byte elements; fp32 doubles it): tensors every TP rank holds whole
@@ -27,7 +29,10 @@ bubble) instead of the one below.
   outputs 4 k, the experts' SwiGLU 6 k f/h. Full recompute keeps each recomputed layer's input
   (2) and, in backward, one recompute group whole. The first stage holds min(pp, microbatches)
   microbatches in flight (1F1B), pp x (1 + (pp-1)/(pp vpp)) interleaved; the last stage one, plus
-  the output layer (its input and the fp32 logits ``4 s b V / tp``). Multi-latent attention's
+  the output layer: its input, the logits the cross-entropy saves and, live with every activation
+  when backward starts, the logits' fp32 gradient (``4 s b V / tp``; bf16/fp16 also its cast copy).
+  Checked on CPU against what autograd saves (``saved_tensors_hooks``: 141 MB saved against 132
+  counted for a 6-layer h-512 model) and the process's peak (``bench/auto_layout_bench.py --memory``). Multi-latent attention's
   terms replace the attention's (:meth:`service.spec.mla.MLADims.activation_units`).
 
 **Step time** on accelerators (:func:`step_time`): Megatron's FLOPs (``num_floating_point_operations``, causal
@@ -121,6 +126,12 @@ def cluster_of(resources) -> Cluster:
     return Cluster(name, f["memory_gb"] * GB, f["peak_tflops"] * 1e12, f["intra_gbps"] * GB, f["inter_gbps"] * GB)
 
 
+BUCKET_ELEMENTS = 1_000_000
+"""The trainer's gradient bucket (``workers.parallel.data.DEFAULT_BUCKET_SIZE``, elements)."""
+SCATTERS_IN_FLIGHT = 2
+"""Reduce-scatters in flight at most (``workers.parallel.data.MAX_SCATTERS_IN_FLIGHT``)."""
+
+
 def _shared_cluster(resources) -> Cluster:
     """The simulated CPU cluster's figures (:data:`CPU_FIGURES`), memory and bandwidths as given."""
     f = CPU_FIGURES
@@ -137,16 +148,31 @@ def state_bytes(dense: float, expert: float, dense_shards: int, expert_shards: i
                 distributed: bool) -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state of one rank holding ``dense`` and ``expert``
     parameters, whose optimizer state the distributed optimizer shards ``dense_shards`` /
-    ``expert_shards`` ways."""
+    ``expert_shards`` ways: the tensors :mod:`workers.parallel.optimizer` allocates.
+
+    * weights: the model params (fp32 4, bf16/fp16 2 bytes); the replicated optimizer's flat
+      main buffer *is* them in fp32 (the params are views of it);
+    * gradients: the fp32 flat gradient buffer (4; the distributed optimizer reduce-scatters
+      into it in place, as Megatron);
+    * optimizer: the two fp32 moments (8), plus the fp32 main params where they are not the
+      model's (bf16/fp16: 4); the distributed optimizer keeps all three for its shard (12 / n:
+      in fp32 too, a master shard apart from the params);
+    * scratch (distributed only): the param all-gather's bucket buffer and gloo's staging copy
+      of each reduce-scatter in flight (:data:`SCATTERS_IN_FLIGHT` fp32 buckets).
+    """
     params = dense + expert
-    weight, grad = (2, 4) if mixed else (4, 4)
+    weight = 2 if mixed else 4
     shard = dense / dense_shards + expert / expert_shards
-    if mixed:  # fp32 master + 2 moments (12 bytes), sharded by the distributed optimizer
-        optimizer = 12 * (shard if distributed else params)
-    else:  # fp32: the moments (8), or with the distributed optimizer a master copy and the moments of a shard
-        optimizer = 12 * shard if distributed else 8 * params
-    return {"weights": weight * params, "gradients": grad * params, "optimizer": optimizer,
-            "total": (weight + grad) * params + optimizer}
+    grad = 4 * params
+    if distributed:
+        optimizer = 12 * shard
+        bucket = min(BUCKET_ELEMENTS, params)
+        scratch = bucket * weight + SCATTERS_IN_FLIGHT * bucket * 4
+    else:
+        optimizer = (12 if mixed else 8) * params
+        scratch = 0.0
+    return {"weights": weight * params, "gradients": grad, "optimizer": optimizer, "scratch": scratch,
+            "total": weight * params + grad + optimizer + scratch}
 
 
 def layer_activation_units(s, *, tp: int, sp: bool) -> float:
@@ -189,7 +215,11 @@ def activation_bytes(s, *, tp: int, pp: int, cp: int, vpp: int | None, sp: bool,
         in_flight = min(pp, num_microbatches)
     tokens = s.seq // cp * micro_batch_size
     embedding = 8 * tokens * in_flight  # int64 token ids
-    output = 2 * sbh * 2 / (tp if sp else 1) + 4 * tokens * s.vocab / tp  # final norm in/out, fp32 logits
+    # final norm in/out, the logits (saved by the cross-entropy) and, when backward starts with
+    # every activation still held, the logits' fp32 gradient (bf16/fp16: plus its cast copy)
+    vocab = -(-s.vocab // tp)
+    logits_grad = tokens * vocab * (4 + (element_bytes if element_bytes != 4 else 0))
+    output = 2 * sbh * 2 / (tp if sp else 1) + tokens * vocab * element_bytes + logits_grad
     first = kept * in_flight + working + embedding
     last = kept + working + output
     if pp == 1:
@@ -197,7 +227,7 @@ def activation_bytes(s, *, tp: int, pp: int, cp: int, vpp: int | None, sp: bool,
     peak = max(first, last)
     return {"layers": kept * (in_flight if first >= last else 1), "recompute_working": working,
             "embedding": embedding if first >= last else 0.0, "output_layer": output if last > first or pp == 1
-            else 0.0, "in_flight_microbatches": in_flight if first >= last else 1, "total": peak}
+            else 0.0, "logits_grad": logits_grad if last > first or pp == 1 else 0.0, "in_flight_microbatches": in_flight if first >= last else 1, "total": peak}
 
 
 def megatron_flops(s, batch: int, *, recompute: str | None = None) -> float:

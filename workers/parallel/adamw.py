@@ -30,21 +30,44 @@ def _check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_dec
         raise ValueError(f"betas {tuple(betas)} must each lie in [0, 1), e.g. (0.9, 0.999)")
 
 
-def decay_runs(mask: torch.Tensor) -> list[tuple[int, int, bool]]:
-    """Split a flat buffer into maximal runs of elements that do / do not decay.
+def decay_runs(pieces, n: int, cuts=()) -> list[tuple[int, int, bool]]:
+    """Split a flat buffer of ``n`` elements into maximal runs of elements that do / do not decay.
+
+    Built from the params' ranges, not from a per-element mask (a bool mask is 1 byte per
+    element: a quarter of the fp32 params, transient or, kept, for good).
 
     Args:
-        mask: bool ``[n]``, True where weight decay applies.
+        pieces: ``(start, end, decays)`` of each param's range in the buffer, any order,
+            disjoint; elements no piece covers (bucket padding) do not decay.
+        n: the buffer's length.
+        cuts: positions where a run must end even if the next one is alike (bucket bounds).
 
     Returns:
         ``[(start, end, decays), ...]`` covering ``[0, n)`` in order.
     """
-    n = mask.numel()
-    if n == 0:
-        return []
-    cuts = (torch.nonzero(mask[1:] != mask[:-1]).flatten() + 1).tolist()
-    bounds = [0, *cuts, n]
-    return [(a, b, bool(mask[a])) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    runs: list[list] = []
+    pos = 0
+    for a, b, d in sorted((a, b, bool(d)) for a, b, d in pieces if b > a):
+        for lo, hi, dec in ((pos, a, False), (a, b, d)):
+            if hi <= lo:
+                continue
+            if runs and runs[-1][2] == dec:
+                runs[-1][1] = hi
+            else:
+                runs.append([lo, hi, dec])
+        pos = b
+    if pos < n:
+        if runs and not runs[-1][2]:
+            runs[-1][1] = n
+        else:
+            runs.append([pos, n, False])
+    out = []
+    cuts = sorted(set(cuts))
+    for a, b, d in runs:
+        inner = [c for c in cuts if a < c < b]
+        for lo, hi in zip([a, *inner], [*inner, b]):
+            out.append((lo, hi, d))
+    return out
 
 
 class FlatAdamW:
@@ -59,15 +82,20 @@ class FlatAdamW:
 
     Args:
         param, grad, exp_avg, exp_avg_sq: flat fp32 buffers of one length (live: views are kept).
-        mask: bool, True where weight decay applies.
+        runs: :func:`decay_runs` of the buffer (which elements weight decay applies to).
+        grad_at: ``grad_at(a, b)``, the grads of elements ``[a, b)`` (no run may cross a piece
+            it cannot view); default ``grad[a:b]``. The distributed optimizer's grads are its
+            slices of the buckets, in place in the gradient buffer.
     """
 
     def __init__(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 mask: torch.Tensor):
+                 runs: list[tuple[int, int, bool]], grad_at=None):
+        grad_at = grad_at or (lambda a, b: grad[a:b])
         self.groups = {}
         for decay in (True, False):
-            runs = [(a, b) for a, b, d in decay_runs(mask) if d == decay]
-            self.groups[decay] = [[t[a:b] for a, b in runs] for t in (param, grad, exp_avg, exp_avg_sq)]
+            runs_of = [(a, b) for a, b, d in runs if d == decay]
+            self.groups[decay] = [[param[a:b] for a, b in runs_of], [grad_at(a, b) for a, b in runs_of],
+                                  [exp_avg[a:b] for a, b in runs_of], [exp_avg_sq[a:b] for a, b in runs_of]]
         # The op reads the step count per tensor from a (float) tensor.
         self.step_t = torch.zeros((), dtype=torch.float32, device=param.device)
 

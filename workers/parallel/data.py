@@ -25,8 +25,9 @@ grad has its param's dtype). Each backward leaves a low-precision ``.grad``; the
 into the fp32 buffer and drops it, so microbatches accumulate and reduce in fp32.
 
 With ``shard=True`` (the distributed optimizer) each bucket is padded to a multiple of the
-group size and reduce-scattered: rank r keeps the summed gradient of the r-th 1/n slice of
-every bucket, Megatron's layout. The optimizers that consume these buffers live in
+group size and reduce-scattered in place: rank r's slice of every bucket (the r-th 1/n) ends up
+holding the summed gradient there, in the flat buffer itself (Megatron's layout, no second
+buffer: a separate fp32 shard would cost 4/n bytes per parameter). The optimizers that consume these buffers live in
 :mod:`workers.parallel.optimizer`.
 """
 
@@ -42,6 +43,14 @@ from workers.parallel import comm
 
 DEFAULT_BUCKET_SIZE = 1_000_000
 """Elements per bucket: large enough to amortise latency, small enough to overlap."""
+
+MAX_SCATTERS_IN_FLIGHT = 2
+"""Reduce-scatters (``shard=True``) launched and not yet waited for, at most. Gloo stages each
+one's input in a copy of its own that lives until the work is waited for: with every bucket in
+flight at the end of backward, that is a second full gradient buffer (measured: the distributed
+optimizer's training peak was above the replicated one's). Waiting for the oldest before
+launching past this bound keeps the staging to two buckets; gloo runs its collectives one after
+the other anyway, so the backward still overlaps the one in progress."""
 
 ParamGroups = Sequence[tuple[Iterable[torch.nn.Parameter], object]]
 
@@ -65,7 +74,8 @@ class GradBuffer:
         bucket_size: elements per bucket (a bucket closes once it reaches this size; a param
             is never split); ``None`` puts everything in one bucket.
         shard: pad buckets to a multiple of the group size and reduce-scatter them into
-            :attr:`shard_grad` instead of all-reducing them in place.
+            in place (this rank's slice of each bucket, :attr:`shard_views`) instead of
+            all-reducing them.
         grad_dtype: the buffer's dtype (accumulation and reduction); default the params'.
             When it differs, the buffer holds main grads (see the module docstring).
     """
@@ -100,7 +110,8 @@ class GradBuffer:
         dtype = grad_dtype or like.dtype
         self.main_grads = dtype != like.dtype  # True: .grad is low precision, folded in by the hook
         self.grad = torch.zeros(self.numel, dtype=dtype, device=like.device)
-        self.shard_grad = torch.zeros(self.numel // self.num_ranks, dtype=dtype, device=like.device) if shard else None
+        # This rank's slice of each bucket, in bucket order: the shard, in place.
+        self.shard_views = [self.grad[lo:hi] for lo, hi, _ in map(self.shard_range, self.buckets)] if shard else []
         self._next = 0
         for p in self.params:
             p.grad = None if self.main_grads else self.view(p)
@@ -114,6 +125,20 @@ class GradBuffer:
         """This rank's slice of ``bucket``: (flat start, flat end, start in the shard)."""
         size = (bucket.end - bucket.start) // self.num_ranks
         return bucket.start + self.rank * size, bucket.start + (self.rank + 1) * size, bucket.start // self.num_ranks
+
+    def shard_view(self, a: int, b: int) -> torch.Tensor:
+        """Elements ``[a, b)`` of this rank's shard (the concatenation of its slices of the
+        buckets, :meth:`pieces`' coordinates), a view into the flat buffer; the range must lie
+        in one bucket's slice."""
+        for bucket, view in zip(self.buckets, self.shard_views):
+            base = bucket.start // self.num_ranks
+            if base <= a and b <= base + view.numel():
+                return view[a - base : b - base]
+        raise ValueError(f"shard range [{a}, {b}) crosses a bucket boundary")
+
+    def shard_bounds(self) -> list[int]:
+        """Where each bucket's slice starts in this rank's shard, and its end."""
+        return [b.start // self.num_ranks for b in self.buckets] + [self.numel // self.num_ranks]
 
     def pieces(self):
         """Yield ``(param, begin, end, shard_start)``: elements [begin, end) of the flat
@@ -145,8 +170,12 @@ class GradBuffer:
     def _launch(self, bucket: _Bucket) -> None:
         flat = self.grad[bucket.start : bucket.end]
         if self.shard:
-            lo, hi, base = self.shard_range(bucket)
-            out = self.shard_grad[base : base + hi - lo]
+            in_flight = [b for b in self.buckets[: bucket.index] if b.work is not None]
+            for old in in_flight[: max(0, len(in_flight) - MAX_SCATTERS_IN_FLIGHT + 1)]:
+                old.work.wait()
+                old.work = None  # releases gloo's staging copy
+            lo, hi, _ = self.shard_range(bucket)
+            out = self.grad[lo:hi]  # in place: this rank's slice of the bucket
             bucket.work = comm.reduce_scatter_into(out, flat, self.group, async_op=True)
         else:
             bucket.work = comm.all_reduce(flat, self.group, async_op=True)
@@ -168,7 +197,7 @@ class DataParallelGrads:
     Usage per iteration: ``zero()``; backward each microbatch, wrapping the last one in
     ``with grads.last_microbatch():`` to overlap reduction with it; ``finish()``. Afterwards
     ``p.grad`` holds the sum over the group (or, with ``shard=True``, each buffer's
-    ``shard_grad`` holds this rank's slice of it and ``p.grad`` the local sum).
+    this rank's slice of each bucket holds the sum and the rest of ``p.grad`` the local sums).
 
     Args:
         param_groups: ``[(params, group), ...]``; a param may appear in one group only.

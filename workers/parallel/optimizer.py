@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from workers.parallel import comm
-from workers.parallel.adamw import AdamWOverGrads, FlatAdamW, StepInfo, check_full_state, decays  # noqa: F401
+from workers.parallel.adamw import AdamWOverGrads, FlatAdamW, StepInfo, check_full_state, decay_runs, decays  # noqa: F401
 from workers.parallel.data import DEFAULT_BUCKET_SIZE, GradBuffer, ParamGroups
 
 
@@ -51,14 +51,11 @@ class DistributedOptimizer(AdamWOverGrads):
             self.shards.append({"param": master, "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)})
             self._load_master(buf, master)
         # Which shard elements belong to params that decay (padding never matters: grad 0).
-        self.decay_masks = []
-        for buf, state in zip(self.grads.buffers, self.shards):
-            mask = torch.zeros_like(state["param"], dtype=torch.bool)
-            for p, a, b, s in buf.pieces():
-                mask[s : s + b - a] = decays(p)
-            self.decay_masks.append(mask)
-        self.flat = [FlatAdamW(s["param"], buf.shard_grad, s["exp_avg"], s["exp_avg_sq"], mask)
-                     for buf, s, mask in zip(self.grads.buffers, self.shards, self.decay_masks)]
+        # The grads are this rank's slices of the buckets, in place: runs end at bucket bounds.
+        self.flat = [FlatAdamW(s["param"], None, s["exp_avg"], s["exp_avg_sq"],
+                               decay_runs(((s0, s0 + b - a, decays(p)) for p, a, b, s0 in buf.pieces()),
+                                          s["param"].numel(), cuts=buf.shard_bounds()), grad_at=buf.shard_view)
+                     for buf, s in zip(self.grads.buffers, self.shards)]
         self._cast_params()
 
     @staticmethod
@@ -68,12 +65,12 @@ class DistributedOptimizer(AdamWOverGrads):
             master[s : s + b - a].copy_(p.detach().reshape(-1)[a:b])
 
     def main_grads(self) -> list[torch.Tensor]:
-        return [buf.shard_grad for buf in self.grads.buffers]
+        return [view for buf in self.grads.buffers for view in buf.shard_views]
 
     def owned_grads(self):
         for buf in self.grads.buffers:
             for p, a, b, s in buf.pieces():
-                yield p, buf.shard_grad[s : s + b - a]
+                yield p, buf.shard_view(s, s + b - a)
 
     def _apply_updates(self, grad_scale) -> None:
         """Update this rank's shard of the fp32 main params, all-gather the model params."""
@@ -217,18 +214,23 @@ class ReplicatedOptimizer(AdamWOverGrads):
         super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=False, **kwargs)
         self.moments, self.masters, self.flat, self.flat_masters, self.flat_models = [], [], [], [], []
         for buf in self.grads.buffers:
-            master, exp_avg, exp_avg_sq = (torch.zeros(buf.numel, dtype=torch.float32, device=buf.grad.device)
-                                           for _ in range(3))
-            mask = torch.zeros(buf.numel, dtype=torch.bool, device=buf.grad.device)
-            for p in buf.params:
-                a = buf.offsets[id(p)]
-                master[a : a + p.numel()].copy_(p.detach().reshape(-1))
-                mask[a : a + p.numel()] = decays(p)
+            # Param by param into the flat main buffer, each param re-pointed at its slice at
+            # once: its own storage is freed before the next is copied, so building this never
+            # holds the params twice (nor a per-element decay mask: runs come from the offsets).
+            master = torch.empty(buf.numel, dtype=torch.float32, device=buf.grad.device)
+            with torch.no_grad():
+                for p in buf.params:
+                    view = _view(buf, master, p)
+                    view.copy_(p.detach())
+                    p.data = view
+            exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+            runs = decay_runs(((buf.offsets[id(p)], buf.offsets[id(p)] + p.numel(), decays(p)) for p in buf.params),
+                              buf.numel)
             model = master.to(self.param_dtype) if self.low_precision else master
             self.moments.append([{"exp_avg": _view(buf, exp_avg, p), "exp_avg_sq": _view(buf, exp_avg_sq, p)}
                                  for p in buf.params])
-            self.masters.append([_view(buf, master, p) if self.low_precision else p for p in buf.params])
-            self.flat.append(FlatAdamW(master, buf.grad, exp_avg, exp_avg_sq, mask))
+            self.masters.append([_view(buf, master, p) for p in buf.params] if self.low_precision else list(buf.params))
+            self.flat.append(FlatAdamW(master, buf.grad, exp_avg, exp_avg_sq, runs))
             self.flat_masters.append(master)
             self.flat_models.append(model)
             for p in buf.params:
