@@ -293,9 +293,9 @@ def test_cancel_a_second_job_from_the_list(server, browser, api, artifacts):
         "state: r.dataset.state, cells: [...r.cells].map(c => c.textContent)}))")
     assert [r["id"] for r in listed][0] == job_id and len(listed) == 2  # newest first
     finished = api.get(f"/jobs/{listed[1]['id']}").json()
-    state, name, _, sizes, iteration, loss, restarts, age, _ = listed[1]["cells"]
-    assert (state, name, sizes, iteration, restarts) == ("SUCCEEDED", "tiny-5d", "tp2 pp2 dp2 cp1 ep1",
-                                                         f"{ITERS} / {ITERS}", "0")
+    state, name, _, sizes, iteration, loss, restarts, age, _, owner = listed[1]["cells"]
+    assert (state, name, sizes, iteration, restarts, owner) == ("SUCCEEDED", "tiny-5d", "tp2 pp2 dp2 cp1 ep1",
+                                                                f"{ITERS} / {ITERS}", "0", "admin")
     assert loss == f"{finished['loss']:.4f}" and age.endswith(("s", "m"))
     shoot(browser, artifacts, "jobs")
 
