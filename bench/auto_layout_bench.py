@@ -197,6 +197,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     both = not (args.memory or args.time)
     if args.memory or both:
+        # What the tensors need, not the heap's slack: every block of 128 KiB or more mmapped in the
+        # rank processes (workers/heap.py; opt-in, it costs step time).
+        os.environ.setdefault("RAYTRON_MMAP_THRESHOLD", str(128 * 1024))
         memory_table(model=SMALL_MEMORY_MODEL if args.small_model else MEMORY_MODEL)
     if args.time or both:
         time_table(args.iters, args.ray)
