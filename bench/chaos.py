@@ -8,7 +8,8 @@ Each fault is drawn (seeded: which kind, at which iteration, which victim) from
 
 * ``rank_kill``   SIGKILL of a rank's process;
 * ``rank_stop``   SIGSTOP of a rank's process (the job's collective_timeout_s is short);
-* ``node_loss``   SIGKILL of a worker node's raylet: the node is lost for good, the job shrinks
+* ``node_loss``   SIGKILL of a worker node's raylet and every process under it (its rank actors):
+                  the machine is lost for good, the job shrinks
                   (dp 4 -> 2: 3 nodes do not divide the global batch), then a node is added
                   (joining the cluster as a new machine would) and the job grows back at a checkpoint;
 * ``runner_kill`` SIGKILL of the job's runner (the Ray Job's entry point);
@@ -24,6 +25,7 @@ largest relative difference between the final curve and an undisturbed run of th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -39,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from service.ranks.proc_tree import matching  # noqa: E402
+from service.ranks.proc_tree import descendants, matching  # noqa: E402
 
 KINDS = ("rank_kill", "rank_stop", "node_loss", "runner_kill", "server_kill", "save_crash")
 TOKEN = "chaos-token-0123456789abcdef"
@@ -157,7 +159,12 @@ def inject(fault: dict, server: Server, job_id: str) -> str:
         return f"rank {victim['rank']} (pid {victim['pid']})"
     if kind == "node_loss":
         node_id = rng.choice(sorted({r["node_id"] for r in ranks}))
-        os.kill(raylet_of(node_id), signal.SIGKILL)
+        # A machine that is lost takes all its processes with it. The raylet alone is not enough: its rank
+        # processes would train on until Ray noticed, and a job near its end could finish first (seen in CI).
+        raylet = raylet_of(node_id)
+        for pid in [raylet, *descendants({raylet}), *(r["pid"] for r in ranks if r["node_id"] == node_id)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         return f"node {node_id[:8]}"
     if kind == "runner_kill":
         pids = matching(lambda a: a[0].endswith("python") and a[1:4] == ["-m", "service.server.job_main", job_id])
