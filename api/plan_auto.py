@@ -72,7 +72,8 @@ def print_cost(plan: dict, out=None) -> None:
         return
     t = c["step_seconds"]
     print(f"cost model ({c['cluster']['name']}): peak {c['peak_bytes_per_rank'] / GB:.1f} GB per rank "
-          f"(state {c['state_bytes']['total'] / GB:.1f} + activations {c['activation_bytes']['total'] / GB:.1f}), "
+          f"(state {c['state_bytes']['total'] / GB:.1f} + activations {c['activation_bytes']['total'] / GB:.1f}"
+          + (f" + process {c['process_bytes'] / GB:.2f}" if c.get("process_bytes") else "") + "), "
           f"{'fits' if c['fits'] else 'does NOT fit'} {c['cluster']['memory_gb']:g} GB x {c['memory_margin']}; "
           f"step {c['predicted_step_s']:.3f} s = " + " + ".join(
               f"{k} {t[k]:.3f}" for k in ("compute", "recompute", "tp", "cp", "ep", "pp", "bubble", "dp_exposed",

@@ -13,7 +13,9 @@ parameters, where the per-process costs below weigh more than the model) in 6 la
 minus its ``VmRSS`` just before the trainer is built (the torch import and the process group are
 there already: about 0.2-0.3 GB that no layout changes and the cost model does not count). The
 largest rank's is set beside the plan's ``peak_bytes_per_rank`` (the most loaded rank: weights,
-gradients, Adam state and activations; :mod:`service.spec.cost`).
+gradients, Adam state and activations, and on the simulated CPU cluster what a rank process holds
+whatever the model, ``process_mb`` of :data:`service.spec.cost.CPU_FIGURES`; :mod:`service.spec.cost`).
+*fixed* measures that last part again: the same layout with a negligible model.
 
 **Time** (:func:`time_table`). A model whose layouts differ (8 layers, h 256, seq 256, global
 batch 16) on a 2 x 4 cluster of local processes (the simulated CPU cluster; ``--ray`` runs it on

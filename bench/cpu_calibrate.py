@@ -16,7 +16,10 @@ cluster) all working at once, as they do in a job, on the machine's ``os.cpu_cou
   GEMMs alone, per message, the median of ``repeats`` runs. (A message waits for its receiver to
   get a core: the more ranks in the chain, the longer each waits);
 * ``memory_gbps``: the machine's memory bandwidth: every rank adds two 32 MiB tensors in place
-  (3 x 32 MiB moved per add), all bytes over the wall time.
+  (3 x 32 MiB moved per add), all bytes over the wall time;
+* ``process_mb``: what a rank process adds whatever the model: 4 ranks (dp 4) of a negligible
+  model (h 32, seq 32, vocab 256) train 3 iterations; the largest ``VmHWM`` less the ``VmRSS``
+  before the trainer was built (bench/auto_layout_bench.py's *fixed*; the torch import excluded).
 
 The figures go into ``CPU_FIGURES`` by hand (with the load average at the time): the cost model
 stays pure and deterministic. The machine's load (other people's work) lowers them all.
@@ -110,9 +113,13 @@ def calibrate(ranks: int = 8, repeats: int = 3) -> dict:
             with_ar = statistics.median(max(run(_all_reduce, 4 * KIB, 40, 256, g)) for _ in range(repeats))
             hops[g] = round(max(with_ar - gemm_only, 0.0) / (2 * (g - 1)), 5)
     memory = _rate(run(_add, 32 * MIB, 20))
+    from bench.auto_layout_bench import FIXED_MODEL, _measured_and_plan
+
+    process, _ = _measured_and_plan(FIXED_MODEL, {}, 3)
     return {"peak_tflops": round(flops / 1e12, 4), "intra_gbps": round(loopback / 1e9, 3),
             "inter_gbps": round(loopback / 1e9, 3), "cores": os.cpu_count(), "hop_latency_s": hops,
-            "memory_gbps": round(memory / 1e9, 2), "ranks": ranks, "load": round(os.getloadavg()[0], 1)}
+            "memory_gbps": round(memory / 1e9, 2), "process_mb": round(process / MIB, 1), "ranks": ranks,
+            "load": round(os.getloadavg()[0], 1)}
 
 
 def main(argv=None) -> int:

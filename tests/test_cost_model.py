@@ -360,3 +360,20 @@ def test_the_last_stage_counts_the_logits_gradient():
     assert ours(spec_of(LLAMA3_8B, tp=2, pp=2))["activation_bytes"]["logits_grad"] == 0
     pp1 = ours(spec_of(LLAMA3_8B))["activation_bytes"]
     assert pp1["total"] == pytest.approx(pp1["layers"] + pp1["embedding"] + pp1["output_layer"])
+
+
+def test_the_peak_is_state_and_activations_plus_what_a_cpu_rank_process_holds_whatever_the_model():
+    """On the simulated CPU cluster a rank's peak (its VmHWM) carries the per-process cost measured
+    by bench/cpu_calibrate.py (CPU_FIGURES["process_mb"]); on an accelerator that cost (CUDA
+    context, NCCL) lies outside the device budget, left to MEMORY_MARGIN. Breaks if either side
+    drops or double-counts the term."""
+    gpu = ours(spec_of(LLAMA3_8B, tp=2, pp=2))
+    assert gpu["process_bytes"] == 0
+    assert gpu["peak_bytes_per_rank"] == gpu["state_bytes"]["total"] + gpu["activation_bytes"]["total"]
+    data = spec_of(LLAMA3_8B, tp=2, pp=2).model_dump()
+    data["resources"] = {"num_nodes": 1, "gpus_per_node": 8}  # no type: the simulated CPU cluster
+    cpu = ours(parse_spec(data))
+    assert cpu["process_bytes"] == cost.CPU_FIGURES["process_mb"] * 2**20 > 0
+    assert cpu["peak_bytes_per_rank"] == (cpu["state_bytes"]["total"] + cpu["activation_bytes"]["total"]
+                                          + cpu["process_bytes"])
+    assert cpu["cluster"]["process_mb"] == cost.CPU_FIGURES["process_mb"]

@@ -390,3 +390,65 @@ def test_executor_posts_exactly_the_plan():
                      tuple(("recv", op.peer) for op in step.ops if op.kind == "recv")) for step in plan if step.ops]
             assert [(s, r) for s, r, _ in calls] == want, (rank, vpp)
             assert all(shape == (_S, _B, _H) for _, _, shapes in calls for shape in shapes)
+
+
+
+def _linear_pair():
+    g = torch.Generator().manual_seed(5)
+    layers = [torch.nn.Linear(_H, _H) for _ in range(2)]
+    with torch.no_grad():
+        for lin in layers:
+            lin.weight.copy_(torch.randn(_H, _H, generator=g) * 0.5)
+            lin.bias.copy_(torch.randn(_H, generator=g) * 0.1)
+    return layers
+
+
+class _Residual(torch.nn.Module):
+    """``x + linear(x)``: as a decoder layer ends, on a fresh tensor (not a view) whose backward
+    needs neither its output nor its inputs' data beyond the Linear's."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return x + self.linear(x)
+
+
+def _dealloc_rank(rank, world_size):
+    """1F1B over two stages of one residual Linear each: what the first stage's outputs hold once
+    sent, and whether the backward imported sympy."""
+    import sys
+
+    m = 4
+    sympy_before = "sympy" in sys.modules
+    layers = _linear_pair()
+    outputs = []
+    chunks = [_Residual(lin) for lin in layers]
+    chunks[0].register_forward_hook(lambda mod, args, out: outputs.append(out))
+    inputs, targets = _data(m)
+    run_pipeline(schedule(m, 2, None, rank), stage=rank, pp=2, vpp=1, pp_ranks=(0, 1), chunks=[chunks[rank]],
+                 num_microbatches=m, get_input=lambda mb: inputs[mb], loss_fn=lambda mb, o: _loss(o, targets[mb], m),
+                 tensor_shape=(_S, _B, _H))
+    return {"numels": [o.numel() for o in outputs], "sympy_before": sympy_before, "sympy_after": "sympy" in sys.modules,
+            "grad": layers[rank].weight.grad.numpy()}
+
+
+@pytest.mark.slow
+def test_a_stage_frees_each_output_once_sent_and_backpropagates_without_autograd_shape_checks():
+    """Megatron's deallocate_output_tensor + custom_backward: stage 0's outputs (up to pp microbatches
+    in flight in 1F1B) keep one element each once sent, the gradients are a single process's, and the
+    backward does not import torch.fx's symbolic shapes (sympy: ~32 MB resident per stage, measured).
+    Breaks if an output is kept whole, or with torch.autograd.backward (it imports sympy to compare
+    the gradient's shape with the output's, and refuses the emptied output)."""
+    results = run_ranks(_dealloc_rank, 2)
+    assert results[0]["numels"] == [1] * 4
+    assert not results[0]["sympy_before"] and not results[0]["sympy_after"]
+    m = 4
+    ref = _linear_pair()
+    chunks = [_Residual(lin) for lin in ref]
+    inputs, targets = _data(m)
+    for mb in range(m):
+        _loss(chunks[1](chunks[0](inputs[mb])), targets[mb], m).backward()
+    for rank in range(2):
+        torch.testing.assert_close(torch.from_numpy(results[rank]["grad"]), ref[rank].weight.grad, atol=1e-6, rtol=0)

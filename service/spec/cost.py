@@ -71,8 +71,11 @@ SIMULATED_CPU = {"memory_gb": 16, "peak_tflops": 0.1, "intra_gbps": 2, "inter_gb
 # throughput of all ranks together (intra/inter: one machine), the wait per message of a collective
 # per group size with every rank busy (hop_latency_s), the machine's memory bandwidth (a large add).
 # Medians of 4-5 calibrations at load 9-18 (README "Auto layout" gives the spread); 16 GB assumed.
+# process_mb: what a rank process adds whatever the model (a negligible one, measured in every layout
+# of bench/auto_layout_bench.py at 35.7-37.6 MB): the modules it imports as it builds and steps
+# (numpy.random alone ~14 MB), its process groups, autograd's and OpenMP's threads, first-use buffers.
 CPU_FIGURES = {"memory_gb": 16, "peak_tflops": 0.1, "intra_gbps": 4.2, "inter_gbps": 4.2, "cores": 2,
-               "hop_latency_s": {2: 0.00016, 4: 0.0009, 8: 0.002}, "memory_gbps": 13.6}
+               "hop_latency_s": {2: 0.00016, 4: 0.0009, 8: 0.002}, "memory_gbps": 13.6, "process_mb": 37}
 
 EFFICIENCY = 0.5
 """Achieved / peak FLOP/s of the GEMMs (model FLOPs utilisation before communication and bubble)."""
@@ -99,6 +102,10 @@ class Cluster:
     receiver woken and scheduled), per measured group size."""
     memory_bytes_per_s: float = 0.0
     """Shared cores: the machine's memory bandwidth (the optimizer's update streams through it)."""
+    process_bytes: float = 0.0
+    """Shared cores: what a rank process holds whatever the model (counted in its peak). On an
+    accelerator that is the CUDA context and NCCL's buffers, outside the device budget the peak is
+    checked against (:data:`MEMORY_MARGIN` leaves room for them): 0."""
 
     def as_dict(self) -> dict:
         out = {"name": self.name, "memory_gb": self.memory_bytes / GB, "peak_tflops": self.peak_flops / 1e12,
@@ -106,7 +113,7 @@ class Cluster:
                "inter_node_bandwidth_gbps": self.inter_bytes_per_s / GB}
         if self.cores:
             out.update(shared_cores=self.cores, hop_latency_s={str(g): t for g, t in self.hop_latency_s},
-                       memory_bandwidth_gbps=self.memory_bytes_per_s / GB)
+                       memory_bandwidth_gbps=self.memory_bytes_per_s / GB, process_mb=self.process_bytes / 2**20)
         return out
 
 
@@ -141,7 +148,7 @@ def _shared_cluster(resources) -> Cluster:
     name = "simulated-cpu" + (" (as given)" if any(x is not None for x in given.values()) else "")
     return Cluster(name, v["memory_gb"] * GB, f["peak_tflops"] * 1e12, v["intra_gbps"] * GB, v["inter_gbps"] * GB,
                    cores=f["cores"], hop_latency_s=tuple(sorted(f["hop_latency_s"].items())),
-                   memory_bytes_per_s=f["memory_gbps"] * GB)
+                   memory_bytes_per_s=f["memory_gbps"] * GB, process_bytes=f["process_mb"] * 2**20)
 
 
 def state_bytes(dense: float, expert: float, dense_shards: int, expert_shards: int, *, mixed: bool,

@@ -231,10 +231,10 @@ def estimate(spec, grid: ParallelGrid, node_of: list[int], tr: _Traffic | None =
                               global_batch_size=t.global_batch_size, num_microbatches=num_microbatches,
                               recompute=m.recompute_granularity, comm=comm, cluster=cluster,
                               distributed=p.use_distributed_optimizer)
-    peak = state["total"] + act["total"]
+    peak = state["total"] + act["total"] + cluster.process_bytes
     cross = sum(d["cross_node"] for d in tr.totals.values())
     return {"cluster": cluster.as_dict(), "state_bytes": state, "activation_bytes": act,
-            "peak_bytes_per_rank": peak, "fits": peak <= cost.MEMORY_MARGIN * cluster.memory_bytes,
+            "process_bytes": cluster.process_bytes, "peak_bytes_per_rank": peak, "fits": peak <= cost.MEMORY_MARGIN * cluster.memory_bytes,
             "memory_margin": cost.MEMORY_MARGIN, "num_microbatches": num_microbatches,
             "cross_node_bytes": cross, "step_seconds": step, "predicted_step_s": step["total"]}
 

@@ -27,6 +27,25 @@ from workers.parallel.pipeline import Action
 from workers.parallel.pipeline_p2p import p2p_plan
 
 
+def deallocate_output(out: torch.Tensor) -> None:
+    """Megatron's ``deallocate_output_tensor``: once a stage's output is handed to the send, only its
+    graph is needed for the backward, not its data; swap the data for one element so that the
+    in-flight microbatches of 1F1B hold no second copy of their outputs (the message's own reference
+    keeps the data alive until it is sent). A view is left alone (its base holds the storage)."""
+    if out._base is None:
+        out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
+
+
+def custom_backward(output: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """Megatron's ``custom_backward``: backpropagate ``grad_output`` from ``output`` through the C++
+    autograd engine directly. ``torch.autograd.backward`` would check the output's shape, which
+    :func:`deallocate_output` has emptied, and it imports ``torch.fx``'s symbolic shapes (sympy:
+    ~32 MB resident in every stage but the last, measured) to compare the two."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad_output,), keep_graph=False, create_graph=False, inputs=(),
+        allow_unreachable=True, accumulate_grad=True)
+
+
 def run_pipeline(
     actions: Sequence[Action],
     *,
@@ -122,6 +141,7 @@ def run_pipeline(
                     f"tensor_shape is {shape}: pass the activation shape the model produces"
                 )
             outgoing[("F", mb, v)] = y.detach().contiguous()
+            deallocate_output(y)  # the message holds the data until it is sent; backward needs only y's graph
         if not forward_only:
             saved[(mb, a.chunk)] = (None if v == 0 else x, y)
 
@@ -133,7 +153,7 @@ def run_pipeline(
         if v == last:
             torch.autograd.backward(y)
         else:
-            torch.autograd.backward(y, grad_tensors=received.pop(("B", mb, v + 1)))
+            custom_backward(y, received.pop(("B", mb, v + 1)))
         if x is not None:
             outgoing[("B", mb, v)] = x.grad if x.grad is not None else torch.zeros_like(x)
 
