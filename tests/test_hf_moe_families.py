@@ -12,7 +12,6 @@ compressed queries (q_lora_rank) and YaRN with every knob away from neutral."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 
@@ -21,7 +20,8 @@ import torch
 
 from tests.parity import job_of
 from tests.test_hf_interop import assert_close, hf_logits, raytron_logits
-from tests.test_hf_qwen import GRAD_RTOL, first_batch_loss_transformers, loss_and_grads_transformers, spec
+from tests.test_hf_qwen import (GRAD_RTOL, assert_first_loss_is_transformers, export_hf, loss_and_grads_transformers,
+                                spec)
 
 pytestmark = pytest.mark.slow
 
@@ -168,22 +168,14 @@ def test_hf_import_at_tp2_ep2_gives_the_transformers_first_loss(family):
     """hf:DIR at tp2 x ep2 with sequence parallelism (MoE with TP needs it): Qwen3-MoE on 4 ranks
     (dp2, the experts also split over TP), DeepSeek-V3 on 2 (the experts split over the TP
     ranks, expert_tensor_parallel_size 1). The first loss is transformers' on that batch."""
-    from tests.test_checkpoint_reshard import train_ranks
-    from workers.spawn import run_ranks
-
     kind, path = family
     parallel = {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2}
-    world = 4 if kind == "qwen3_moe" else 2
     if kind == "deepseek_v3":
         parallel["expert_tensor_parallel_size"] = 1
-    job = job_of(spec(path, world=world, parallel=parallel))
-    out = run_ranks(train_ranks, world, args=(job,), kwargs={"load": f"hf:{path}", "until": 1}, timeout_s=600)
-    want = first_batch_loss_transformers(path, job)
-    assert abs(out[0]["losses"][0] - want) <= 1e-5 * want, (out[0]["losses"], want)
+    assert_first_loss_is_transformers(path, 4 if kind == "qwen3_moe" else 2, parallel)
 
 
 def test_export_of_a_trained_checkpoint_loads_as_the_same_class(family, tmp_path):
-    from api import export_cmd
     from workers.checkpoint import Checkpointer
     from workers.checkpoint_layout import buffer_views
 
@@ -193,10 +185,7 @@ def test_export_of_a_trained_checkpoint_loads_as_the_same_class(family, tmp_path
     for _ in range(3):  # trained weights; the expert bias moves each step
         t.train_step()
     Checkpointer(str(tmp_path / "ckpt")).save(t)
-    parser = argparse.ArgumentParser()
-    export_cmd.add_parser(parser.add_subparsers(dest="command"))
-    ns = parser.parse_args(["export", str(tmp_path / "ckpt"), "--format", "hf", str(tmp_path / "hf")])
-    assert ns.func(ns) == 0
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
     name, got = hf_logits(tmp_path / "hf", ids)
     assert name == ARCH[kind]

@@ -195,24 +195,38 @@ def first_batch_loss_transformers(path, job) -> float:
     return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)))
 
 
-def test_hf_import_at_tp2_gives_the_transformers_first_loss(qwen):
-    """hf:DIR at tp2 (x pp2 for the tied Qwen2: the embedding and its last-stage copy both
-    come from embed_tokens; x sp for Qwen3): the first loss is transformers' on that batch."""
+def assert_first_loss_is_transformers(path, world: int, parallel: dict) -> None:
+    """A job importing ``hf:path`` on ``world`` ranks of ``parallel`` trains one iteration; its loss
+    is transformers' on the same global batch (1e-5 relative)."""
     from tests.test_checkpoint_reshard import train_ranks
     from workers.spawn import run_ranks
 
-    kind, path = qwen
-    parallel = {"qwen2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
-                "qwen3": {"tensor_model_parallel_size": 2, "sequence_parallel": True}}[kind]
-    world = 4 if kind == "qwen2" else 2
     job = job_of(spec(path, world=world, parallel=parallel))
     out = run_ranks(train_ranks, world, args=(job,), kwargs={"load": f"hf:{path}", "until": 1}, timeout_s=600)
     want = first_batch_loss_transformers(path, job)
     assert abs(out[0]["losses"][0] - want) <= 1e-5 * want, (out[0]["losses"], want)
 
 
-def test_export_of_a_trained_checkpoint_loads_as_the_same_class(qwen, tmp_path):
+def export_hf(checkpoint, out) -> None:
+    """``raytron export CHECKPOINT --format hf OUT`` through the CLI's own parser; it must succeed."""
     from api import export_cmd
+
+    parser = argparse.ArgumentParser()
+    export_cmd.add_parser(parser.add_subparsers(dest="command"))
+    ns = parser.parse_args(["export", str(checkpoint), "--format", "hf", str(out)])
+    assert ns.func(ns) == 0
+
+
+def test_hf_import_at_tp2_gives_the_transformers_first_loss(qwen):
+    """hf:DIR at tp2 (x pp2 for the tied Qwen2: the embedding and its last-stage copy both
+    come from embed_tokens; x sp for Qwen3): the first loss is transformers' on that batch."""
+    kind, path = qwen
+    parallel = {"qwen2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+                "qwen3": {"tensor_model_parallel_size": 2, "sequence_parallel": True}}[kind]
+    assert_first_loss_is_transformers(path, 4 if kind == "qwen2" else 2, parallel)
+
+
+def test_export_of_a_trained_checkpoint_loads_as_the_same_class(qwen, tmp_path):
     from workers.checkpoint import Checkpointer
 
     kind, path = qwen
@@ -220,10 +234,7 @@ def test_export_of_a_trained_checkpoint_loads_as_the_same_class(qwen, tmp_path):
     for _ in range(2):  # trained weights: biases and norms moved by the optimizer
         t.train_step()
     Checkpointer(str(tmp_path / "ckpt")).save(t)
-    parser = argparse.ArgumentParser()
-    export_cmd.add_parser(parser.add_subparsers(dest="command"))
-    ns = parser.parse_args(["export", str(tmp_path / "ckpt"), "--format", "hf", str(tmp_path / "hf")])
-    assert ns.func(ns) == 0
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
     name, got = hf_logits(tmp_path / "hf", ids)
     assert name == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
