@@ -13,6 +13,9 @@ model was built (the torch import, inherited from the forkserver: about 200 MiB 
 parallelism divides); ``VmRSS`` once the trainer is built; their difference, what training
 added at its peak (activations, gradients, optimizer state, comm buffers); and the wall time
 and the process's CPU time of the quickest iteration after the first (a warm-up).
+A second, profiled run of the same job gives *alloc*: the peak of the bytes torch's CPU
+allocator held from the trainer's build on (:func:`alloc_peak_rank`; the CPU's counterpart of
+``torch.cuda.max_memory_allocated``: tensors only, no torch import, no heap slack).
 Ratios are to cp = 1 at the same sequence length. The processes share the machine's cores, so
 wall times are only as quiet as the machine; on a loaded machine the CPU time is the steadier
 figure (cp = 2 runs two processes, which a per-session fair share does not give twice the CPU).
@@ -141,6 +144,30 @@ def peak_rank(rank: int, world_size: int, job: JobConfig, iters: int) -> dict:
     return {"hwm_kb": _status_kb("VmHWM"), "built_kb": built_kb, "step": min(steps[timed]), "cpu": min(cpu[timed])}
 
 
+def alloc_peak_rank(rank: int, world_size: int, job: JobConfig, iters: int) -> int:
+    """The peak of the bytes torch's CPU allocator held from the trainer's build to the end of
+    ``iters`` iterations: the CPU's ``torch.cuda.max_memory_allocated``. Every allocation and free
+    torch makes is a ``[memory]`` event of the profiler (``profile_memory``), started before the
+    trainer is built so that nothing it frees was allocated unseen; the running sum of their sizes
+    in time order peaks at the answer. What is not a tensor (the torch import, Python objects,
+    gloo's own buffers) is not counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from workers.train import Trainer
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        trainer = Trainer(job, rank, world_size)
+        for _ in range(iters):
+            trainer.train_step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    held = peak = 0
+    for _, nbytes in events:
+        held += nbytes
+        peak = max(peak, held)
+    return peak
+
+
 def long_corpus(seq_len: int, directory: str) -> str:
     """A token file long enough for ``seq_len`` (the built-in text, repeated): builtin:tiny has
     5,002 tokens and the train split must hold a whole sample."""
@@ -164,8 +191,8 @@ def peak_and_time(seqs, iters: int, all_gather: bool) -> None:
     print(f"\npeak memory and step time per rank (max over ranks), {iters} iterations, the quickest after the "
           f"first reported; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"{'seq':>6} {'cp':>3} {'comm':<11} {'VmHWM':>8} {'built':>7} {'added':>7} {'step s':>7} {'cpu s':>6} "
-          f"{'run s':>6} {'HWM/cp1':>8} {'added/cp1':>9} {'step/cp1':>8} {'cpu/cp1':>7}")
+    print(f"{'seq':>6} {'cp':>3} {'comm':<11} {'VmHWM':>8} {'built':>7} {'added':>7} {'alloc':>7} {'step s':>7} "
+          f"{'cpu s':>6} {'run s':>6} {'HWM/cp1':>8} {'added/cp1':>9} {'alloc/cp1':>9} {'step/cp1':>8} {'cpu/cp1':>7}")
     for seq in seqs:
         layouts = [(cp_layout(1), 1), (cp_layout(2), 2)] + ([(cp_layout(2, "all_gather"), 2)] if all_gather else [])
         base = None
@@ -176,19 +203,21 @@ def peak_and_time(seqs, iters: int, all_gather: bool) -> None:
             t0 = time.perf_counter()
             results = run_ranks(peak_rank, world, args=(job, iters), timeout_s=1800)
             run_s = time.perf_counter() - t0
-            row = {"hwm": max(r["hwm_kb"] for r in results) / 1024,
+            alloc = max(run_ranks(alloc_peak_rank, world, args=(job, iters), timeout_s=1800)) / MIB
+            row = {"hwm": max(r["hwm_kb"] for r in results) / 1024, "alloc": alloc,
                    "built": max(r["built_kb"] for r in results) / 1024,
                    "added": max(r["hwm_kb"] - r["built_kb"] for r in results) / 1024,
                    "step": max(r["step"] for r in results), "cpu": max(r["cpu"] for r in results)}
             base = base or row
             comm_type = job.parallel.cp_comm_type if world > 1 else "-"
             print(f"{seq:>6} {world:>3} {comm_type:<11} {row['hwm']:>8.1f} {row['built']:>7.1f} {row['added']:>7.1f} "
-                  f"{row['step']:>7.2f} {row['cpu']:>6.2f} {run_s:>6.1f} {row['hwm'] / base['hwm']:>8.3f} "
-                  f"{row['added'] / base['added']:>9.3f} {row['step'] / base['step']:>8.3f} "
+                  f"{alloc:>7.1f} {row['step']:>7.2f} {row['cpu']:>6.2f} {run_s:>6.1f} {row['hwm'] / base['hwm']:>8.3f} "
+                  f"{row['added'] / base['added']:>9.3f} {alloc / base['alloc']:>9.3f} {row['step'] / base['step']:>8.3f} "
                   f"{row['cpu'] / base['cpu']:>7.3f}", flush=True)
     tmp.cleanup()
     print("(MiB; VmHWM: the process's peak resident set; built: resident once the trainer is built; "
-          "added: VmHWM - built; step s: wall, cpu s: the process's CPU time, of one iteration; "
+          "added: VmHWM - built; alloc: the peak of torch's CPU allocator from the build on (a separate, "
+          "profiled run); step s: wall, cpu s: the process's CPU time, of one iteration; "
           "run s: the whole run, process start included)")
 
 
