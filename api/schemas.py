@@ -135,11 +135,14 @@ class NodePublic(BaseModel):
     gpus_used: int
     gpus_free: int
     alive: bool
+    accelerator: str | None = Field(None, description="the node's accelerator as Ray labels it (accelerator_type)")
 
 
 class ClusterPublic(BaseModel):
     ray_address: str | None
     dashboard_url: str | None
+    gpu_type: str | None = Field(None, description="the resources.gpu_type a spec that names no accelerator "
+                                 "gets: the type every GPU node reports (none: the simulated CPU cluster's figures)")
     nodes: list[NodePublic]
     gpus_total: int
     gpus_free: int

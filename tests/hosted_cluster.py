@@ -17,23 +17,25 @@ ROOT = Path(__file__).resolve().parent.parent
 HOST = """
 import sys
 from service.ranks.ray_cluster import simulated_cluster
-with simulated_cluster(int(sys.argv[2]), int(sys.argv[3]), record=sys.argv[1]) as session:
+with simulated_cluster(int(sys.argv[2]), int(sys.argv[3]), record=sys.argv[1], accelerator=sys.argv[4] or None) as session:
     print("READY", session.address, flush=True)
     sys.stdin.read()  # until the test closes it
 """
 
 
 class HostedCluster:
-    """A head node and ``nodes`` worker nodes of ``gpus`` GPU slots, started by another process.
+    """A head node and ``nodes`` worker nodes of ``gpus`` GPU slots, started by another process;
+    ``accelerator``: the worker nodes carry Ray's label of that GPU (``accelerator_type:H100``).
 
     Attributes:
         address: the GCS address (what ``RAY_ADDRESS`` names).
         data: the cluster's record (its id, temporary folder, dashboard).
     """
 
-    def __init__(self, tmp_path: Path, nodes: int = 2, gpus: int = 2):
+    def __init__(self, tmp_path: Path, nodes: int = 2, gpus: int = 2, accelerator: str | None = None):
         self.record = Path(tmp_path) / "hosted_ray_cluster.json"
-        self.proc = subprocess.Popen([sys.executable, "-c", HOST, str(self.record), str(nodes), str(gpus)], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-c", HOST, str(self.record), str(nodes), str(gpus),
+                                      accelerator or ""], cwd=ROOT,
                                      text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL)
         line = self.proc.stdout.readline()

@@ -32,7 +32,7 @@ def test_jobs_run_as_ray_jobs(tmp_path):
     store = JobStore(sqlite_url(tmp_path))
     with simulated_cluster(1, 2) as session:
         view = RayClusterView(session.address, session.dashboard_url)
-        assert [n.gpus for n in view.nodes()] == [2]
+        assert [(n.gpus, n.accelerator) for n in view.nodes()] == [(2, None)]  # no GPU label on CPU
         launcher = RayJobsRunners(tmp_path, sqlite_url(tmp_path), store, session.dashboard_url)
         sched = Scheduler(store, launcher, view, poll_s=0.2)
         sched.start()
@@ -61,3 +61,34 @@ def test_jobs_run_as_ray_jobs(tmp_path):
         finally:
             sched.stop()
     store.close()
+
+
+def test_a_spec_naming_no_accelerator_is_planned_with_the_one_the_cluster_reports(tmp_path):
+    """Issue 23: the cluster figures default to what Ray reports. The worker node carries Ray's
+    label of an H100 (``accelerator_type:H100``, as Ray sets it on such a machine); a real server
+    on that cluster shows it (GET /cluster), plans a spec without accelerator fields on the H100's
+    figures, and stores the submitted spec with ``gpu_type: H100``; a spec with figures of its own
+    keeps them. Breaks if the label is not read, or not applied, or applied over the spec's own."""
+    from tests.hosted_cluster import HostedCluster
+    from tests.test_api import TOKEN, Server
+
+    cluster = HostedCluster(tmp_path, nodes=1, gpus=2, accelerator="H100")
+    srv = Server(tmp_path / "data", simulate=None, launcher="ray", env=cluster.env(), start_timeout_s=180)
+    try:
+        srv.start()
+        with srv.client(TOKEN) as c:
+            info = c.get("/cluster").json()
+            assert info.get("gpu_type") == "H100" and [n["accelerator"] for n in info["nodes"]] == ["H100"], info
+            spec = tiny("typed", world=2, iters=2)
+            assert "gpu_type" not in spec["resources"]
+            plan = c.post("/plan", json=spec).json()
+            assert plan["cost"]["cluster"]["name"] == "H100", plan["cost"]["cluster"]
+            own = {**spec, "resources": {**spec["resources"], "gpu_memory_gb": 40}}
+            assert c.post("/plan", json=own).json()["cost"]["cluster"]["name"] == "simulated-cpu (as given)"
+            job = c.post("/jobs", json=spec).json()
+            assert job["spec"]["resources"]["gpu_type"] == "H100", job["spec"]
+            c.post(f"/jobs/{job['id']}/cancel")
+    finally:
+        srv.stop()
+        srv.kill_runners()
+        cluster.close()

@@ -377,3 +377,23 @@ def test_the_peak_is_state_and_activations_plus_what_a_cpu_rank_process_holds_wh
     assert cpu["peak_bytes_per_rank"] == (cpu["state_bytes"]["total"] + cpu["activation_bytes"]["total"]
                                           + cpu["process_bytes"])
     assert cpu["cluster"]["process_mb"] == cost.CPU_FIGURES["process_mb"]
+
+
+def test_the_gpu_type_a_cluster_reports_is_its_nodes_common_known_ray_label():
+    """Ray labels a GPU node ``accelerator_type:<name>`` (ray.util.accelerators); a cluster whose GPU
+    nodes all carry one label GPU_FIGURES knows plans with that type; a spec naming an accelerator
+    of its own keeps it. Breaks if a mixed or unknown cluster got a type, or a spec's own were overridden."""
+    from service.spec.check import with_gpu_type
+
+    assert cost.gpu_type_of(["H100", "H100"]) == "H100"
+    assert cost.gpu_type_of(["A100-80G"]) == "A100"
+    assert cost.gpu_type_of(["A100-40G"]) is None  # not the A100's 80 GB
+    assert cost.gpu_type_of(["H100", "H200"]) is None and cost.gpu_type_of(["H100", None]) is None
+    assert cost.gpu_type_of(["T4"]) is None and cost.gpu_type_of([]) is None
+    spec = {"name": "x", "resources": {"num_nodes": 1, "gpus_per_node": 8}}
+    assert with_gpu_type(spec, "H100")["resources"] == {"num_nodes": 1, "gpus_per_node": 8, "gpu_type": "H100"}
+    assert "gpu_type" not in spec["resources"]  # the request's data is not changed in place
+    for own in ({"gpu_type": "A100"}, {"gpu_memory_gb": 40}, {"gpu_peak_tflops": 100}):
+        mine = {**spec, "resources": {**spec["resources"], **own}}
+        assert with_gpu_type(mine, "H100") == mine
+    assert with_gpu_type(spec, None) == spec and with_gpu_type([1], "H100") == [1]

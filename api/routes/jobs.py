@@ -23,8 +23,9 @@ from api.placement_view import placement_view
 from api.schemas import ErrorBody, JobList, JobPublic, JobStates, MetricsPage, PlacementPublic
 from service.control.controller import count_restarts
 from service.control.events import JobEvent, JobState
-from service.spec.check import check_spec
+from service.server.cluster_view import reported_gpu_type
 from service.server.store import STATES, TERMINAL_STATES, JobStore, UnknownJob
+from service.spec.check import check_spec, with_gpu_type
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 states_router = APIRouter(tags=["jobs"])
@@ -45,6 +46,8 @@ async def read_spec(request: Request):
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, "invalid_json", f"the request body is not valid JSON: {e}") from None
+    # The accelerator the cluster's GPU nodes report through Ray, for a spec that names none.
+    data = with_gpu_type(data, await run_in_threadpool(reported_gpu_type, request.app.state.cluster))
     # In a worker thread: a spec with `auto` fields is resolved by a layout search (seconds), which
     # must not stall the event loop every other request is served on.
     check = await run_in_threadpool(check_spec, data)

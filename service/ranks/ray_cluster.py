@@ -138,7 +138,8 @@ def _init_kwargs() -> dict:
 
 @contextlib.contextmanager
 def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = None,
-                      growable: bool = False, record: str | Path | None = None) -> Iterator[RaySession]:
+                      growable: bool = False, record: str | Path | None = None,
+                      accelerator: str | None = None) -> Iterator[RaySession]:
     """Start a head node (no GPU slots) and ``nodes`` worker nodes with ``gpus`` fake GPU slots
     each on this machine, and connect.
 
@@ -155,6 +156,9 @@ def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = No
             When it names a cluster of this shape that still answers, that cluster is re-attached
             to instead of starting a new one (a server killed and started again); when it names
             one that is gone, what is left of it is reaped first. Removed when the cluster stops.
+        accelerator: label the worker nodes as Ray labels a node of that GPU (its
+            ``accelerator_type:<name>`` resource, e.g. ``H100``), as a cluster of such machines
+            reports itself (tests of the figures a cluster reports); default none, as on CPU.
 
     Yields:
         The session; the cluster is shut down, every process of it reaped and its files removed on exit.
@@ -177,6 +181,8 @@ def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = No
     try:
         with _local_ray_environment(temp_dir):
             node_args = dict(num_cpus=cpus, num_gpus=gpus, object_store_memory=_OBJECT_STORE_BYTES)
+            if accelerator:
+                node_args["resources"] = {f"accelerator_type:{accelerator}": 1.0}
             with _environment({CLUSTER_MARK: cluster_id}):  # only the cluster's processes carry the mark
                 # Recorded: the cluster must outlive a server that is killed (no fate sharing with it),
                 # so that a server started again re-attaches; otherwise it dies with its process.

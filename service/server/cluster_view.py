@@ -12,6 +12,8 @@ class NodeSlots:
     node_id: str
     gpus: int
     alive: bool = True
+    accelerator: str | None = None
+    """The node's accelerator as Ray labels it (its ``accelerator_type:H100`` resource), if any."""
 
 
 class ClusterView(Protocol):
@@ -22,6 +24,19 @@ class ClusterView(Protocol):
 
     def nodes(self) -> list[NodeSlots]:
         """The alive nodes and their GPU slots (all of them, free or not)."""
+
+
+def reported_gpu_type(cluster: ClusterView) -> str | None:
+    """The ``resources.gpu_type`` the cluster's GPU nodes report through Ray
+    (:func:`service.spec.cost.gpu_type_of`), or None (none reported, a mixed cluster, or the cluster
+    cannot be asked now: the spec's own figures, or the simulated CPU cluster's, apply)."""
+    from service.spec.cost import gpu_type_of
+
+    try:
+        nodes = [n for n in cluster.nodes() if n.gpus > 0]
+    except Exception:  # noqa: BLE001 (a cluster that does not answer must not refuse the request)
+        return None
+    return gpu_type_of([n.accelerator for n in nodes])
 
 
 class StaticCluster:

@@ -123,5 +123,13 @@ class RayClusterView:
     def nodes(self) -> list[NodeSlots]:
         import ray
 
-        return [NodeSlots(n["NodeID"], int(n.get("Resources", {}).get("GPU", 0)), bool(n.get("Alive")))
+        return [NodeSlots(n["NodeID"], int(n.get("Resources", {}).get("GPU", 0)), bool(n.get("Alive")),
+                          _accelerator(n.get("Resources", {})))
                 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0]
+
+
+def _accelerator(resources: dict) -> str | None:
+    """The accelerator Ray labels a node with: its ``accelerator_type:<name>`` resource (Ray sets it
+    on a GPU node it recognises, e.g. ``accelerator_type:H100``; ray.util.accelerators)."""
+    found = sorted(k.split(":", 1)[1] for k in resources if k.startswith("accelerator_type:"))
+    return found[0] if len(found) == 1 else None

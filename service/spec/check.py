@@ -106,6 +106,20 @@ def _size_problems(spec: JobSpec) -> list[dict]:
     return out
 
 
+ACCELERATOR_FIELDS = ("gpu_type", "gpu_memory_gb", "gpu_peak_tflops")
+
+
+def with_gpu_type(data: object, gpu_type: str | None) -> object:
+    """``data`` with ``resources.gpu_type`` set to the type the cluster reports
+    (:func:`service.server.cluster_view.reported_gpu_type`) when the spec describes no accelerator
+    of its own (none of :data:`ACCELERATOR_FIELDS`); otherwise as it is. The stored spec then says
+    which figures its plan and any ``auto`` layout used."""
+    res = data.get("resources") if isinstance(data, dict) else None
+    if gpu_type is None or not isinstance(res, dict) or any(k in res for k in ACCELERATOR_FIELDS):
+        return data
+    return {**data, "resources": {**res, "gpu_type": gpu_type}}
+
+
 def check_spec(data: object) -> SpecCheck:
     """Validate a request body as a job spec; every problem is one ``{"field", "message"}`` entry."""
     if not isinstance(data, dict):

@@ -62,6 +62,19 @@ GPU_FIGURES: dict[str, dict[str, float]] = {
     "H200": {"memory_gb": 141, "peak_tflops": 989, "intra_gbps": 450, "inter_gbps": 50},
     "B200": {"memory_gb": 180, "peak_tflops": 2250, "intra_gbps": 900, "inter_gbps": 50},
 }
+RAY_ACCELERATORS = {"A100": "A100", "A100-80G": "A100", "H100": "H100", "H200": "H200", "B200": "B200"}
+"""Ray's ``accelerator_type`` labels (ray.util.accelerators) of the accelerators :data:`GPU_FIGURES`
+holds, to their ``gpu_type`` (an A100 of 40 GB is not among them: its memory is not the A100's 80)."""
+
+
+def gpu_type_of(accelerators) -> str | None:
+    """The ``gpu_type`` of GPU nodes whose Ray labels are ``accelerators``: their common type when
+    every node reports the same one :data:`GPU_FIGURES` knows; None for none, an unknown or a mixed
+    cluster (the spec's own figures, or the simulated CPU cluster's, apply then)."""
+    kinds = {RAY_ACCELERATORS.get(a) if a else None for a in accelerators}
+    return kinds.pop() if len(kinds) == 1 and None not in kinds else None
+
+
 SIMULATED_CPU = {"memory_gb": 16, "peak_tflops": 0.1, "intra_gbps": 2, "inter_gbps": 1}
 """Figures a cluster described by ``gpu_peak_tflops`` without a type falls back on (memory, bandwidths)."""
 # The simulated CPU cluster (``gpu_type: cpu``, and the default): ranks are single-threaded
