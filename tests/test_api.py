@@ -362,7 +362,9 @@ def test_submit_runs_to_succeeded_with_the_cli_losses(server, api, tmp_path):
     assert f'raytron_job_iteration{{job_id="{job_id}",name="parity"}} 3.0' in metrics
     assert "raytron_job_tokens_per_second" in metrics and "raytron_job_restarts" in metrics
     cluster = api.get("/cluster").json()
-    assert cluster["nodes"] == [{"node_id": "node-0", "gpus": 2, "gpus_used": 0, "gpus_free": 2, "alive": True}]
+    assert cluster["nodes"] == [{"node_id": "node-0", "gpus": 2, "gpus_used": 0, "gpus_free": 2, "alive": True,
+                                 "accelerator": None}]
+    assert cluster["gpu_type"] is None  # the simulated CPU cluster: no accelerator label
     assert api.post(f"/jobs/{job_id}/cancel").status_code == 409  # it has ended
 
 
