@@ -200,6 +200,9 @@ class ModelChunk(nn.Module):
             if cfg.tied_embeddings:
                 if pre_process:  # one stage: the output layer uses the embedding's parameter itself
                     self.output.weight = self.embedding.weight
+                    # Two uses in one backward: a fused weight gradient's dummy must be zeros
+                    # (Megatron's zero_out_wgrad, see workers.parallel.wgrad).
+                    self.output.weight.zero_out_wgrad = True
                 else:  # the last stage's copy (Megatron's): equal at init, grads summed with stage 0's
                     self.output.weight.tied_copy = True
             per = vocab // ctx.tp_size

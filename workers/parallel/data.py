@@ -24,6 +24,10 @@ params, the flat buffer is fp32 and is *not* the params' ``.grad`` (autograd ins
 grad has its param's dtype). Each backward leaves a low-precision ``.grad``; the hook adds it
 into the fp32 buffer and drops it, so microbatches accumulate and reduce in fp32.
 
+Every managed param's ``main_grad`` is its buffer view: in fp32 the parallel linears
+accumulate their weight gradients straight into it and hand autograd a dummy
+(:mod:`workers.parallel.wgrad`); the hook drops the dummy and still marks the bucket.
+
 With ``shard=True`` (the distributed optimizer) each bucket is padded to a multiple of the
 group size and reduce-scattered in place: rank r's slice of every bucket (the r-th 1/n) ends up
 holding the summed gradient there, in the flat buffer itself (Megatron's layout, no second
@@ -224,12 +228,20 @@ class DataParallelGrads:
         self._hooks = []
         for buf in self.buffers:
             for p in buf.params:
+                p.main_grad = buf.view(p)  # Megatron's name; see workers.parallel.wgrad
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(buf)))
 
     def _make_hook(self, buf: GradBuffer):
         def hook(p: torch.Tensor) -> None:
             view = buf.view(p)
-            if buf.main_grads:
+            if getattr(p, "grad_added_to_main_grad", False):
+                # The weight-gradient GEMM accumulated into the buffer; .grad is its dummy
+                # (with zero_out_wgrad: zeros plus the weight's other uses' gradient).
+                p.grad_added_to_main_grad = False
+                if getattr(p, "zero_out_wgrad", False):
+                    view.add_(p.grad)
+                p.grad = None if buf.main_grads else view
+            elif buf.main_grads:
                 # Megatron's main_grad: fold this backward's bf16/fp16 grad into fp32, drop it.
                 view.add_(p.grad)
                 p.grad = None
@@ -296,6 +308,10 @@ class DataParallelGrads:
         self._finished = False
 
     def remove_hooks(self) -> None:
+        """Detach from the params: their hooks, and ``main_grad`` (without the hook, a fused
+        backward's dummy would stay in ``.grad``)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        for p in (p for buf in self.buffers for p in buf.params):
+            vars(p).pop("main_grad", None)

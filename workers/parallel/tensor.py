@@ -16,6 +16,10 @@ made, so every layout starts from the same model at O(shard) cost. The
 slice is tagged ``tensor_model_parallel = True`` and ``partition_dim`` (0 or 1) for
 checkpointing and gradient-norm code. ``group=None`` means no TP: the layers then match
 ``F.linear`` / ``F.embedding`` / ``F.cross_entropy`` and need no process group.
+
+In fp32 training the linears' weight-gradient GEMMs accumulate straight into the
+data-parallel gradient buffer (Megatron's gradient-accumulation fusion,
+:mod:`workers.parallel.wgrad`), with or without TP.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch import nn
 from workers.parallel import comm
 from workers.parallel.initializer import materialize
 from workers.parallel.sequence import reduce_scatter_to_sequence_parallel_region
+from workers.parallel.wgrad import fuses, linear, weight_grad
 
 # ---------------------------------------------------------------------------------------
 # Mappings (Megatron's mappings.py, the TP half; the SP half lives in sequence.py).
@@ -73,11 +78,13 @@ class _LinearWithSequenceGather(torch.autograd.Function):
     """``all_gather_seq(x) @ W.T`` that saves the sequence *shard* ``x`` for backward and
     gathers it again there (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``
     with sequence parallelism): the gathered ``[s, b, in]`` input is never kept, so a
-    column-parallel layer stores 1/tp of its input, at the price of one more all-gather."""
+    column-parallel layer stores 1/tp of its input, at the price of one more all-gather.
+    ``fused``: accumulate the weight gradient into ``weight.main_grad``
+    (:mod:`workers.parallel.wgrad`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
-        ctx.group = group
+    def forward(ctx, x, weight, group, fused):
+        ctx.group, ctx.fused = group, weight if fused else None
         ctx.save_for_backward(x, weight)
         return F.linear(comm.all_gather(x, group, dim=0), weight)
 
@@ -90,19 +97,20 @@ class _LinearWithSequenceGather(torch.autograd.Function):
         grad_full_input = grad.matmul(weight)
         comm.wait(gathering)
         grad_input, scattering = comm.reduce_scatter_start(grad_full_input, ctx.group)
-        grad_weight = _weight_grad(grad, full)
+        grad_weight = weight_grad(grad, full, ctx.fused)
         comm.wait(scattering)
-        return grad_input, grad_weight, None
+        return grad_input, grad_weight, None, None
 
 
 class _LinearWithAsyncAllReduce(torch.autograd.Function):
     """``x @ W.T`` entering a TP region without SP (:func:`copy_to_tensor_parallel_region`
     fused with the GEMM, Megatron's async all-reduce): backward starts the all-reduce of the
-    input gradient and computes the weight gradient while it runs."""
+    input gradient and computes the weight gradient while it runs (``fused``: as
+    :class:`_LinearWithSequenceGather`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
-        ctx.group = group
+    def forward(ctx, x, weight, group, fused):
+        ctx.group, ctx.fused = group, weight if fused else None
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight)
 
@@ -111,14 +119,9 @@ class _LinearWithAsyncAllReduce(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_input = grad.matmul(weight)
         reducing = comm.all_reduce(grad_input, ctx.group, async_op=True)
-        grad_weight = _weight_grad(grad, x)
+        grad_weight = weight_grad(grad, x, ctx.fused)
         reducing.wait()
-        return grad_input, grad_weight, None
-
-
-def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``dL/dW`` of ``y = x @ W.T``: ``grad^T @ x`` over every token."""
-    return grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        return grad_input, grad_weight, None, None
 
 
 def _split_last(x: torch.Tensor, group) -> torch.Tensor:
@@ -199,12 +202,13 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if full_bias is None else _shard(full_bias, 0, group, "ColumnParallelLinear", "bias size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = fuses(self.weight)
         if self.sequence_parallel and comm.world_size(self.group) > 1:
-            y = _LinearWithSequenceGather.apply(x, self.weight, self.group)
+            y = _LinearWithSequenceGather.apply(x, self.weight, self.group, fused)
         elif comm.world_size(self.group) > 1:
-            y = _LinearWithAsyncAllReduce.apply(x, self.weight, self.group)
+            y = _LinearWithAsyncAllReduce.apply(x, self.weight, self.group, fused)
         else:
-            y = F.linear(x, self.weight)
+            y = linear(x, self.weight)
         if self.bias is not None:  # whatever the path above: the bias joins this rank's output slice
             y = y + self.bias
         if self.gather_output:
@@ -238,9 +242,8 @@ class RowParallelLinear(nn.Module):
             # No reduction between the GEMM and the residual add: one addmm does both. Not in
             # bf16/fp16: addmm rounds the sum once where a TP layout rounds the reduced GEMM and
             # then the sum, an asymmetry that flips MoE routing between layouts.
-            y = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), self.weight.t())
-            return y.view(residual.shape)
-        y = F.linear(x, self.weight)  # partial sum over this rank's input features
+            return linear(x, self.weight, residual)
+        y = linear(x, self.weight)  # partial sum over this rank's input features
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:

@@ -1,0 +1,90 @@
+"""Gradient-accumulation fusion (Megatron's ``gradient_accumulation_fusion``).
+
+A linear layer's weight gradient ``grad^T @ x`` is normally a fresh weight-sized tensor that
+autograd's AccumulateGrad then adds into ``.grad``, the param's view of the data-parallel
+gradient buffer (:mod:`workers.parallel.data`): one allocation and one more pass over the
+weight per microbatch. Fused, the weight-gradient GEMM accumulates into the buffer itself
+(``main_grad.addmm_(grad^T, x)``, beta 1) and the layer hands autograd a dummy gradient
+instead.
+
+The protocol, Megatron's, except that ``.grad`` stays the buffer view outside backward:
+
+* :class:`workers.parallel.data.DataParallelGrads` gives each param it manages a ``main_grad``
+  attribute, its view of the flat buffer (removed again by ``remove_hooks``); a param without
+  one (a module used on its own) keeps plain autograd.
+* The fusion applies when ``main_grad`` has the weight's dtype (fp32 training; bf16/fp16 keep
+  accumulating a low-precision ``.grad`` into the fp32 buffer in the hook: ``addmm_`` cannot
+  mix dtypes). The decision is taken in the forward and the param kept on ``ctx``: a weight
+  saved for backward inside a recomputed (non-reentrant checkpoint) region comes back
+  detached, without its attributes.
+* The fused backward sets ``weight.grad_added_to_main_grad``, sets ``weight.grad`` to None
+  (else AccumulateGrad would add the dummy into the buffer view) and returns an uninitialised
+  ``torch.empty_like(weight)``, which AccumulateGrad takes as ``.grad`` without a copy, so the
+  param's post-accumulate hook still runs, on the main thread, when the weight's gradient is
+  final: the hook drops the dummy, puts the buffer view back as ``.grad`` (every reader of
+  ``p.grad`` sees what it saw before) and marks the bucket ready, so the overlapped reduction
+  goes out exactly when it did.
+* A weight used twice in one backward (a tied embedding and output layer on one stage) would
+  get the dummy summed with its other gradient: such a param carries ``zero_out_wgrad = True``,
+  the dummy is zeros, and the hook adds what ``.grad`` holds (the other uses' gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fuses(weight: torch.Tensor) -> bool:
+    """Whether this forward's backward accumulates ``weight``'s gradient straight into its
+    ``main_grad`` (a buffer view of the weight's dtype, and a graph being recorded)."""
+    main = getattr(weight, "main_grad", None)
+    return main is not None and main.dtype == weight.dtype and weight.requires_grad and torch.is_grad_enabled()
+
+
+def weight_grad(grad: torch.Tensor, x: torch.Tensor, fused: torch.Tensor | None) -> torch.Tensor:
+    """``dL/dW`` of ``y = x @ W.T`` (``grad^T @ x`` over every token); with ``fused`` (the
+    weight, where :func:`fuses` held in the forward) accumulated into ``fused.main_grad`` and a
+    dummy returned (see the module docstring)."""
+    grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    if fused is None or torch.is_grad_enabled():  # create_graph: keep plain autograd
+        return grad_2d.t().matmul(x_2d)
+    fused.main_grad.addmm_(grad_2d.t(), x_2d)
+    fused.grad_added_to_main_grad = True
+    fused.grad = None
+    if getattr(fused, "zero_out_wgrad", False):
+        return torch.zeros_like(fused)
+    return torch.empty_like(fused)
+
+
+class LinearFusedWgrad(torch.autograd.Function):
+    """``x @ W.T`` (``+ residual``, one addmm) with the weight gradient accumulated into
+    ``W.main_grad``: the no-TP path of the parallel linears when :func:`fuses` holds."""
+
+    @staticmethod
+    def forward(ctx, x, weight, residual):
+        ctx.fused = weight
+        ctx.has_residual = residual is not None
+        ctx.save_for_backward(x, weight)
+        if residual is None:
+            return F.linear(x, weight)
+        y = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
+        return y.view(residual.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_input = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_weight = weight_grad(grad, x, ctx.fused)
+        return grad_input, grad_weight, grad if ctx.has_residual else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ residual)``, fused (:class:`LinearFusedWgrad`) when ``weight`` qualifies;
+    otherwise ``F.linear`` (and, with a residual, one ``torch.addmm``)."""
+    if fuses(weight):
+        return LinearFusedWgrad.apply(x, weight, residual)
+    if residual is None:
+        return F.linear(x, weight)
+    y = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
+    return y.view(residual.shape)
