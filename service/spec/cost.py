@@ -149,7 +149,7 @@ def cluster_of(resources) -> Cluster:
 BUCKET_ELEMENTS = 1_000_000
 """The trainer's gradient bucket (``workers.parallel.data.DEFAULT_BUCKET_SIZE``, elements)."""
 SCATTERS_IN_FLIGHT = 2
-"""Reduce-scatters in flight at most (``workers.parallel.data.MAX_SCATTERS_IN_FLIGHT``)."""
+"""Reduce-scatters in flight at most (``workers.parallel.grad_buffer.MAX_SCATTERS_IN_FLIGHT``)."""
 
 
 def _shared_cluster(resources) -> Cluster:
