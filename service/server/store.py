@@ -184,7 +184,7 @@ class JobStore:
             current = row.state
             if state is not None and (state != current or current in TERMINAL_STATES):
                 data = {"from": current, **({"error": error} if error is not None else {})}
-                self._append(conn, job_id, row, {"time": time.time(), "kind": "state", "state": state,
+                append_event_row(conn, job_id, row, {"time": time.time(), "kind": "state", "state": state,
                                                      "message": message, "data": data}, None)
             values = {k: v for k, v in (("ray_job_id", ray_job_id), ("error", error), ("sizes", sizes)) if v is not None}
             conn.execute(jobs.update().where(jobs.c.id == job_id).values(updated_at=time.time(), **values))
@@ -205,7 +205,7 @@ class JobStore:
             ValueError: another event already holds ``seq``, or the event is malformed.
         """
         with self._write() as conn:
-            return self._append(conn, job_id, self._lock(conn, job_id), event, seq)
+            return append_event_row(conn, job_id, self._lock(conn, job_id), event, seq)
 
     def append_events(self, job_id: str, events_: list[dict]) -> int:
         """Store several events in one transaction, each as :meth:`append_event` with the next seq
@@ -213,7 +213,7 @@ class JobStore:
         with self._write() as conn:
             seq = 0
             for event in events_:
-                seq = self._append(conn, job_id, self._lock(conn, job_id), event, None)
+                seq = append_event_row(conn, job_id, self._lock(conn, job_id), event, None)
             return seq
 
     def events(self, job_id: str, after_seq: int | None = None, *, kind: str | None = None,
@@ -239,7 +239,7 @@ class JobStore:
             self._require(conn, job_id)
             return _last_seq(conn, job_id)
 
-    # ---- attempts and metrics (written by the events: see _append) ---------------------------------------------------------------
+    # ---- attempts and metrics (written by the events: see service.server.store_events) ----
     def attempts(self, job_id: str) -> list[dict]:
         query = sa.select(attempts).where(attempts.c.job_id == job_id).order_by(attempts.c.number)
         with self.engine.connect() as conn:
@@ -286,10 +286,6 @@ class JobStore:
 
     def _job(self, conn: Connection, job_id: str) -> dict:
         return dict(conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one())
-
-    def _append(self, conn: Connection, job_id: str, row, event: dict, seq: int | None) -> int:
-        return append_event_row(conn, job_id, row, event, seq)
-
 
 def _check_states(states) -> list[str]:
     bad = [s for s in states if s not in STATES]
