@@ -20,8 +20,8 @@ import torch
 
 from tests.parity import job_of
 from tests.test_hf_interop import assert_close, hf_logits, raytron_logits
-from tests.test_hf_qwen import (GRAD_RTOL, assert_first_loss_is_transformers, export_hf, loss_and_grads_transformers,
-                                spec)
+from tests.test_hf_qwen import (assert_first_loss_is_transformers, assert_same_grads, export_hf,
+                                imported_grads_against_transformers, spec)
 
 pytestmark = pytest.mark.slow
 
@@ -127,33 +127,15 @@ def _fused_expert_grads(got: dict, name: str) -> torch.Tensor:
 def test_hf_import_gives_transformers_logits_loss_and_every_gradient(family):
     """Logits, loss and the gradient of every parameter against transformers on one batch, and
     the expert biases loaded exactly."""
-    from workers.checkpoint_layout import buffer_views, param_views
-    from workers.checkpoint_reader import load_checkpoint
+    from workers.checkpoint_layout import buffer_views
     from workers.hf_interop import to_hf
 
     kind, path = family
-    t = trainer(path)
-    load_checkpoint(t, f"hf:{path}")
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    assert_close(raytron_logits(t, ids), hf_logits(path, ids)[1])
-    want_loss, want_grads = loss_and_grads_transformers(path, ids)
-    (chunk,) = t.chunks
-    t.optimizer.zero_grad()
-    logits = chunk(ids.t())[:-1].transpose(0, 1)
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-    loss.backward()
-    assert abs(loss.item() - want_loss) <= 1e-6 * want_loss
-    m = {k: getattr(t.job.model, k) for k in t.job.model.__dataclass_fields__}
-    got = {}
-    for v in param_views(t):
-        got.update(to_hf(v.name, v.logical(v.param.grad), m))
+    t, got, want_grads = imported_grads_against_transformers(path)
     for name in [n for n in want_grads if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         got[name] = _fused_expert_grads(got, name)
-    got = {k: v for k, v in got.items() if k in want_grads or ".experts." not in k}
-    assert sorted(got) == sorted(want_grads), set(got) ^ set(want_grads)
-    for name, want in want_grads.items():
-        err = float((got[name] - want).abs().max() / want.abs().max())
-        assert err <= GRAD_RTOL, f"gradient of {name}: relative error {err:.2e}"
+    assert_same_grads({k: v for k, v in got.items() if k in want_grads or ".experts." not in k}, want_grads)
+    m = {k: getattr(t.job.model, k) for k in t.job.model.__dataclass_fields__}
     biases = buffer_views(t)
     assert len(biases) == (1 if kind == "deepseek_v3" else 0)
     from safetensors.torch import load_file

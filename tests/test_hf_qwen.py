@@ -128,14 +128,14 @@ def loss_and_grads_transformers(path, ids):
     return loss.item(), {name: p.grad for name, p in model.named_parameters()}
 
 
-def test_hf_import_gives_transformers_logits_loss_and_every_gradient(qwen):
-    """Logits, loss and the gradient of every parameter (each raytron tensor split into Hugging
-    Face's names) against transformers, on one sequence batch."""
+def imported_grads_against_transformers(path) -> tuple:
+    """A one-process job importing ``hf:path``: its logits and loss on one batch checked against
+    transformers' (loss to 1e-6), then its gradient in Hugging Face's names (each raytron tensor's
+    logical view split by ``to_hf``) beside transformers' own. Returns ``(trainer, got, want)``."""
     from workers.checkpoint_layout import param_views
     from workers.checkpoint_reader import load_checkpoint
     from workers.hf_interop import to_hf
 
-    kind, path = qwen
     t = trainer(path)
     load_checkpoint(t, f"hf:{path}")
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -151,13 +151,25 @@ def test_hf_import_gives_transformers_logits_loss_and_every_gradient(qwen):
     got = {}
     for v in param_views(t):  # the logical tensors (gate_up as [2, F, h]), then Hugging Face's names
         got.update(to_hf(v.name, v.logical(v.param.grad), m))
-    hf_names = set(want_grads)
+    return t, got, want_grads
+
+
+def assert_same_grads(got: dict, want: dict) -> None:
+    """The same names, and each gradient within GRAD_RTOL of transformers' (relative to its max)."""
+    assert sorted(got) == sorted(want), set(got) ^ set(want)
+    for name, w in want.items():
+        err = float((got[name] - w).abs().max() / w.abs().max())
+        assert err <= GRAD_RTOL, f"gradient of {name}: relative error {err:.2e}"
+
+
+def test_hf_import_gives_transformers_logits_loss_and_every_gradient(qwen):
+    """Logits, loss and the gradient of every parameter (each raytron tensor split into Hugging
+    Face's names) against transformers, on one sequence batch."""
+    kind, path = qwen
+    _, got, want_grads = imported_grads_against_transformers(path)
     if kind == "qwen2":  # tied: transformers has no lm_head parameter of its own
         assert "lm_head.weight" not in got
-    assert sorted(got) == sorted(hf_names), set(got) ^ hf_names
-    for name, want in want_grads.items():
-        err = float((got[name] - want).abs().max() / want.abs().max())
-        assert err <= GRAD_RTOL, f"gradient of {name}: relative error {err:.2e}"
+    assert_same_grads(got, want_grads)
 
 
 def test_a_tied_model_loads_into_an_untied_job_and_not_the_reverse(saved):
