@@ -83,21 +83,23 @@ class FlatAdamW:
     Args:
         param, grad, exp_avg, exp_avg_sq: flat fp32 buffers of one length (live: views are kept).
         runs: :func:`decay_runs` of the buffer (which elements weight decay applies to).
-        grad_at: ``grad_at(a, b)``, the grads of elements ``[a, b)`` (no run may cross a piece
-            it cannot view); default ``grad[a:b]``. The distributed optimizer's grads are its
-            slices of the buckets, in place in the gradient buffer.
+        grad_at, param_at: ``grad_at(a, b)``, the grads of elements ``[a, b)`` (no run may
+            cross a piece it cannot view); default ``grad[a:b]``, and so for the params. The
+            distributed optimizer's grads are its slices of the buckets, in place in the gradient
+            buffer; its fp32 params, its slices of the model's flat param buffer.
     """
 
-    def __init__(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 runs: list[tuple[int, int, bool]], grad_at=None):
+    def __init__(self, param: torch.Tensor | None, grad: torch.Tensor | None, exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor, runs: list[tuple[int, int, bool]], grad_at=None, param_at=None):
         grad_at = grad_at or (lambda a, b: grad[a:b])
+        param_at = param_at or (lambda a, b: param[a:b])
         self.groups = {}
         for decay in (True, False):
             runs_of = [(a, b) for a, b, d in runs if d == decay]
-            self.groups[decay] = [[param[a:b] for a, b in runs_of], [grad_at(a, b) for a, b in runs_of],
+            self.groups[decay] = [[param_at(a, b) for a, b in runs_of], [grad_at(a, b) for a, b in runs_of],
                                   [exp_avg[a:b] for a, b in runs_of], [exp_avg_sq[a:b] for a, b in runs_of]]
         # The op reads the step count per tensor from a (float) tensor.
-        self.step_t = torch.zeros((), dtype=torch.float32, device=param.device)
+        self.step_t = torch.zeros((), dtype=torch.float32, device=exp_avg.device)
 
     @torch.no_grad()
     def update(self, *, step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
@@ -165,23 +167,12 @@ class AdamWOverGrads:
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.param_dtype = param_dtype or torch.float32
         self.low_precision = self.param_dtype != torch.float32
-        # Built while the params are still fp32 (main copies are taken from them first).
+        # Built while the params are still fp32 (the optimizers take main copies, then cast).
         self.grads = DataParallelGrads(param_groups, bucket_size=bucket_size, shard=shard,
                                        grad_dtype=torch.float32 if self.low_precision else None)
         self.clip_grad, self.grad_scaler, self.tp_rank, self.norm_group = clip_grad, grad_scaler, tp_rank, norm_group
         self.num_steps = 0
         self._found_inf: torch.Tensor | None = None  # set during step_on_device
-
-    @torch.no_grad()
-    def _cast_params(self) -> None:
-        """Cast the model's params to ``param_dtype`` once the fp32 main copies exist."""
-        if not self.low_precision:
-            return
-        for buf in self.grads.buffers:
-            for p in buf.params:
-                p.data = p.data.to(self.param_dtype)
-                p.grad = None
-            buf.main_grads = True
 
     def zero_grad(self) -> None:
         self.grads.zero()

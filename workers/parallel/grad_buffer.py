@@ -93,14 +93,16 @@ class GradBuffer:
         size = (bucket.end - bucket.start) // self.num_ranks
         return bucket.start + self.rank * size, bucket.start + (self.rank + 1) * size, bucket.start // self.num_ranks
 
-    def shard_view(self, a: int, b: int) -> torch.Tensor:
+    def shard_view(self, a: int, b: int, flat: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``[a, b)`` of this rank's shard (the concatenation of its slices of the
-        buckets, :meth:`pieces`' coordinates), a view into the flat buffer; the range must lie
-        in one bucket's slice."""
-        for bucket, view in zip(self.buckets, self.shard_views):
-            base = bucket.start // self.num_ranks
-            if base <= a and b <= base + view.numel():
-                return view[a - base : b - base]
+        buckets, :meth:`pieces`' coordinates), a view into the flat gradient buffer, or into
+        ``flat``, a buffer laid out as it (the distributed optimizer's param buffer); the range
+        must lie in one bucket's slice."""
+        flat = self.grad if flat is None else flat
+        for bucket in self.buckets:
+            lo, hi, base = self.shard_range(bucket)
+            if base <= a and b <= base + hi - lo:
+                return flat[lo + a - base : lo + b - base]
         raise ValueError(f"shard range [{a}, {b}) crosses a bucket boundary")
 
     def shard_bounds(self) -> list[int]:
