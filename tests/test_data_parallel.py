@@ -4,11 +4,13 @@ References are independent: plain autograd on the concatenated global batch, and
 ``torch.optim.AdamW`` on full params with the summed gradients.
 """
 
+import collections
 import itertools
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from workers.parallel import comm
 from workers.parallel.data import DataParallelGrads
@@ -240,9 +242,10 @@ def test_optimizer_matches_torch_adamw():
             for got, want in zip(resumed, history[-1][pair]):
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
         if distributed:
-            # master + two moments, each ~1/n of the (padded) buffer.
+            # Two moments, each ~1/n of the (padded) buffer; fp32: no master (the params' own
+            # slices of the param buffer are the main params).
             dense_n, expert_n = r["buffer_numel"]
-            assert r["state_numel"] == [3 * dense_n // 4, 3 * expert_n // 2]
+            assert r["state_numel"] == [2 * dense_n // 4, 2 * expert_n // 2]
             assert dense_n < 28 + 4 * r["num_buckets"][0] and expert_n < 14 + 2 * r["num_buckets"][1]
 
 
@@ -300,3 +303,43 @@ def test_overlapped_param_gather_waits_layer_by_layer_and_changes_nothing():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert overlapped["in_flight_after_step"] == [6, 6, 6]  # the 3 layers' weights and biases
     assert overlapped["in_flight_after_forward"] == [0, 0, 0]
+
+
+class _CopiesInto(TorchDispatchMode):
+    """Counts the ops writing into the storages ``storages`` by a copy (``copy_``, or any op
+    with an ``out=``)."""
+
+    def __init__(self, storages):
+        super().__init__()
+        self.storages, self.counts = storages, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dst = args[0] if func is torch.ops.aten.copy_.default else kwargs.get("out")
+        if isinstance(dst, torch.Tensor) and dst.untyped_storage().data_ptr() in self.storages:
+            self.counts[str(func)] += 1
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+def test_distributed_optimizer_params_are_one_flat_buffer_and_an_fp32_step_copies_nothing(param_dtype):
+    """As Megatron-Core's distributed optimizer: every param of a group is a view of one flat
+    param buffer laid out as the gradient buffer; in fp32 this rank's slices of it are the main
+    params (a step at dp 1 copies no param: no master to load, no all-gather), in bf16 the fp32
+    main shard is rounded into them by one copy per bucket."""
+    groups = [[torch.nn.Parameter(t) for t in _init(shapes, seed)]
+              for shapes, seed in ((SHAPES_DENSE, 1), (SHAPES_EXPERT, 2))]
+    reference = [[p.detach().clone() for p in params] for params in groups]
+    opt = DistributedOptimizer([(params, None) for params in groups], bucket_size=9, param_dtype=param_dtype, **HP)
+    for params, buf, pbuf, ref in zip(groups, opt.grads.buffers, opt.param_buffers, reference):
+        assert pbuf.numel() == buf.numel and pbuf.dtype == (param_dtype or torch.float32)
+        assert {p.untyped_storage().data_ptr() for p in params} == {pbuf.untyped_storage().data_ptr()}
+        for p, want in zip(params, ref):
+            assert torch.equal(p.detach(), want.to(pbuf.dtype))
+    _rank_loss([p for params in groups for p in params], 0, 0, 0).backward()
+    with _CopiesInto({pbuf.untyped_storage().data_ptr() for pbuf in opt.param_buffers}) as ops:
+        opt.step()
+    rounding = 0 if param_dtype is None else sum(len(buf.buckets) for buf in opt.grads.buffers)
+    assert sum(ops.counts.values()) == ops.counts["aten.copy_.default"] == rounding, ops.counts
+    assert all(not torch.equal(p.detach(), want.to(p.dtype)) for params, ref in zip(groups, reference)
+               for p, want in zip(params, ref))

@@ -213,10 +213,9 @@ def _load_optimizer(trainer, views, source) -> None:
                         m[k].zero_()
         return
     for buf, shard in zip(opt.grads.buffers, opt.shards):
-        if not low:
-            opt._load_master(buf, shard["param"])  # the fp32 params are the master copy
+        # fp32: the model params (read above) are the main params; no "param" in the shard.
         for k in ("exp_avg", "exp_avg_sq", "param"):
-            if k == "param" and not low:
+            if k not in shard:
                 continue
             shard[k].zero_()
             if k != "param" and not has_moments:

@@ -2,9 +2,12 @@
 ZeRO-1 sharded.
 
 :class:`ReplicatedOptimizer` is the plain path (all-reduced buckets, AdamW on the full
-params). :class:`DistributedOptimizer` (Megatron's distributed optimizer, ZeRO-1) keeps the fp32
-master copy and Adam moments of this rank's 1/n slice of every reduce-scattered bucket and
-all-gathers the updated params. Both are built by :func:`build_optimizer` and share, from
+params). :class:`DistributedOptimizer` (Megatron's distributed optimizer, ZeRO-1) keeps the Adam
+moments of this rank's 1/n slice of every reduce-scattered bucket, updates the params of that
+slice in place in the model's flat param buffer (in fp32 they are the main params themselves)
+and all-gathers each bucket in place in that buffer (its full state dict's gather and scatter
+of the moments: :mod:`workers.parallel.zero_state`). Both are built by :func:`build_optimizer`
+and share, from
 :mod:`workers.parallel.adamw`, the elementwise math (:class:`~workers.parallel.adamw.FlatAdamW`:
 ``torch.optim.AdamW``'s, fused over flat buffers), the rule that weight decay never touches 1-D parameters (norm
 weights, biases: decaying a norm's scale towards 0 only fights the normalisation; as Megatron)
@@ -14,28 +17,40 @@ the main grads and skip the step if any rank found an inf/nan; take the global g
 (:mod:`workers.parallel.clip`) and clip by it (``clip_grad > 0``); update.
 
 With ``param_dtype`` bf16/fp16 the params are cast to it, the optimizer keeps their fp32 main
-copy (the distributed optimizer: its shard of it) and grads accumulate in fp32 buffers.
+copy (the distributed optimizer: its shard of it, rounded into the model's after each update)
+and grads accumulate in fp32 buffers. Both optimizers make the model params views of flat
+buffers laid out as the gradient buffers.
 """
 
 from __future__ import annotations
 
 import torch
 
-from workers.parallel import comm
 from workers.parallel.adamw import AdamWOverGrads, FlatAdamW, StepInfo, check_full_state, decay_runs, decays  # noqa: F401
 from workers.parallel.data import DEFAULT_BUCKET_SIZE, GradBuffer, ParamGroups
+from workers.parallel.param_gather import ParamGather
+from workers.parallel.zero_state import gather_moments, scatter_moments
 
 
-class DistributedOptimizer(AdamWOverGrads):
-    """ZeRO-1 AdamW: each rank keeps the fp32 master params and Adam moments of its 1/n shard.
+class DistributedOptimizer(ParamGather, AdamWOverGrads):
+    """ZeRO-1 AdamW: each rank keeps the Adam moments (and, bf16/fp16, the fp32 main params) of
+    its 1/n shard; per-rank optimizer memory is ~1/n of the model's.
 
     The math is ``torch.optim.AdamW``'s (decoupled weight decay, bias correction), applied
-    elementwise to the flat shard, so per-rank optimizer memory is ~1/n of the model's.
+    elementwise to the flat shard. As Megatron-Core's distributed optimizer, the model params are
+    views of one flat param buffer per group, laid out as the gradient buffer (padding
+    included, :attr:`param_buffers`). In fp32 the main params of this rank's shard *are* its
+    slices of that buffer (no master copy, nothing copied per step); in bf16/fp16 an fp32 main
+    shard is kept and copied (rounded) into those slices after the update. Each bucket's
+    all-gather then runs in place in the param buffer, from this rank's slice of it (none at
+    group size 1; :class:`~workers.parallel.param_gather.ParamGather`).
 
     Args:
         param_groups: ``[(params, group), ...]`` as for :class:`DataParallelGrads`.
         lr, betas, eps, weight_decay: AdamW's hyperparameters (``lr`` may be reassigned).
         bucket_size: elements per gradient bucket.
+        overlap_param_gather: leave the all-gathers in flight after a step, each bucket's
+            waited for by :meth:`wait_params` (the next forward's pre-hooks).
     """
 
     def __init__(self, param_groups: ParamGroups, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -43,26 +58,47 @@ class DistributedOptimizer(AdamWOverGrads):
                  overlap_param_gather: bool = False, **kwargs):
         super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=True, **kwargs)
         self.overlap_param_gather = overlap_param_gather
-        self._gathering: dict[int, _Gathering] = {}  # id(param) -> its bucket's all-gather in flight
-        self.shards = []
+        self._gathering = {}  # id(param) -> its bucket's all-gather in flight (ParamGather)
+        self.shards, self.param_buffers, self.flat = [], [], []
         for buf in self.grads.buffers:
             n = buf.numel // buf.num_ranks
-            master = torch.zeros(n, dtype=torch.float32, device=buf.grad.device)
-            self.shards.append({"param": master, "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)})
-            self._load_master(buf, master)
-        # Which shard elements belong to params that decay (padding never matters: grad 0).
-        # The grads are this rank's slices of the buckets, in place: runs end at bucket bounds.
-        self.flat = [FlatAdamW(s["param"], None, s["exp_avg"], s["exp_avg_sq"],
-                               decay_runs(((s0, s0 + b - a, decays(p)) for p, a, b, s0 in buf.pieces()),
-                                          s["param"].numel(), cuts=buf.shard_bounds()), grad_at=buf.shard_view)
-                     for buf, s in zip(self.grads.buffers, self.shards)]
-        self._cast_params()
+            shard = {k: torch.zeros(n, dtype=torch.float32, device=buf.grad.device) for k in ("exp_avg", "exp_avg_sq")}
+            if self.low_precision:  # the fp32 main shard, from the fp32 params before they are cast
+                shard["param"] = torch.zeros(n, dtype=torch.float32, device=buf.grad.device)
+                for p, a, b, s in buf.pieces():
+                    shard["param"][s : s + b - a].copy_(p.detach().reshape(-1)[a:b])
+            pbuf = self._flatten_params(buf)
+            # Which shard elements belong to params that decay (padding never matters: grad 0).
+            # Grads and fp32 params are this rank's slices of the buckets, in place: runs end at
+            # bucket bounds.
+            runs = decay_runs(((s0, s0 + b - a, decays(p)) for p, a, b, s0 in buf.pieces()), n,
+                              cuts=buf.shard_bounds())
+            param_at = None if self.low_precision else (lambda a, b, buf=buf, pbuf=pbuf: buf.shard_view(a, b, pbuf))
+            self.flat.append(FlatAdamW(shard.get("param"), None, shard["exp_avg"], shard["exp_avg_sq"], runs,
+                                       grad_at=buf.shard_view, param_at=param_at))
+            self.shards.append(shard)
+            self.param_buffers.append(pbuf)
 
-    @staticmethod
     @torch.no_grad()
-    def _load_master(buf: GradBuffer, master: torch.Tensor) -> None:
-        for p, a, b, s in buf.pieces():
-            master[s : s + b - a].copy_(p.detach().reshape(-1)[a:b])
+    def _flatten_params(self, buf: GradBuffer) -> torch.Tensor:
+        """The group's flat param buffer in ``param_dtype``, each param copied (cast) into its
+        slice and re-pointed at it at once: its own storage is freed before the next is copied,
+        so the params are never held twice."""
+        pbuf = torch.zeros(buf.numel, dtype=self.param_dtype, device=buf.grad.device)
+        for p in buf.params:
+            view = _view(buf, pbuf, p)
+            view.copy_(p.detach())
+            p.data = view
+            if self.low_precision:
+                p.grad = None  # grads accumulate into the fp32 main grads
+        buf.main_grads = self.low_precision
+        return pbuf
+
+    def _owned(self, i: int):
+        """``(model slice, main shard slice or None)`` of this rank, bucket by bucket, group ``i``."""
+        buf, pbuf, main = self.grads.buffers[i], self.param_buffers[i], self.shards[i].get("param")
+        for lo, hi, base in map(buf.shard_range, buf.buckets):
+            yield pbuf[lo:hi], None if main is None else main[base : base + hi - lo]
 
     def main_grads(self) -> list[torch.Tensor]:
         return [view for buf in self.grads.buffers for view in buf.shard_views]
@@ -73,83 +109,30 @@ class DistributedOptimizer(AdamWOverGrads):
                 yield p, buf.shard_view(s, s + b - a)
 
     def _apply_updates(self, grad_scale) -> None:
-        """Update this rank's shard of the fp32 main params, all-gather the model params."""
+        """Update this rank's shard of the main params (bf16/fp16: then round it into the model's
+        param buffer), all-gather the model params in place."""
         self.finish_param_gather()
-        for buf, state, flat in zip(self.grads.buffers, self.shards, self.flat):
-            if not self.low_precision:
-                # fp32 params hold exactly the master values; re-reading them keeps the master
-                # right if model weights were loaded after this optimizer was built.
-                self._load_master(buf, state["param"])
+        for i, (buf, flat) in enumerate(zip(self.grads.buffers, self.flat)):
             self._update(flat, grad_scale)
-            self._gather_params(buf, state["param"])
-
-    def _gather_params(self, buf: GradBuffer, master: torch.Tensor) -> None:
-        # Gathered in the params' dtype: bf16 halves the traffic (Megatron gathers model params).
-        if self.overlap_param_gather:
-            self._start_gather(buf, master)
-            return
-        scratch = torch.empty(max((b.end - b.start for b in buf.buckets), default=0), dtype=self.param_dtype,
-                              device=buf.grad.device)
-        for bucket in buf.buckets:
-            lo, hi, base = buf.shard_range(bucket)
-            full = scratch[: bucket.end - bucket.start]
-            comm.all_gather_into(full, master[base : base + hi - lo].to(self.param_dtype), buf.group)
-            for p in bucket.params:
-                a = buf.offsets[id(p)] - bucket.start
-                p.detach().copy_(full[a : a + p.numel()].view_as(p))
-
-    def _start_gather(self, buf: GradBuffer, master: torch.Tensor) -> None:
-        """Start every bucket's all-gather, the first layers' first (buckets hold the params in
-        reverse order), each into a buffer of its own; :meth:`wait_params` finishes them."""
-        for bucket in reversed(buf.buckets):
-            lo, hi, base = buf.shard_range(bucket)
-            full = torch.empty(bucket.end - bucket.start, dtype=self.param_dtype, device=buf.grad.device)
-            work = comm.all_gather_into(full, master[base : base + hi - lo].to(self.param_dtype), buf.group,
-                                        async_op=True)
-            gathering = _Gathering(buf, bucket, full, work)
-            self._gathering.update((id(p), gathering) for p in bucket.params)
-
-    @torch.no_grad()
-    def wait_params(self, params) -> None:
-        """Finish the all-gathers that update ``params`` (a forward pre-hook calls it per module)."""
-        if not self._gathering:
-            return
-        for p in params:
-            gathering = self._gathering.get(id(p))
-            if gathering is not None:
-                self._finish(gathering)
-
-    def finish_param_gather(self) -> None:
-        """Finish every all-gather in flight: before anything reads or writes the params outside a
-        forward (a checkpoint, the next update, a state load)."""
-        while self._gathering:
-            self._finish(next(iter(self._gathering.values())))
-
-    @torch.no_grad()
-    def _finish(self, g: "_Gathering") -> None:
-        comm.wait(g.work)
-        for p in g.bucket.params:
-            a = g.buf.offsets[id(p)] - g.bucket.start
-            p.detach().copy_(g.full[a : a + p.numel()].view_as(p))
-            del self._gathering[id(p)]
-
-    def hook_param_gather(self, modules) -> list:
-        """With ``overlap_param_gather``: a forward pre-hook on every module of ``modules`` (and
-        their submodules) that holds params, waiting for its params' all-gather; returns the
-        handles (empty without overlap)."""
-        if not self.overlap_param_gather:
-            return []
-        return [m.register_forward_pre_hook(lambda mod, args: self.wait_params(mod.parameters(recurse=False)))
-                for root in modules for m in root.modules() if next(m.parameters(recurse=False), None) is not None]
+            if self.low_precision:
+                for model, main in self._owned(i):
+                    model.copy_(main)  # the one rounding copy
+            self._gather_params(buf, self.param_buffers[i])
 
     def state_dict(self) -> dict:
-        """This rank's sharded state (valid only for the same layout: group sizes, buckets)."""
+        """This rank's sharded state (valid only for the same layout: group sizes, buckets): the
+        moments and main params of its shard (fp32: a copy of its slices of the param buffer)."""
         self.finish_param_gather()
+        shards = [{k: v.clone() for k, v in s.items()} for s in self.shards]
+        if not self.low_precision:
+            for i, s in enumerate(shards):
+                s["param"] = torch.cat([model for model, _ in self._owned(i)] or [self.param_buffers[i][:0]])
         return {"step": self.num_steps, "numel": [buf.numel for buf in self.grads.buffers],
-                "num_ranks": [buf.num_ranks for buf in self.grads.buffers],
-                "shards": [{k: v.clone() for k, v in s.items()} for s in self.shards]}
+                "num_ranks": [buf.num_ranks for buf in self.grads.buffers], "shards": shards}
 
     def load_state_dict(self, state: dict) -> None:
+        """Load :meth:`state_dict` output; in fp32 its main params are not read: the model params
+        are the main params and must hold the matching weights already."""
         self.finish_param_gather()
         mine = ([buf.numel for buf in self.grads.buffers], [buf.num_ranks for buf in self.grads.buffers])
         if (list(state["numel"]), list(state["num_ranks"])) != mine:
@@ -169,32 +152,21 @@ class DistributedOptimizer(AdamWOverGrads):
         with params in the order given and tensors of the params' shapes.
         """
         self.finish_param_gather()
-        out = []
-        for buf, shard in zip(self.grads.buffers, self.shards):
-            full = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                flat = torch.empty(buf.numel, dtype=torch.float32, device=buf.grad.device)
-                for bucket in buf.buckets:
-                    lo, hi, base = buf.shard_range(bucket)
-                    comm.all_gather_into(flat[bucket.start : bucket.end], shard[key][base : base + hi - lo], buf.group)
-                full[key] = flat
-            out.append([{k: full[k][buf.offsets[id(p)] : buf.offsets[id(p)] + p.numel()].view(p.shape).clone()
-                         for k in full} for p in buf.params])
-        return {"step": self.num_steps, "state": out}
+        return {"step": self.num_steps,
+                "state": [gather_moments(buf, shard) for buf, shard in zip(self.grads.buffers, self.shards)]}
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict) -> None:
         """Load :meth:`full_state_dict` output (from any layout); the model params must hold
-        the matching weights already (they are the master copy)."""
+        the matching weights already (they are, or bf16/fp16 give, the main params)."""
         self.finish_param_gather()
         check_full_state(state, self.grads.buffers)
         self.num_steps = int(state["step"])
-        for buf, shard, entries in zip(self.grads.buffers, self.shards, state["state"]):
-            index = {id(p): i for i, p in enumerate(buf.params)}
-            self._load_master(buf, shard["param"])
-            for p, a, b, s in buf.pieces():
-                for key in ("exp_avg", "exp_avg_sq"):
-                    shard[key][s : s + b - a].copy_(entries[index[id(p)]][key].reshape(-1)[a:b])
+        for g, (buf, shard, entries) in enumerate(zip(self.grads.buffers, self.shards, state["state"])):
+            for model, main in self._owned(g):
+                if main is not None:  # bf16/fp16: the main shard from the model's weights
+                    main.copy_(model)
+            scatter_moments(buf, shard, entries)
 
 
 class ReplicatedOptimizer(AdamWOverGrads):
@@ -273,15 +245,6 @@ class ReplicatedOptimizer(AdamWOverGrads):
             for p, m, e in zip(buf.params, moments, entries):
                 for k in m:
                     m[k].copy_(e[k].to(m[k]))
-
-
-class _Gathering:
-    """One bucket's param all-gather in flight (:meth:`DistributedOptimizer.wait_params`)."""
-
-    __slots__ = ("buf", "bucket", "full", "work")
-
-    def __init__(self, buf: GradBuffer, bucket, full: torch.Tensor, work):
-        self.buf, self.bucket, self.full, self.work = buf, bucket, full, work
 
 
 def _view(buf: GradBuffer, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
