@@ -141,8 +141,9 @@ def test_state_bytes_match_megatron(case, dist):
 
 
 def test_distributed_optimizer_bytes_per_parameter():
-    """18 bytes per parameter; 6 + 12/n sharded; fp32 16 and 8 + 12/n (master shard and moments;
-    the reduce-scatter is in place), the distributed optimizer's scratch apart."""
+    """18 bytes per parameter; 6 + 12/n sharded; fp32 16 and 8 + 8/n (the moments' shard: the
+    fp32 params are their own main params; the reduce-scatter is in place), the distributed
+    optimizer's scratch apart."""
     def total(*args, **kw):
         st = cost.state_bytes(*args, **kw)
         return st["total"] - st["scratch"]
@@ -150,9 +151,9 @@ def test_distributed_optimizer_bytes_per_parameter():
     assert total(100, 0, 4, 1, mixed=True, distributed=False) == 1800
     assert total(100, 0, 4, 1, mixed=True, distributed=True) == 600 + 300
     assert total(100, 0, 4, 1, mixed=False, distributed=False) == 1600
-    assert total(100, 0, 4, 1, mixed=False, distributed=True) == 800 + 300
+    assert total(100, 0, 4, 1, mixed=False, distributed=True) == 800 + 200
     assert cost.state_bytes(0, 100, 4, 2, mixed=True, distributed=True)["optimizer"] == 600  # expert dp shards
-    # scratch: one all-gather bucket in the params' dtype, two fp32 buckets of gloo staging
+    # scratch: gloo's staging of one all-gather bucket in the params' dtype and of two fp32 buckets
     assert cost.state_bytes(100, 0, 4, 1, mixed=False, distributed=True)["scratch"] == 100 * 4 + 2 * 100 * 4
     assert cost.state_bytes(4e6, 0, 4, 1, mixed=True, distributed=True)["scratch"] == 1e6 * 2 + 2 * 1e6 * 4
     assert cost.state_bytes(100, 0, 4, 1, mixed=False, distributed=False)["scratch"] == 0

@@ -52,10 +52,12 @@ def test_a_built_rank_holds_what_the_plan_counts_and_zero1_holds_less():
         ranks = run_ranks(_live_bytes, 4, args=(to_job_config(spec),), timeout_s=300)
         n = ranks[0]["params"]
         # The plan's state bytes (the scratch is allocated per step, not held), plus the bucket
-        # padding of the gradient buffer (and, sharded, of the optimizer state's quarter of it).
-        pad = ranks[0]["padding"] * (4 + (12 / 4 if distributed else 0))
+        # padding of the gradient buffer (and, sharded, of the param buffer and of the moments'
+        # quarter of it).
+        pad = ranks[0]["padding"] * (4 + (4 + 8 / 4 if distributed else 0))
         for r in ranks:
             assert r["bytes"] == pytest.approx(state["total"] - state["scratch"] + pad, abs=64), (distributed, r, state)
         out[distributed] = ranks[0]["bytes"]
-    # fp32 replicated: params (the main copy itself) 4 + grads 4 + moments 8; ZeRO-1 over 4: 4 + 4 + 12 / 4
-    assert out[False] - out[True] == pytest.approx((16 - 11) * n, rel=1e-3)
+    # fp32 replicated: params (the main copy itself) 4 + grads 4 + moments 8; ZeRO-1 over 4:
+    # params (their slices the main params) 4 + grads 4 + moments 8 / 4, no master shard
+    assert out[False] - out[True] == pytest.approx((16 - 10) * n, rel=1e-3)

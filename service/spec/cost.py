@@ -14,10 +14,10 @@ bubble) instead of the one below.
 * parameters, gradients and Adam state, as Megatron's ``compute_weight_and_optimizer_memory``
   (megatron/training/theoretical_memory_usage.py): bf16/fp16 mixed precision 18 bytes per
   parameter (2 weight + 4 fp32 grad + 4 fp32 master + 8 moments), with the distributed optimizer
-  ``6 + 12/n``; fp32 (the trainer's default) 16, distributed ``8 + 12/n`` as :mod:`service.spec.plan`
-  states. ``n`` is dp x cp for dense weights, expert dp for expert weights. Each term is a tensor
+  ``6 + 12/n``; fp32 (the trainer's default) 16, distributed ``8 + 8/n`` (the fp32 params are their
+  own main params) as :mod:`service.spec.plan` states. ``n`` is dp x cp for dense weights, expert dp for expert weights. Each term is a tensor
   :mod:`workers.parallel.optimizer` allocates (:func:`state_bytes`), plus the distributed
-  optimizer's scratch: one all-gather bucket and gloo's staging of two reduce-scatters.
+  optimizer's scratch: gloo's staging of one (in-place) all-gather bucket and of two reduce-scatters.
 * activations per Korthikanti et al. 2022 (arXiv 2205.05198) Table 2, re-derived for this model
   (RMSNorm, SwiGLU, GQA, no dropout, flash attention), bytes per layer per microbatch in units of
   ``s b h`` (s = seq / cp, 2-byte elements; fp32 doubles it): tensors every TP rank holds whole
@@ -175,17 +175,18 @@ def state_bytes(dense: float, expert: float, dense_shards: int, expert_shards: i
     * gradients: the fp32 flat gradient buffer (4; the distributed optimizer reduce-scatters
       into it in place, as Megatron);
     * optimizer: the two fp32 moments (8), plus the fp32 main params where they are not the
-      model's (bf16/fp16: 4); the distributed optimizer keeps all three for its shard (12 / n:
-      in fp32 too, a master shard apart from the params);
-    * scratch (distributed only): the param all-gather's bucket buffer and gloo's staging copy
-      of each reduce-scatter in flight (:data:`SCATTERS_IN_FLIGHT` fp32 buckets).
+      model's (bf16/fp16: 4); the distributed optimizer keeps them for its shard only (12 / n;
+      fp32 8 / n: its main params are its slices of the model's flat param buffer);
+    * scratch (distributed only): gloo's staging of the in-place param all-gather (one bucket in
+      the params' dtype) and of each reduce-scatter in flight (:data:`SCATTERS_IN_FLIGHT` fp32
+      buckets).
     """
     params = dense + expert
     weight = 2 if mixed else 4
     shard = dense / dense_shards + expert / expert_shards
     grad = 4 * params
     if distributed:
-        optimizer = 12 * shard
+        optimizer = (12 if mixed else 8) * shard
         bucket = min(BUCKET_ELEMENTS, params)
         scratch = bucket * weight + SCATTERS_IN_FLIGHT * bucket * 4
     else:

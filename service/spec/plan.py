@@ -5,9 +5,9 @@ from the model's shapes (the same shapes :mod:`workers.model` builds; ``tests/te
 checks them against a real model's ``numel``).
 
 Memory (fp32 training, as the trainer runs today): per parameter 4 bytes of weight, 4 of
-gradient and 8 of Adam moments; the distributed optimizer (ZeRO-1) keeps an fp32 master copy
-and the moments only for its 1/n shard (n = dp x cp for dense weights, expert dp for experts):
-``4 + 4 + 12/n`` bytes. :func:`estimate` adds the cost model of :mod:`service.spec.cost`: the
+gradient and 8 of Adam moments; the distributed optimizer (ZeRO-1) keeps the moments only for
+its 1/n shard (n = dp x cp for dense weights, expert dp for experts), its fp32 main params being
+its slices of the params themselves, as Megatron: ``4 + 4 + 8/n`` bytes. :func:`estimate` adds the cost model of :mod:`service.spec.cost`: the
 most loaded rank's bytes in the spec's precision (bf16: Megatron's 18 per parameter), activations,
 and the predicted step time on the spec's cluster figures (``resources.gpu_type`` ...), from the
 traffic counted here.
