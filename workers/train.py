@@ -62,6 +62,7 @@ from workers.parallel.pipeline_exec import run_pipeline
 from workers.parallel.router import update_expert_biases
 from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
 from workers.tensorboard import EventWriter
+from workers.train_reduce import global_aux_loss, global_loss_tensor, param_groups
 
 
 class Trainer:
@@ -102,8 +103,9 @@ class Trainer:
         ]
         self.dtype = compute_dtype(t)
         self.grad_scaler = DynamicGradScaler(initial_scale=t.initial_loss_scale) if t.fp16 else None
+        dp_groups, self.tied_buffer = param_groups(self.chunks, self.groups)
         self.optimizer = build_optimizer(
-            self._param_groups(), distributed=p.use_distributed_optimizer, lr=t.lr,
+            dp_groups, distributed=p.use_distributed_optimizer, lr=t.lr,
             betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay,
             param_dtype=self.dtype, clip_grad=t.clip_grad, grad_scaler=self.grad_scaler, tp_rank=c["tp"],
             norm_group=_world_group() if g.world_size > 1 else None, overlap_param_gather=p.overlap_param_gather,
@@ -138,30 +140,6 @@ class Trainer:
     @property
     def iteration(self) -> int:
         return self.sampler.iteration
-
-    def _param_groups(self):
-        """Dense params reduce over dp-cp; weights applied to sequence shards (norms, routers
-        with SP) over tp-dp-cp, since their TP ranks saw different tokens; experts over expert-dp."""
-        dense, seq, expert = [], [], []
-        tied = [prm for chunk in self.chunks for prm in chunk.tied_parameters()]
-        for chunk in self.chunks:
-            for prm in chunk.parameters():
-                if any(prm is t for t in tied):
-                    continue
-                if getattr(prm, "is_expert", False):
-                    expert.append(prm)
-                elif getattr(prm, "sequence_parallel", False):
-                    seq.append(prm)
-                else:
-                    dense.append(prm)
-        pg = self.groups
-        # A tied embedding split over stages is a buffer of its own, laid out alike on the first
-        # and last stage, so that its reduced grad (or dp shard of it) sums over the two.
-        groups = [(dense, pg.dp_cp_group), (seq, pg.tp_dp_cp_group), (expert, pg.expert_dp_group),
-                  (tied, pg.dp_cp_group)]
-        groups = [(params, group) for params, group in groups if params]
-        self.tied_buffer = len(groups) - 1 if tied else None
-        return groups
 
     def _sum_tied_grads(self) -> None:
         """Megatron's embedding-group all-reduce: the first stage's embedding and the last
@@ -275,28 +253,14 @@ class Trainer:
         return float(self._global_loss_tensor(mb_losses).item())
 
     def _global_loss_tensor(self, mb_losses: list[torch.Tensor]) -> torch.Tensor:
-        """:meth:`_global_loss` left on the device: a float64 ``[1]`` tensor, no host read."""
-        last = self.stage == self.grid.pp - 1
-        value = torch.stack(mb_losses).sum() if last else torch.zeros((), device=self.device)
-        value = value.reshape(1).to(torch.float64)
-        if last:
-            comm.all_reduce(value, self.groups.dp_cp_group)
-        comm.all_reduce(value, self.groups.pp_group)  # other stages hold 0
-        return value
+        """:meth:`_global_loss` left on the device (:func:`workers.train_reduce.global_loss_tensor`)."""
+        return global_loss_tensor(mb_losses, last_stage=self.stage == self.grid.pp - 1, pg=self.groups,
+                                  device=self.device)
 
     def _global_aux_loss(self) -> float:
-        """The MoE load-balancing loss (summed over layers, averaged over microbatches),
-        reported apart from the LM loss: every rank's shares, summed over the world. Without
-        SP the TP ranks compute the same share, so it is counted once per TP group."""
-        import torch.distributed as dist
-
-        local = sum(chunk.pop_aux_loss() for chunk in self.chunks)
-        replicas = 1 if self.job.parallel.sequence_parallel else self.grid.tp
-        value = torch.tensor([local / (self.num_microbatches * self.grid.dp * replicas)], dtype=torch.float64,
-                             device=self.device)
-        if self.grid.world_size > 1:
-            comm.all_reduce(value, dist.group.WORLD)
-        return float(value.item())
+        return global_aux_loss(self.chunks, microbatches=self.num_microbatches * self.grid.dp,
+                               tp_replicas=1 if self.job.parallel.sequence_parallel else self.grid.tp,
+                               world_size=self.grid.world_size, device=self.device)
 
     # -- checkpoint hooks (workers/checkpoint.py stores the tensors; this is the rest) --------
     def state_for_checkpoint(self) -> dict:
