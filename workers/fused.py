@@ -110,7 +110,7 @@ class _RotaryQKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cos, sin, sin_back):
         ctx.save_for_backward(cos, sin_back)
-        out = torch.addcmul(qkv * cos, _swap_halves(qkv), sin)
+        out = torch.mul(qkv, cos).addcmul_(_swap_halves(qkv), sin)
         s, b, groups, slots, d = out.shape
         q = out[:, :, :, : slots - 2].reshape(s, b, groups * (slots - 2), d)
         return q, out[:, :, :, slots - 2], out[:, :, :, slots - 1]
@@ -120,7 +120,8 @@ class _RotaryQKV(torch.autograd.Function):
         cos, sin_back = ctx.saved_tensors
         s, b, groups, slots, d = cos.shape[0], grad_k.shape[1], grad_k.shape[2], cos.shape[3], grad_k.shape[3]
         grad = torch.cat([grad_q.reshape(s, b, groups, slots - 2, d), grad_k.unsqueeze(3), grad_v.unsqueeze(3)], dim=3)
-        return torch.addcmul(grad * cos, _swap_halves(grad), sin_back), None, None, None
+        swapped = _swap_halves(grad)
+        return grad.mul_(cos).addcmul_(swapped, sin_back), None, None, None
 
 
 def rotary_qkv(qkv: torch.Tensor, tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
