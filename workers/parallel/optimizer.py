@@ -81,15 +81,11 @@ class DistributedOptimizer(ParamGather, AdamWOverGrads):
 
     @torch.no_grad()
     def _flatten_params(self, buf: GradBuffer) -> torch.Tensor:
-        """The group's flat param buffer in ``param_dtype``, each param copied (cast) into its
-        slice and re-pointed at it at once: its own storage is freed before the next is copied,
-        so the params are never held twice."""
-        pbuf = torch.zeros(buf.numel, dtype=self.param_dtype, device=buf.grad.device)
-        for p in buf.params:
-            view = _view(buf, pbuf, p)
-            view.copy_(p.detach())
-            p.data = view
-            if self.low_precision:
+        """The group's flat param buffer in ``param_dtype`` (cast on the way in, see
+        :func:`_move_into`; zeros in the bucket padding)."""
+        pbuf = _move_into(buf, torch.zeros(buf.numel, dtype=self.param_dtype, device=buf.grad.device))
+        if self.low_precision:
+            for p in buf.params:
                 p.grad = None  # grads accumulate into the fp32 main grads
         buf.main_grads = self.low_precision
         return pbuf
@@ -186,15 +182,9 @@ class ReplicatedOptimizer(AdamWOverGrads):
         super().__init__(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, shard=False, **kwargs)
         self.moments, self.masters, self.flat, self.flat_masters, self.flat_models = [], [], [], [], []
         for buf in self.grads.buffers:
-            # Param by param into the flat main buffer, each param re-pointed at its slice at
-            # once: its own storage is freed before the next is copied, so building this never
-            # holds the params twice (nor a per-element decay mask: runs come from the offsets).
-            master = torch.empty(buf.numel, dtype=torch.float32, device=buf.grad.device)
-            with torch.no_grad():
-                for p in buf.params:
-                    view = _view(buf, master, p)
-                    view.copy_(p.detach())
-                    p.data = view
+            # The params move into the flat main buffer (never held twice; nor a per-element
+            # decay mask: runs come from the offsets).
+            master = _move_into(buf, torch.empty(buf.numel, dtype=torch.float32, device=buf.grad.device))
             exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
             runs = decay_runs(((buf.offsets[id(p)], buf.offsets[id(p)] + p.numel(), decays(p)) for p in buf.params),
                               buf.numel)
@@ -245,6 +235,18 @@ class ReplicatedOptimizer(AdamWOverGrads):
             for p, m, e in zip(buf.params, moments, entries):
                 for k in m:
                     m[k].copy_(e[k].to(m[k]))
+
+
+@torch.no_grad()
+def _move_into(buf: GradBuffer, flat: torch.Tensor) -> torch.Tensor:
+    """Copy (cast) each param of ``buf`` into its slice of ``flat`` (laid out as the gradient
+    buffer) and re-point it at that slice at once: its own storage is freed before the next is
+    copied, so moving never holds the params twice. Returns ``flat``."""
+    for p in buf.params:
+        view = _view(buf, flat, p)
+        view.copy_(p.detach())
+        p.data = view
+    return flat
 
 
 def _view(buf: GradBuffer, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
