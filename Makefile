@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	@# setuptools' editable-install notices are advice for package authors, not for someone running make
+	PYTHONWARNINGS=ignore $(PY) -m pip install -q -e '.[test]'
 	@touch $(STAMP)
 
 setup: $(STAMP)

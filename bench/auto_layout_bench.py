@@ -9,7 +9,7 @@ measured peak, and its step-time ranking against measured step times, with ``--t
 seq 256, micro batch 2, global batch 8; ``--small-model``: the earlier 4 layers, h 256, 5 M
 parameters, where the per-process costs below weigh more than the model) in 6 layouts of 4 ranks
 (2 nodes x 2). Each rank is a process of
-:func:`workers.spawn.run_ranks`; *measured peak* = the process's ``VmHWM`` after 3 iterations
+:func:`tests.helpers.ranks.run_ranks`; *measured peak* = the process's ``VmHWM`` after 3 iterations
 minus its ``VmRSS`` just before the trainer is built (the torch import and the process group are
 there already: about 0.2-0.3 GB that no layout changes and the cost model does not count). The
 largest rank's is set beside the plan's ``peak_bytes_per_rank`` (the most loaded rank: weights,
@@ -86,7 +86,7 @@ def _kb(field: str) -> int:
 
 def memory_rank(rank: int, world_size: int, job, iters: int) -> dict:
     """VmRSS before the trainer is built, VmHWM after ``iters`` iterations (KiB)."""
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     before = _kb("VmRSS")
     trainer = Trainer(job, rank, world_size)
@@ -98,7 +98,7 @@ def memory_rank(rank: int, world_size: int, job, iters: int) -> dict:
 def _measured_and_plan(model: dict, par: dict, iters: int) -> tuple[float, dict]:
     from service.spec.plan import plan_job
     from service.spec.spec import parse_spec, to_job_config
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     spec = parse_spec(spec_of(model, par, 2, 2, 8, 2, iters))
     out = run_ranks(memory_rank, 4, args=(to_job_config(spec), iters), timeout_s=900)
@@ -110,7 +110,7 @@ def _allocator_peak(model: dict, par: dict, iters: int) -> float:
     (:func:`bench.cp_memory.alloc_peak_rank`: tensors only, whatever the C heap keeps)."""
     from bench.cp_memory import alloc_peak_rank
     from service.spec.spec import parse_spec, to_job_config
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     spec = parse_spec(spec_of(model, par, 2, 2, 8, 2, iters))
     return float(max(run_ranks(alloc_peak_rank, 4, args=(to_job_config(spec), iters), timeout_s=900)))
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     both = not (args.memory or args.time)
     if args.memory or both:
         # What the tensors need, not the heap's slack: every block of 128 KiB or more mmapped in the
-        # rank processes (workers/heap.py; opt-in, it costs step time).
+        # rank processes (workers/train/heap.py; opt-in, it costs step time).
         os.environ.setdefault("RAYTRON_MMAP_THRESHOLD", str(128 * 1024))
         memory_table(model=SMALL_MEMORY_MODEL if args.small_model else MEMORY_MODEL)
     if args.time or both:

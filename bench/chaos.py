@@ -90,7 +90,7 @@ class Server:
     def start(self, timeout_s: float = 240) -> None:
         import httpx
 
-        args = [sys.executable, "-m", "api.serve_cmd", "--port", str(self.port), "--simulate", f"{NODES}x{GPUS}",
+        args = [sys.executable, "-m", "api.cli.serve_cmd", "--port", str(self.port), "--simulate", f"{NODES}x{GPUS}",
                 "--launcher", "ray", "--data-dir", str(self.data_dir), "--log-level", "warning"]
         for d in self.drills:
             args += ["--fault", d]

@@ -92,7 +92,7 @@ LOSS = 8  # the float64 loss scalar
 _SOURCES = {
     "workers.parallel.tensor": "tp",
     "workers.parallel.cross_entropy": "tp",
-    "workers.mla": "tp",
+    "workers.model.mla": "tp",
     "workers.parallel.sequence": "tp",
     "workers.parallel.context": "cp",
     "workers.parallel.context_ring": "cp",
@@ -100,7 +100,7 @@ _SOURCES = {
     "workers.parallel.moe_dispatch": "moe",
     "workers.parallel.data": "grads",
     "workers.parallel.optimizer": "grads",
-    "workers.train": "loss",
+    "workers.train.trainer": "loss",
     "workers.parallel.clip": "grad-norm",
 }
 TRAFFIC = ("tp", "cp", "pp", "ep", "etp", "grads:dense", "grads:sp", "grads:expert", "loss:dp-cp", "loss:pp",
@@ -356,7 +356,7 @@ def measure_trainer(trainer, iters: int = 2) -> dict:
 
 def measure_rank(rank: int, world_size: int, job: JobConfig, iters: int = 2) -> dict:
     """One rank of :func:`run_layout`: build the trainer and measure its last iteration."""
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     return measure_trainer(Trainer(job, rank, world_size), iters)
 
@@ -400,7 +400,7 @@ def compare(job: JobConfig, results: list[dict]) -> list[Row]:
 
 
 def run_layout(layout: Layout, world: int | None = None, **kw) -> tuple[JobConfig, list[Row], list[dict]]:
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     world = world or WORLD[layout.name]
     job = layout_job(layout, world, **kw)

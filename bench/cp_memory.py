@@ -7,7 +7,7 @@
 **Peak and time.** For each sequence length, cp = 1 (plain fused causal attention) and cp = 2
 (ring attention; ``--all-gather`` adds the all-gather variant) train ``--iters`` iterations
 of one microbatch (2 layers, h 64, 4 heads in 2 query groups, fp32), each rank a process of
-:func:`workers.spawn.run_ranks`. Per rank (the max over ranks is printed): ``VmHWM``, the
+:func:`tests.helpers.ranks.run_ranks`. Per rank (the max over ranks is printed): ``VmHWM``, the
 kernel's peak resident set of the process, which includes what the process had before the
 model was built (the torch import, inherited from the forkserver: about 200 MiB that no
 parallelism divides); ``VmRSS`` once the trainer is built; their difference, what training
@@ -74,7 +74,7 @@ def saved_activation_bytes(trainer) -> dict[str, int]:
     """
     import torch
 
-    import workers.model as model_module
+    import workers.model.decoder as model_module
     from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
 
     assert len(trainer.chunks) == 1 and trainer.grid.pp == 1, "one stage holding the whole model"
@@ -116,7 +116,7 @@ def saved_activation_bytes(trainer) -> dict[str, int]:
 
 
 def memory_and_bytes_rank(rank: int, world_size: int, job: JobConfig) -> dict:
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     trainer = Trainer(job, rank, world_size)
     memory = saved_activation_bytes(trainer) if not job.model.is_moe else {}
@@ -130,7 +130,7 @@ def _status_kb(field: str) -> int:
 
 def peak_rank(rank: int, world_size: int, job: JobConfig, iters: int) -> dict:
     """Build the trainer, train ``iters`` iterations; the process's memory and step times."""
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     trainer = Trainer(job, rank, world_size)
     built_kb = _status_kb("VmRSS")
@@ -153,7 +153,7 @@ def alloc_peak_rank(rank: int, world_size: int, job: JobConfig, iters: int) -> i
     gloo's own buffers) is not counted."""
     from torch.profiler import ProfilerActivity, profile
 
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer = Trainer(job, rank, world_size)
@@ -173,7 +173,7 @@ def long_corpus(seq_len: int, directory: str) -> str:
     5,002 tokens and the train split must hold a whole sample."""
     import numpy as np
 
-    from workers.dataset import load_tokens
+    from workers.data.dataset import load_tokens
 
     tiny = load_tokens("builtin:tiny")
     path = os.path.join(directory, f"tiny-x{seq_len}.npy")
@@ -185,7 +185,7 @@ def peak_and_time(seqs, iters: int, all_gather: bool) -> None:
     """The side-by-side table of peak memory and step time, cp 1 against cp 2."""
     import tempfile
 
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     tmp = tempfile.TemporaryDirectory(prefix="cp_memory-")
     print(f"\npeak memory and step time per rank (max over ranks), {iters} iterations, the quickest after the "
@@ -222,7 +222,7 @@ def peak_and_time(seqs, iters: int, all_gather: bool) -> None:
 
 
 def run(layout: Layout, world: int, global_batch: int = 1):
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     job = long_job(layout, world, global_batch)
     results = run_ranks(memory_and_bytes_rank, world, args=(job,), timeout_s=300)

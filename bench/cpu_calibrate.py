@@ -96,7 +96,7 @@ def _rate(out: list[tuple[float, float, float]]) -> float:
 
 def calibrate(ranks: int = 8, repeats: int = 3) -> dict:
     """The simulated CPU cluster's figures on this machine (module docstring)."""
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     def run(fn, *args):
         return run_ranks(fn, ranks, args=args, timeout_s=600)

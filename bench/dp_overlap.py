@@ -39,7 +39,7 @@ def job(vpp: int | None):
 
 
 def _rank(rank: int, world_size: int, job_config, bucket_size: int) -> dict:
-    import workers.train as train
+    import workers.train.trainer as train
     from workers.parallel.optimizer import build_optimizer
 
     train.build_optimizer = functools.partial(build_optimizer, bucket_size=bucket_size)
@@ -58,7 +58,7 @@ def _rank(rank: int, world_size: int, job_config, bucket_size: int) -> dict:
 
 def measure(vpp: int | None, bucket_size: int = BUCKET_SIZE) -> list[dict]:
     """Per rank: its pipeline stage, buckets launched before ``finish()``, and buckets."""
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     return run_ranks(_rank, 4, args=(job(vpp), bucket_size), timeout_s=300)
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/dp_vs_ddp.py [--iters 8] [--warmup 2] [--profile]
 
-Both run in the same two gloo ranks, on the same model (``workers.model.ModelChunk`` with the
+Both run in the same two gloo ranks, on the same model (``workers.model.decoder.ModelChunk`` with the
 embedding and the output layer), the same global batch cut into the same microbatches, the
 same loss (``sum of token losses / tokens in the global batch``) and AdamW:
 
@@ -62,9 +62,9 @@ class DDPRunner:
         import torch
         from torch.nn.parallel import DistributedDataParallel
 
-        from workers.dataset import GlobalSampler
-        from workers.lr_schedule import LRSchedule
-        from workers.model import ModelChunk, ShardContext
+        from workers.data.dataset import GlobalSampler
+        from workers.train.lr_schedule import LRSchedule
+        from workers.model.decoder import ModelChunk, ShardContext
 
         m, t = job.model, job.training
         self.job, self.rank, self.world_size = job, rank, world_size
@@ -122,7 +122,7 @@ def compare_rank(rank: int, world_size: int, job: JobConfig, iters: int, warmup:
     import io
     import pstats
 
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     runners = {"raytron": Trainer(job, rank, world_size), "ddp": DDPRunner(job, rank, world_size)}
     times = {k: [] for k in runners}
@@ -148,7 +148,7 @@ def compare_rank(rank: int, world_size: int, job: JobConfig, iters: int, warmup:
 
 
 def run(job: JobConfig | None = None, iters: int = 8, warmup: int = 2, profile: bool = False) -> dict:
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     job = job or dp_job()
     results = run_ranks(compare_rank, 2, args=(job, iters, warmup, profile), timeout_s=600)

@@ -6,8 +6,8 @@ from __future__ import annotations
 def losses_on_gpu(rank, world_size, job, iters):
     import torch
 
-    from workers.spawn import rank_device
-    from workers.train import Trainer
+    from workers.rank.distributed import rank_device
+    from workers.train.trainer import Trainer
 
     assert torch.distributed.get_backend() == "nccl", torch.distributed.get_backend()
     trainer = Trainer(job, rank, world_size, device=rank_device(rank))

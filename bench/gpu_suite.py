@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if cuda and not args.smoke else torch.device("cpu")
     cfg = SMOKE if args.smoke else BENCH
     from service.spec.spec import parse_spec, to_job_config
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     job = to_job_config(parse_spec(model_spec(argparse.Namespace(**cfg))))
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"

@@ -56,7 +56,7 @@ def run_mode(job, mode: str, warmup: int, iters: int, device: torch.device | Non
     """Build the job's trainer in ``mode`` on ``device`` (default the first GPU) and time its steps."""
     import dataclasses
 
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     if mode == "bf16":  # the model in bf16, fp32 main params / grads (training.bf16: true)
         job = dataclasses.replace(job, training=dataclasses.replace(job.training, bf16=True))
@@ -90,7 +90,7 @@ def run_mode(job, mode: str, warmup: int, iters: int, device: torch.device | Non
 def nccl_world_of_one_check() -> str:
     """A one-rank job through run_ranks: init_process_group('nccl'), groups, collectives."""
     from tests.parity import ITERS, assert_same_curve, job_of, reference, tiny_spec
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     import gpu_ranks
 

@@ -40,8 +40,8 @@ def _rank(rank: int, world_size: int, job_config) -> dict:
     import torch
 
     from workers.grid import ParallelGrid
-    from workers.groups import build_process_groups
-    from workers.model import ModelChunk, ShardContext
+    from workers.parallel.groups import build_process_groups
+    from workers.model.decoder import ModelChunk, ShardContext
     from workers.parallel.initializer import NormalInit
 
     torch.set_num_threads(1)
@@ -61,7 +61,7 @@ def full_draw_seconds() -> tuple[float, int]:
     """What a rank paid before: ``torch.randn`` of every full tensor (the slicing is free)."""
     import torch
 
-    from workers.model import ModelChunk, ShardContext
+    from workers.model.decoder import ModelChunk, ShardContext
 
     torch.set_num_threads(1)
     chunk = ModelChunk(job(1).model, ShardContext(), list(range(MODEL["num_layers"])), pre_process=True,
@@ -75,7 +75,7 @@ def full_draw_seconds() -> tuple[float, int]:
 
 
 def main() -> None:
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     print(f"model: vocab {MODEL['vocab_size']} x h {MODEL['hidden_size']} (embedding + output), "
           f"{MODEL['num_layers']} layers, ffn {MODEL['ffn_hidden_size']}; one thread per rank")

@@ -49,7 +49,7 @@ def saved_bytes(trainer) -> int:
     """Bytes kept for backward by microbatch 0's forward + loss on this rank (see module doc)."""
     import torch
 
-    import workers.recompute as recompute
+    import workers.parallel.recompute as recompute
     from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
 
     static = {t.untyped_storage().data_ptr() for c in trainer.chunks for t in list(c.parameters()) + list(c.buffers())}
@@ -82,7 +82,7 @@ def saved_bytes(trainer) -> int:
 
 
 def _rank(rank: int, world_size: int, job_config, iters: int) -> dict:
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     trainer = Trainer(job_config, rank, world_size)
     saved = saved_bytes(trainer)
@@ -93,7 +93,7 @@ def _rank(rank: int, world_size: int, job_config, iters: int) -> dict:
 
 def measure(setting: str, tp: int = 1, iters: int = 3, model: dict | None = None) -> dict:
     """Max over ranks of saved bytes and fastest step time for one setting."""
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     cfg = job(setting, tp, model)
     results = run_ranks(_rank, tp, args=(cfg, iters), timeout_s=600) if tp > 1 else [_rank(0, 1, cfg, iters)]

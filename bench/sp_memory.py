@@ -37,7 +37,7 @@ def saved_bytes(trainer) -> dict[str, int]:
     """Bytes autograd saves during microbatch 0's forward + loss: ``layers``, ``other``, ``total``."""
     import torch
 
-    import workers.model as model_module
+    import workers.model.decoder as model_module
     from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
 
     assert len(trainer.chunks) == 1, "one stage holding the whole model"
@@ -78,14 +78,14 @@ def saved_bytes(trainer) -> dict[str, int]:
 
 
 def _rank(rank: int, world_size: int, job) -> dict:
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     return saved_bytes(Trainer(job, rank, world_size))
 
 
 def measure(tp: int, sp: bool, model: dict | None = None) -> dict[str, int]:
     """Max over the tp ranks of :func:`saved_bytes` for one tp / SP setting."""
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     layout = Layout(f"tp{tp}{'-sp' if sp else ''}", {"tensor_model_parallel_size": tp, "sequence_parallel": sp})
     job = layout_job(layout, tp, model=model or MODEL, training={"global_batch_size": 1, "micro_batch_size": 1})

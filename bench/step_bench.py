@@ -73,7 +73,7 @@ class OpCounter(TorchDispatchMode):
 
 
 def _one_layer(job):
-    from workers.model import DecoderLayer, ShardContext, rotary_tables
+    from workers.model.decoder import DecoderLayer, ShardContext, rotary_tables
 
     m = job.model
     layer = DecoderLayer(m, ShardContext(seed=job.training.seed), 0)
@@ -177,8 +177,8 @@ def _hf_model(trainer):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from workers.checkpoint_layout import param_views
-    from workers.hf_interop import hf_config, to_hf
+    from workers.checkpoint.layout import param_views
+    from workers.hf.interop import hf_config, to_hf
 
     m = asdict(trainer.job.model)
     config = {k: v for k, v in hf_config(m).items() if k not in ("architectures", "model_type")}
@@ -197,7 +197,7 @@ class HFLoop:
     on 2-D params only), clip_grad_norm_, the same LR schedule, batches and loss."""
 
     def __init__(self, trainer):
-        from workers.lr_schedule import LRSchedule
+        from workers.train.lr_schedule import LRSchedule
 
         t = trainer.job.training
         self.t, self.sampler, self.model = t, trainer.sampler, _hf_model(trainer)
@@ -233,7 +233,7 @@ def host_syncs_per_step(job) -> dict:
     """Host syncs in one ``train_step`` after a warm-up one: ``step`` (the trainer's own) and
     ``loader`` (inside ``sampler.batch``), with the trainer's events by name."""
     from bench.moe_bench import HostSyncCounter
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     trainer = Trainer(job, 0, 1)
     try:
@@ -257,7 +257,7 @@ def host_syncs_per_step(job) -> dict:
 
 def step_times(iters: int, warmup: int) -> dict:
     """Alternate raytron's single-process trainer and the HF loop; median step seconds, losses."""
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     trainer = Trainer(step_job(), 0, 1)
     runners = {"raytron": trainer, "hf": HFLoop(trainer)}

@@ -101,7 +101,7 @@ def _named(trainer):
 def run_trainer(rank, world_size, job, iters=ITERS) -> dict:
     """Train ``iters`` iterations; returns losses, aux losses, iteration-0 reduced gradients and
     final params (numpy: tensors cannot outlive a rank process), each param with its shards."""
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     trainer = Trainer(job, rank, world_size)
     # The trainer steps through step_on_device (its one host read comes after); the gradients are
@@ -139,7 +139,7 @@ def reference(model: dict | None = None, training: dict | None = None) -> dict:
 
 def distributed_run(spec: dict) -> list[dict]:
     """Every rank's :func:`run_trainer` result for ``spec``."""
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     job = job_of(spec)
     return run_ranks(run_trainer, job.world_size, args=(job,), timeout_s=600)

@@ -1,4 +1,4 @@
-"""The REST API against a real server: `python -m api.serve_cmd` (uvicorn) on a free port, a real
+"""The REST API against a real server: `python -m api.cli.serve_cmd` (uvicorn) on a free port, a real
 SQLite file, jobs run by the local process launcher (world 1-2, tiny models).
 
 Also the harness (:class:`Server`, :func:`tiny`) that the other ``test_api_*`` files import.
@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from workers.spawn import free_port
+from workers.rank.distributed import free_port
 
 pytestmark = pytest.mark.procs  # a real server process (and its job runners)
 
@@ -63,7 +63,7 @@ class Server:
         if self.token:
             env["RAYTRON_API_TOKEN"] = self.token
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "api.serve_cmd", "--port", str(self.port),
+            self.proc = subprocess.Popen([sys.executable, "-m", "api.cli.serve_cmd", "--port", str(self.port),
                                           *(("--simulate", self.simulate) if self.simulate else ()),
                                           "--launcher", self.launcher,
                                           "--data-dir", str(self.data_dir),

@@ -23,7 +23,7 @@ def raytron(srv, *args, token_dir=None, timeout=180):
         env["RAYTRON_API_TOKEN"] = TOKEN
     else:
         extra += ["--data-dir", str(token_dir)]
-    return subprocess.run([sys.executable, "-m", "api.client_cmds", *args, *extra], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "api.cli.client_cmds", *args, *extra], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=env)
 
 
@@ -85,19 +85,19 @@ def test_bad_input_exits_2_with_one_line(server, tmp_path):
 def test_plan_here_and_on_the_server_agree(server, tmp_path):
     path = str(ROOT / "examples" / "tiny-5d.yaml")
     here = raytron(server, "plan", path, "--json")
-    local = subprocess.run([sys.executable, "-m", "api.client_cmds", "plan", path, "--json"], capture_output=True,
+    local = subprocess.run([sys.executable, "-m", "api.cli.client_cmds", "plan", path, "--json"], capture_output=True,
                            text=True, cwd=ROOT, timeout=60)
     assert json.loads(here.stdout) == json.loads(local.stdout)
     assert json.loads(local.stdout)["traffic"]["tp"]["cross_node"] == 0
-    table = subprocess.run([sys.executable, "-m", "api.client_cmds", "plan", path], capture_output=True, text=True,
+    table = subprocess.run([sys.executable, "-m", "api.cli.client_cmds", "plan", path], capture_output=True, text=True,
                            cwd=ROOT, timeout=60).stdout
     assert "traffic/iteration" in table and "w/ dist-opt" in table
 
 
 def test_the_client_does_not_import_the_server_command():
     """``raytron submit/status/...`` load the HTTP client only: the data dir default it shares with
-    ``raytron serve`` lives in api/data_dir.py, not in the serve command."""
-    p = subprocess.run([sys.executable, "-c", "import sys, api.client, api.client_cmds; "
-                        "print(sorted(m for m in sys.modules if m in ('api.serve_cmd', 'api.app', 'uvicorn')))"],
+    ``raytron serve`` lives in api/cli/data_dir.py, not in the serve command."""
+    p = subprocess.run([sys.executable, "-c", "import sys, api.cli.client, api.cli.client_cmds; "
+                        "print(sorted(m for m in sys.modules if m in ('api.cli.serve_cmd', 'api.rest.app', 'uvicorn')))"],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stderr  # mutation: client imports serve_cmd again

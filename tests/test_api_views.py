@@ -28,15 +28,15 @@ def store(tmp_path):
 
 def get_job(job_id: str, store: JobStore) -> dict:
     """What GET /api/v1/jobs/{id} answers (its view, built as the route's cache builds it)."""
-    from api.routes.jobs import job_public
+    from api.rest.routes.jobs import job_public
 
     return job_public(store, store.get_job(job_id))
 
 
 def list_jobs(store: JobStore) -> list:
     """What GET /api/v1/jobs lists (the summaries, newest first)."""
-    from api.routes.jobs import job_summary
-    from api.schemas import JobSummary
+    from api.rest.routes.jobs import job_summary
+    from api.rest.schemas import JobSummary
 
     return [JobSummary(**job_summary(store, r)) for r in store.list_jobs()]
 
@@ -78,7 +78,7 @@ def shrink_then_grow(nodes: list[int], reached: list[int]):
 def test_a_resized_job_counts_its_restarts_as_the_controller_does(store):
     """One restart (the lost node) and two resizes (the shrink, the grow): three attempts, one
     restart, in ``raytron run --json`` (the controller's result), GET /jobs/{id}, the list and /metrics."""
-    from api.routes.health import metrics
+    from api.rest.routes.health import metrics
 
     nodes, reached = [4], [0]
     result = run_recorded(store, "el-1", shrink_then_grow(nodes, reached), nodes)
@@ -120,7 +120,7 @@ def test_a_shrink_while_waiting_for_nodes_is_not_a_restart(store):
 def test_the_list_carries_what_the_jobs_page_shows(store):
     """Each summary of GET /jobs has the row's state, sizes (as resized), iteration, latest loss and
     restarts, so that the console's jobs page needs no request per job; the curve stays out."""
-    from api.schemas import JobSummary
+    from api.rest.schemas import JobSummary
 
     nodes, reached = [4], [0]
     result = run_recorded(store, "el-3", shrink_then_grow(nodes, reached), nodes)
@@ -139,7 +139,7 @@ def test_the_placement_view_is_the_reported_ranks_completed_from_the_attempts_pl
     """GET /jobs/{id}/placement: the latest attempt's ranks, by rank, each with the node it is drawn
     in and what its record lacks from that attempt's plan (at the size it ran: here shrunk to one
     node, where rank 1 is pp 1, not dp 1 as in the spec's two-node plan)."""
-    from api.routes.jobs import get_placement
+    from api.rest.routes.jobs import get_placement
 
     nodes, reached = [2], [0]
 
@@ -157,7 +157,7 @@ def test_the_placement_view_is_the_reported_ranks_completed_from_the_attempts_pl
 
 
 def test_a_rank_is_drawn_in_its_launchers_node_else_its_ray_node_else_its_host():
-    from api.placement_view import placement_view
+    from api.rest.placement_view import placement_view
 
     reported = [
         {"rank": 2, "node_id": None, "hostname": "box", "local": 0, "tp": 0},      # a local process
@@ -176,7 +176,7 @@ def test_a_rank_is_drawn_in_its_launchers_node_else_its_ray_node_else_its_host()
 
 
 def test_the_job_states_come_from_job_state():
-    from api.routes.jobs import job_states
+    from api.rest.routes.jobs import job_states
 
     body = job_states()
     assert body["states"] == [s.value for s in JobState]

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from api.cli import main as cli_main
-from api.client_cmds import print_plan
+from api.cli.main import main as cli_main
+from api.cli.client_cmds import print_plan
 from service.spec.check import check_spec
 from service.spec.placement import check_tp_in_node, plan_placement
 from service.spec.plan import plan_job

@@ -11,7 +11,7 @@ import statistics
 import pytest
 import yaml
 
-from api.cli import main as cli_main
+from api.cli.main import main as cli_main
 from service.control.errors import JobError
 from service.control.jobs import start_job
 from service.control.trials import layout_record, rerank, run_trials, winner_job

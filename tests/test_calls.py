@@ -8,7 +8,7 @@ from service.control.controller import JobController
 from service.control.errors import RankDied
 from service.spec.spec import parse_spec, to_job_config
 from tests.test_controller import MODEL, FakeGroup
-from workers.faults import Fault
+from workers.rank.faults import Fault
 from workers.grid import ParallelGrid
 
 

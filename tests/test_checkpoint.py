@@ -15,7 +15,7 @@ SMALL = {"num_layers": 2}
 
 
 def trainer(model=None, parallel=None):
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     return Trainer(job_of(tiny_spec(model={**SMALL, **(model or {})}, parallel=parallel,
                                     training={"train_iters": 10})), 0, 1)
@@ -29,19 +29,19 @@ def trained(iters: int, **kwargs):
 
 
 def checkpointer(root, **kwargs):
-    from workers.checkpoint import Checkpointer
+    from workers.checkpoint.checkpointer import Checkpointer
 
     return Checkpointer(str(root), **kwargs)
 
 
 def iterations(root) -> list[int]:
-    from workers.checkpoint_storage import Storage, list_checkpoints
+    from workers.checkpoint.storage import Storage, list_checkpoints
 
     return [c.iteration for c in list_checkpoints(Storage.from_uri(str(root)))]
 
 
 def test_same_layout_resume_is_bit_exact_and_keeps_data_position(tmp_path):
-    from workers.checkpoint_reader import load_checkpoint
+    from workers.checkpoint.reader import load_checkpoint
 
     t = trained(2)
     checkpointer(tmp_path).save(t)
@@ -55,7 +55,7 @@ def test_same_layout_resume_is_bit_exact_and_keeps_data_position(tmp_path):
 def test_rng_state_is_restored(tmp_path):
     import torch
 
-    from workers.checkpoint_reader import load_checkpoint
+    from workers.checkpoint.reader import load_checkpoint
 
     t = trained(1)
     torch.manual_seed(5)
@@ -70,8 +70,8 @@ def test_rng_state_is_restored(tmp_path):
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fail_at_write):
     """A crash after any number of the save's file writes (data, rank index, merged index,
     manifest) leaves the previous checkpoint the latest, loadable, and the debris ignored."""
-    from workers import checkpoint_storage
-    from workers.checkpoint_reader import CheckpointReader
+    from workers.checkpoint import storage as checkpoint_storage
+    from workers.checkpoint.reader import CheckpointReader
 
     t = trained(1)
     checkpointer(tmp_path).save(t)
@@ -98,7 +98,7 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch,
 
 
 def test_async_save_overlaps_training_and_surfaces_errors(tmp_path, monkeypatch):
-    from workers import checkpoint_storage
+    from workers.checkpoint import storage as checkpoint_storage
 
     t = trained(1)
     ck = checkpointer(tmp_path, async_save=True)
@@ -124,7 +124,7 @@ def test_keep_last_prunes_older_checkpoints(tmp_path):
 
 
 def test_file_uri_and_damage_detection(tmp_path):
-    from workers.checkpoint_reader import CheckpointReader, load_checkpoint
+    from workers.checkpoint.reader import CheckpointReader, load_checkpoint
 
     t = trained(1)
     checkpointer(f"file://{tmp_path}").save(t)
@@ -144,7 +144,7 @@ def test_file_uri_and_damage_detection(tmp_path):
 
 
 def test_another_model_is_refused_with_the_differences(tmp_path):
-    from workers.checkpoint_reader import load_checkpoint
+    from workers.checkpoint.reader import load_checkpoint
 
     checkpointer(tmp_path).save(trainer())
     with pytest.raises(ValueError, match=r"model.hidden_size: 32 there, 64 in this job"):
@@ -161,7 +161,7 @@ def test_another_model_is_refused_with_the_differences(tmp_path):
 
 
 def test_nothing_to_load_is_a_clear_error(tmp_path):
-    from workers.checkpoint_reader import load_checkpoint
+    from workers.checkpoint.reader import load_checkpoint
 
     with pytest.raises(ValueError, match="no complete checkpoint"):
         load_checkpoint(trainer(), str(tmp_path))
@@ -172,8 +172,8 @@ def test_object_store_commit_is_the_manifest(tmp_path):
     directories are not renamed: the manifest alone commits, and discovery finds it."""
     import pyarrow.fs as pafs
 
-    from workers.checkpoint_reader import CheckpointReader, load_checkpoint
-    from workers.checkpoint_storage import Storage, latest_checkpoint, list_checkpoints
+    from workers.checkpoint.reader import CheckpointReader, load_checkpoint
+    from workers.checkpoint.storage import Storage, latest_checkpoint, list_checkpoints
 
     store = Storage(pafs._MockFileSystem(), "/bucket/job")
     ck = checkpointer(tmp_path, keep_last=2)
@@ -192,7 +192,7 @@ def test_object_store_commit_is_the_manifest(tmp_path):
 
 
 def test_resume_source_prefers_the_jobs_own_checkpoints(tmp_path):
-    from workers.checkpoint_reader import resume_source
+    from workers.checkpoint.reader import resume_source
 
     assert resume_source(str(tmp_path), "hf:/models/x") == "hf:/models/x"  # nothing saved yet
     assert resume_source(None, None) is None

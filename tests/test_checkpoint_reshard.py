@@ -45,9 +45,9 @@ def reference(model_json: str) -> list[float]:
 def train_ranks(rank, world_size, job, *, load=None, save_root=None, save_at=(), async_at=(), until=ITERS):
     """Build a trainer (optionally from ``load``), train to iteration ``until``, saving after
     the iterations in ``save_at`` (sync) and ``async_at`` (async)."""
-    from workers.checkpoint import Checkpointer
-    from workers.checkpoint_reader import load_checkpoint
-    from workers.train import Trainer
+    from workers.checkpoint.checkpointer import Checkpointer
+    from workers.checkpoint.reader import load_checkpoint
+    from workers.train.trainer import Trainer
 
     trainer = Trainer(job, rank, world_size)
     t0 = time.perf_counter()
@@ -70,19 +70,19 @@ def train_ranks(rank, world_size, job, *, load=None, save_root=None, save_at=(),
 
 
 def single_process_trainer(model):
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     return Trainer(job_of(spec(1, {}, model)), 0, 1)
 
 
 def load_checkpoint(trainer, source):
-    from workers.checkpoint_reader import load_checkpoint as load
+    from workers.checkpoint.reader import load_checkpoint as load
 
     return load(trainer, source)
 
 
 def run(world, parallel, model, **kwargs):
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     job = job_of(spec(world, parallel, model))
     out = run_ranks(train_ranks, world, args=(job,), kwargs=kwargs, timeout_s=600)
@@ -100,7 +100,7 @@ def dense_saved(tmp_path_factory):
 
 
 def test_save_run_is_the_reference_curve_and_keeps_both_checkpoints(dense_saved):
-    from workers.checkpoint_storage import Storage, list_checkpoints
+    from workers.checkpoint.storage import Storage, list_checkpoints
 
     root, out = dense_saved
     assert_same_curve(out[0]["losses"], reference(json.dumps(DENSE)), rtol=RTOL)
@@ -176,9 +176,9 @@ def test_moe_reshard_ep2_etp2_distopt_to_ep4_etp1(tmp_path):
 
 def crash_in_second_save(rank, world_size, job, root):
     """Save at iteration 1; at iteration 2 the upper half of the ranks die while writing."""
-    from workers import checkpoint_storage
-    from workers.checkpoint import Checkpointer
-    from workers.train import Trainer
+    from workers.checkpoint import storage as checkpoint_storage
+    from workers.checkpoint.checkpointer import Checkpointer
+    from workers.train.trainer import Trainer
 
     trainer = Trainer(job, rank, world_size)
     ck = Checkpointer(root)
@@ -194,9 +194,9 @@ def crash_in_second_save(rank, world_size, job, root):
 
 
 def test_crash_of_half_the_ranks_mid_save_keeps_the_previous_checkpoint(tmp_path):
-    from workers.checkpoint_reader import CheckpointReader
-    from workers.checkpoint_storage import Storage, list_checkpoints
-    from workers.spawn import RankFailure, run_ranks
+    from workers.checkpoint.reader import CheckpointReader
+    from workers.checkpoint.storage import Storage, list_checkpoints
+    from tests.helpers.ranks import RankFailure, run_ranks
 
     job = job_of(spec(4, {}, DENSE))
     with pytest.raises(RankFailure, match="lost its disk"):

@@ -56,7 +56,7 @@ def test_bad_flag_value_exits_2():
 
 
 def test_grid_path_imports_neither_torch_nor_ray():
-    code = ("import sys; from api.cli import main; main(['grid','--world-size','8','--tp','2','--json']);"
+    code = ("import sys; from api.cli.main import main; main(['grid','--world-size','8','--tp','2','--json']);"
             "sys.stderr.write(str(('torch' in sys.modules, 'ray' in sys.modules)))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        cwd=Path(__file__).parent.parent)

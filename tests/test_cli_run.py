@@ -67,7 +67,7 @@ def test_missing_spec_file_exits_2(tmp_path):
 
 def test_same_entry_point_under_torchrun(tmp_path):
     path = _spec_file(tmp_path, world=2, parallel={"pipeline_model_parallel_size": 2})
-    from workers.spawn import free_port
+    from workers.rank.distributed import free_port
 
     p = subprocess.run([str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                         "--master-port", str(free_port()), RAYTRON, "run", str(path), "--launcher", "processes",

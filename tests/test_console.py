@@ -57,7 +57,7 @@ def test_the_yaml_helper_reads_yaml_and_json_and_points_at_errors(server):
 
 @pytest.mark.slow
 def test_a_wheel_ships_the_static_files(tmp_path):
-    """A non-editable install: the built wheel holds api/static/* and api/routes/console.py."""
+    """A non-editable install: the built wheel holds api/rest/static/* and api/rest/routes/console.py."""
     # a copy of the sources: a build in the checkout would leave build/ there, whose stale files
     # a later wheel could pick up
     src = tmp_path / "src"
@@ -69,5 +69,5 @@ def test_a_wheel_ships_the_static_files(tmp_path):
     wheel = next(tmp_path.glob("raytron-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     # mutation: package-data line for api removed -> the static files are missing
-    assert {f"api/static/{n}" for n in STATIC} <= names, sorted(n for n in names if n.startswith("api/"))
-    assert "api/routes/console.py" in names
+    assert {f"api/rest/static/{n}" for n in STATIC} <= names, sorted(n for n in names if n.startswith("api/"))
+    assert "api/rest/routes/console.py" in names

@@ -20,7 +20,7 @@ from workers.parallel.context import (
 )
 from workers.parallel.context_layout import attention_blocks
 from workers.parallel.context_ring import ring_plans
-from workers.spawn import run_ranks
+from tests.helpers.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 

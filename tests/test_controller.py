@@ -14,7 +14,7 @@ from service.control.errors import NonFiniteMetric, RankDied, RankHung, RankRais
 from service.control.events import JobEvent, JobState
 from service.control.policy import Decision, FailFast, RestartUpTo
 from service.spec.spec import parse_spec, to_job_config
-from workers.faults import Fault
+from workers.rank.faults import Fault
 from workers.grid import ParallelGrid
 
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=256, seq_length=32)

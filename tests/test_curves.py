@@ -1,4 +1,4 @@
-"""api/curves.py: the downsampling of ``GET /jobs/{id}/metrics?points=N``, over plain lists."""
+"""api/rest/curves.py: the downsampling of ``GET /jobs/{id}/metrics?points=N``, over plain lists."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from api.curves import columns, downsample, value
+from api.rest.curves import columns, downsample, value
 
 
 @pytest.mark.parametrize("n,points", [(1, 2), (10, 10), (11, 10), (1000, 2), (1000, 3), (1000, 500), (20000, 500)])

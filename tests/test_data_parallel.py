@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from workers.parallel import comm
 from workers.parallel.data import DataParallelGrads
 from workers.parallel.optimizer import DistributedOptimizer, ReplicatedOptimizer, build_optimizer
-from workers.spawn import run_ranks
+from tests.helpers.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 

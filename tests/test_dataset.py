@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.dataset import GlobalSampler, check_corpus, load_tokens
+from workers.data.dataset import GlobalSampler, check_corpus, load_tokens
 
 
 def test_builtin_tiny_is_bytes():
@@ -54,9 +54,9 @@ def test_npy_and_bin_token_files(tmp_path):
 # --- Megatron indexed datasets, blends, splits, validation batches --------------------------
 
 from workers.config import stable_seed  # noqa: E402
-from workers.data_blend import parse_blend, parse_split, split_bookends  # noqa: E402
-from workers.dataset import check_data, data_form_problem, eval_index  # noqa: E402
-from workers.indexed_dataset import IndexedDatasetWriter  # noqa: E402
+from workers.data.blend import parse_blend, parse_split, split_bookends  # noqa: E402
+from workers.data.dataset import check_data, data_form_problem, eval_index  # noqa: E402
+from workers.data.indexed import IndexedDatasetWriter  # noqa: E402
 
 
 def write_docs(prefix, docs, dtype=np.uint16):

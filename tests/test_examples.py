@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from api.cli import main as cli_main
+from api.cli.main import main as cli_main
 from service.spec.placement import check_tp_in_node, plan_placement
 from service.spec.spec import grid_of, parse_spec
 

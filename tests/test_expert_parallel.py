@@ -16,7 +16,7 @@ from workers.parallel import comm
 from workers.parallel.expert import MoELayer, SwiGLUExperts, TopKRouter
 from workers.parallel.grouped_gemm import ExpertRuns, grouped_mm_supported, swiglu_experts
 from workers.parallel.moe_dispatch import AllToAllDispatcher
-from workers.spawn import run_ranks
+from tests.helpers.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 

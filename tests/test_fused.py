@@ -1,4 +1,4 @@
-"""The fused decoder pieces (workers.fused), the vocab-parallel cross-entropy and the flat fused
+"""The fused decoder pieces (workers.model.fused), the vocab-parallel cross-entropy and the flat fused
 AdamW against their plain formulas, forward and backward, and the op budget of a layer.
 
 The parity suites compare layouts with a single process that runs the same fused code, so a
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.fused import rms_norm, rotary_qkv, rotary_qkv_tables, swiglu
-from workers.model import rotary_tables
+from workers.model.fused import rms_norm, rotary_qkv, rotary_qkv_tables, swiglu
+from workers.model.decoder import rotary_tables
 from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 

@@ -20,7 +20,7 @@ LARGE_TRAINING = {"global_batch_size": 16, "micro_batch_size": 4}
 @pytest.mark.gpu
 @needs_cuda
 def test_single_gpu_matches_cpu_reference():
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     trainer = Trainer(job_of(tiny_spec()), 0, 1, device=torch.device("cuda", 0))
     losses = [trainer.train_step()["loss"] for _ in range(ITERS)]
@@ -28,8 +28,8 @@ def test_single_gpu_matches_cpu_reference():
 
 
 def _gpu_losses(rank, world_size, job, iters=ITERS):
-    from workers.spawn import rank_device
-    from workers.train import Trainer
+    from workers.rank.distributed import rank_device
+    from workers.train.trainer import Trainer
 
     if world_size > 1:
         assert torch.distributed.get_backend() == "nccl"
@@ -43,7 +43,7 @@ def _gpu_losses(rank, world_size, job, iters=ITERS):
 @pytest.mark.parametrize("parallel", [{"tensor_model_parallel_size": 2, "sequence_parallel": True},
                                       {"pipeline_model_parallel_size": 2}, {"context_parallel_size": 2}])
 def test_two_gpus_nccl_match_reference(parallel):
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     job = job_of(tiny_spec(world=2, parallel=parallel))
     losses = run_ranks(_gpu_losses, 2, args=(job,), start_method="spawn")[0]["losses"]
@@ -56,7 +56,7 @@ def test_two_gpus_nccl_match_reference(parallel):
 def test_pp2_nccl_with_16_mib_activations_matches_one_gpu(vpp):
     """1F1B (4 microbatches: a real steady state) and interleaved, with messages NCCL cannot
     buffer: the run finishes (no deadlock) and matches the same job on one GPU."""
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     parallel = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": vpp}
     job = job_of(tiny_spec(world=2, parallel=parallel, model=LARGE, training=LARGE_TRAINING))

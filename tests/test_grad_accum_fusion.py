@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from workers.parallel import comm
 from workers.parallel.data import DataParallelGrads
 from workers.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-from workers.spawn import run_ranks
+from tests.helpers.ranks import run_ranks
 
 S, B, H, FFN = 5, 3, 6, 10
 NUM_MICRO = 3

@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from workers.spawn import run_ranks
+from tests.helpers.ranks import run_ranks
 
 pytestmark = pytest.mark.procs
 
@@ -16,7 +16,7 @@ def _group_timeouts(rank, world_size, explicit):
     import torch
 
     from workers.grid import ParallelGrid
-    from workers.groups import build_process_groups, world_timeout
+    from workers.parallel.groups import build_process_groups, world_timeout
 
     grid = ParallelGrid(world_size, tp=2, pp=2)
     groups = build_process_groups(grid, rank, timeout=timedelta(seconds=explicit) if explicit else None)

@@ -20,7 +20,7 @@ LLAMA3ISH = {"rotary_base": 500000.0, "norm_epsilon": 1e-6}  # non-default: the 
 
 
 def trainer(model: dict | None = None):
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     return Trainer(job_of(tiny_spec(model={"num_layers": 2, **(model or {})}, training={"train_iters": 5})), 0, 1)
 
@@ -50,8 +50,8 @@ def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("moe", [False, True], ids=["llama", "mixtral"])
 def test_export_loads_in_transformers_with_equal_logits(tmp_path, moe):
-    from api import export_cmd
-    from workers.checkpoint import Checkpointer
+    from api.cli import export_cmd
+    from workers.checkpoint.checkpointer import Checkpointer
 
     t = trainer({**LLAMA3ISH, **(MOE if moe else {})})
     for _ in range(2):  # trained weights: norms away from 1, moments nonzero
@@ -72,8 +72,8 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, moe):
 def test_export_matches_the_safetensors_package(tmp_path):
     from safetensors.torch import load_file
 
-    from workers.checkpoint import Checkpointer
-    from workers.hf_export import export_hf
+    from workers.checkpoint.checkpointer import Checkpointer
+    from workers.hf.export import export_hf
 
     t = trainer()
     Checkpointer(str(tmp_path / "ckpt")).save(t)
@@ -86,7 +86,7 @@ def test_export_matches_the_safetensors_package(tmp_path):
 
 
 def test_export_refuses_a_missing_checkpoint(tmp_path, capsys):
-    from api import export_cmd
+    from api.cli import export_cmd
 
     ns = argparse.Namespace(checkpoint=str(tmp_path), out_dir=str(tmp_path / "o"), format="hf")
     assert export_cmd.run(ns) == 2
@@ -129,20 +129,22 @@ def hf_dir(request):
 
 
 def test_hf_import_gives_the_transformers_logits(hf_dir):
-    from workers.checkpoint_reader import load_checkpoint
+    from workers.checkpoint.reader import load_checkpoint
+    from workers.hf.interop import open_source
 
     moe, path = hf_dir
     t = trainer({**LLAMA3ISH, **(MOE if moe else {})})
-    assert load_checkpoint(t, f"hf:{path}")["iteration"] == 0
+    assert load_checkpoint(t, open_source(f"hf:{path}"))["iteration"] == 0
     assert_close(raytron_logits(t, tokens(1)), hf_logits(path, tokens(1))[1])
 
 
 def test_hf_import_refuses_another_model(hf_dir):
-    from workers.checkpoint_reader import load_checkpoint
+    from workers.checkpoint.reader import load_checkpoint
+    from workers.hf.interop import open_source
 
     moe, path = hf_dir
     with pytest.raises(ValueError, match="model.rotary_base: 500000.0 there, 10000.0 in this job"):
-        load_checkpoint(trainer({"norm_epsilon": 1e-6, **(MOE if moe else {})}), f"hf:{path}")
+        load_checkpoint(trainer({"norm_epsilon": 1e-6, **(MOE if moe else {})}), open_source(f"hf:{path}"))
 
 
 @pytest.mark.slow
@@ -150,11 +152,12 @@ def test_hf_import_into_tp2_sp_pp2_gives_the_single_process_loss(llama_dir):
     """hf:DIR at tp2 x sp x pp2 (4 ranks): the first iterations' losses are those of one
     process that imported the same directory."""
     from tests.test_checkpoint_reshard import run
-    from workers.checkpoint_reader import load_checkpoint
+    from workers.checkpoint.reader import load_checkpoint
+    from workers.hf.interop import open_source
 
     _, path = llama_dir
     t = trainer(LLAMA3ISH)
-    load_checkpoint(t, f"hf:{path}")
+    load_checkpoint(t, open_source(f"hf:{path}"))
     want = [t.train_step()["loss"] for _ in range(2)]
     out = run(4, {"tensor_model_parallel_size": 2, "sequence_parallel": True, "pipeline_model_parallel_size": 2},
               {"num_layers": 2, **LLAMA3ISH}, load=f"hf:{path}", until=2)

@@ -1,4 +1,4 @@
-"""workers.hf_moe against tiny random Qwen3-MoE and DeepSeek-V3 models saved by transformers:
+"""workers.hf.moe against tiny random Qwen3-MoE and DeepSeek-V3 models saved by transformers:
 the config's MoE fields pick the same MoE layers, the tensor names cover every MoE tensor of the
 checkpoint, and the MoE layer built from them computes what transformers' layer computes."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from workers.config import ModelConfig
-from workers.hf_moe import hf_moe_config, hf_moe_names, moe_fields_from_hf
-from workers.model import ShardContext, moe_layer
+from workers.hf.moe import hf_moe_config, hf_moe_names, moe_fields_from_hf
+from workers.model.decoder import ShardContext, moe_layer
 
 transformers = pytest.importorskip("transformers")
 H = 16

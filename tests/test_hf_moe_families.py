@@ -73,7 +73,7 @@ def family(request, saved):
 
 
 def trainer(path):
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     return Trainer(job_of(spec(path)), 0, 1)
 
@@ -127,8 +127,8 @@ def _fused_expert_grads(got: dict, name: str) -> torch.Tensor:
 def test_hf_import_gives_transformers_logits_loss_and_every_gradient(family):
     """Logits, loss and the gradient of every parameter against transformers on one batch, and
     the expert biases loaded exactly."""
-    from workers.checkpoint_layout import buffer_views
-    from workers.hf_interop import to_hf
+    from workers.checkpoint.layout import buffer_views
+    from workers.hf.interop import to_hf
 
     kind, path = family
     t, got, want_grads = imported_grads_against_transformers(path)
@@ -158,8 +158,8 @@ def test_hf_import_at_tp2_ep2_gives_the_transformers_first_loss(family):
 
 
 def test_export_of_a_trained_checkpoint_loads_as_the_same_class(family, tmp_path):
-    from workers.checkpoint import Checkpointer
-    from workers.checkpoint_layout import buffer_views
+    from workers.checkpoint.checkpointer import Checkpointer
+    from workers.checkpoint.layout import buffer_views
 
     kind, path = family
     t = trainer(path)
@@ -187,10 +187,11 @@ def test_a_dense_mla_model_exports_as_deepseek_v3_and_imports_back(tmp_path):
     (first_k_dense_replace = num_layers); ``from_hf`` reads it back as dense, ``hf:DIR`` loads it."""
     from tests.parity import tiny_spec
     from tests.test_mla_parity import MLA
-    from workers.checkpoint import Checkpointer
-    from workers.checkpoint_reader import load_checkpoint
-    from workers.hf_export import export_hf
-    from workers.train import Trainer
+    from workers.checkpoint.checkpointer import Checkpointer
+    from workers.checkpoint.reader import load_checkpoint
+    from workers.hf.interop import open_source
+    from workers.hf.export import export_hf
+    from workers.train.trainer import Trainer
 
     t = Trainer(job_of(tiny_spec(model={**MLA, "num_layers": 2, "norm_epsilon": 1e-6})), 0, 1)
     t.train_step()
@@ -202,7 +203,7 @@ def test_a_dense_mla_model_exports_as_deepseek_v3_and_imports_back(tmp_path):
     assert_close(raytron_logits(t, ids), want)
     back = Trainer(job_of(spec(tmp_path / "hf")), 0, 1)
     assert back.job.model.num_moe_experts is None and back.job.model.rotary_scaling_factor == 4.0
-    load_checkpoint(back, f"hf:{tmp_path / 'hf'}")
+    load_checkpoint(back, open_source(f"hf:{tmp_path / 'hf'}"))
     assert_close(raytron_logits(back, ids), want)
 
 
@@ -221,7 +222,7 @@ def test_export_refuses_a_model_no_family_expresses(model, needle):
     import dataclasses
 
     from workers.config import ModelConfig
-    from workers.hf_families import hf_config
+    from workers.hf.families import hf_config
 
     m = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4, ffn_hidden_size=64,
                     vocab_size=256, seq_length=16, **model)
@@ -236,7 +237,7 @@ def test_export_refuses_a_model_no_family_expresses(model, needle):
     ({"rope_parameters": {**YARN, "attention_factor": 1.2}}, "attention_factor"),
 ], ids=["eps", "interleave", "bias", "attention-factor"])
 def test_import_refuses_a_deepseek_v3_config_it_cannot_reproduce(saved, change, needle):
-    from workers.hf_families import model_from_hf_config
+    from workers.hf.families import model_from_hf_config
 
     c = json.loads((saved["deepseek_v3"] / "config.json").read_text())
     with pytest.raises(ValueError, match=f"hf: deepseek_v3: .*{needle}"):
@@ -248,8 +249,9 @@ def test_a_job_with_other_yarn_or_routing_does_not_load_the_model(saved):
     differs in one is refused, naming it, not run with the wrong rotary or router."""
     import dataclasses
 
-    from workers.checkpoint_reader import load_checkpoint
-    from workers.train import Trainer
+    from workers.checkpoint.reader import load_checkpoint
+    from workers.hf.interop import open_source
+    from workers.train.trainer import Trainer
 
     path = saved["deepseek_v3"]
     job = job_of(spec(path))
@@ -258,7 +260,7 @@ def test_a_job_with_other_yarn_or_routing_does_not_load_the_model(saved):
                             "model.moe_router_score_function: 'sigmoid' there, 'softmax' in this job")):
         t = Trainer(dataclasses.replace(job, model=dataclasses.replace(job.model, **change)), 0, 1)
         with pytest.raises(ValueError, match=re.escape(needle)):
-            load_checkpoint(t, f"hf:{path}")
+            load_checkpoint(t, open_source(f"hf:{path}"))
 
 
 def test_transformers_5_fused_expert_tensors_load_too(saved, tmp_path):
@@ -269,7 +271,8 @@ def test_transformers_5_fused_expert_tensors_load_too(saved, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from workers.checkpoint_reader import load_checkpoint
+    from workers.checkpoint.reader import load_checkpoint
+    from workers.hf.interop import open_source
 
     path = saved["qwen3_moe"]
     fused, experts = {}, {}  # experts: prefix -> proj -> {expert: tensor}
@@ -287,7 +290,7 @@ def test_transformers_5_fused_expert_tensors_load_too(saved, tmp_path):
     shutil.copy(path / "config.json", tmp_path / "config.json")
     save_file(fused, tmp_path / "model.safetensors")
     t = trainer(path)
-    load_checkpoint(t, f"hf:{tmp_path}")
+    load_checkpoint(t, open_source(f"hf:{tmp_path}"))
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
     assert_close(raytron_logits(t, ids), hf_logits(path, ids)[1])
 
@@ -295,7 +298,7 @@ def test_transformers_5_fused_expert_tensors_load_too(saved, tmp_path):
 def test_moe_layer_freq_of_all_moe_and_all_dense_configs(saved):
     """Every layer MoE reads as moe_layer_freq 1 (the default, so a spec without it loads the
     model); DeepSeek-V3 with every layer dense reads as a dense MLA model."""
-    from workers.hf_families import model_from_hf_config
+    from workers.hf.families import model_from_hf_config
 
     q = json.loads((saved["qwen3_moe"] / "config.json").read_text())
     assert model_from_hf_config({**q, "mlp_only_layers": []})["moe_layer_freq"] == 1

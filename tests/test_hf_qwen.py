@@ -69,7 +69,7 @@ def spec(path, world: int = 1, parallel: dict | None = None, **model) -> dict:
 
 
 def trainer(path):
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     return Trainer(job_of(spec(path)), 0, 1)
 
@@ -132,12 +132,13 @@ def imported_grads_against_transformers(path) -> tuple:
     """A one-process job importing ``hf:path``: its logits and loss on one batch checked against
     transformers' (loss to 1e-6), then its gradient in Hugging Face's names (each raytron tensor's
     logical view split by ``to_hf``) beside transformers' own. Returns ``(trainer, got, want)``."""
-    from workers.checkpoint_layout import param_views
-    from workers.checkpoint_reader import load_checkpoint
-    from workers.hf_interop import to_hf
+    from workers.checkpoint.layout import param_views
+    from workers.checkpoint.reader import load_checkpoint
+    from workers.hf.interop import open_source
+    from workers.hf.interop import to_hf
 
     t = trainer(path)
-    load_checkpoint(t, f"hf:{path}")
+    load_checkpoint(t, open_source(f"hf:{path}"))
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     assert_close(raytron_logits(t, ids), hf_logits(path, ids)[1])
     want_loss, want_grads = loss_and_grads_transformers(path, ids)
@@ -175,28 +176,29 @@ def test_hf_import_gives_transformers_logits_loss_and_every_gradient(qwen):
 def test_a_tied_model_loads_into_an_untied_job_and_not_the_reverse(saved):
     """Qwen2's tied table starts both the embedding and the output layer of an untied job; an
     untied Qwen3 into a tied job is refused, naming the field."""
-    from workers.checkpoint_reader import load_checkpoint
-    from workers.train import Trainer
+    from workers.checkpoint.reader import load_checkpoint
+    from workers.hf.interop import open_source
+    from workers.train.trainer import Trainer
 
     def job(**model):
         return Trainer(job_of(tiny_spec(model={"num_layers": 2, "rotary_base": 1000000.0, "norm_epsilon": 1e-6,
                                                **model})), 0, 1)
 
     t = job(add_qkv_bias=True)
-    load_checkpoint(t, f"hf:{saved['qwen2']}")
+    load_checkpoint(t, open_source(f"hf:{saved['qwen2']}"))
     assert torch.equal(t.chunks[0].output.weight, t.chunks[0].embedding.weight)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
     assert_close(raytron_logits(t, ids), hf_logits(saved["qwen2"], ids)[1])
     t = job(qk_layernorm=True, kv_channels=16, untie_embeddings_and_output_weights=False)
     with pytest.raises(ValueError, match="model.untie_embeddings_and_output_weights: True there, False in this job"):
-        load_checkpoint(t, f"hf:{saved['qwen3']}")
+        load_checkpoint(t, open_source(f"hf:{saved['qwen3']}"))
 
 
 def first_batch_loss_transformers(path, job) -> float:
     """transformers' mean loss over iteration 0's global batch (the trainer's sampler)."""
     from transformers import AutoModelForCausalLM
 
-    from workers.dataset import GlobalSampler
+    from workers.data.dataset import GlobalSampler
 
     t = job.training
     tokens, labels = GlobalSampler(t.data, job.model.seq_length, t.seed, t.global_batch_size, split=t.split).batch(
@@ -211,7 +213,7 @@ def assert_first_loss_is_transformers(path, world: int, parallel: dict) -> None:
     """A job importing ``hf:path`` on ``world`` ranks of ``parallel`` trains one iteration; its loss
     is transformers' on the same global batch (1e-5 relative)."""
     from tests.test_checkpoint_reshard import train_ranks
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     job = job_of(spec(path, world=world, parallel=parallel))
     out = run_ranks(train_ranks, world, args=(job,), kwargs={"load": f"hf:{path}", "until": 1}, timeout_s=600)
@@ -221,7 +223,7 @@ def assert_first_loss_is_transformers(path, world: int, parallel: dict) -> None:
 
 def export_hf(checkpoint, out) -> None:
     """``raytron export CHECKPOINT --format hf OUT`` through the CLI's own parser; it must succeed."""
-    from api import export_cmd
+    from api.cli import export_cmd
 
     parser = argparse.ArgumentParser()
     export_cmd.add_parser(parser.add_subparsers(dest="command"))
@@ -239,7 +241,7 @@ def test_hf_import_at_tp2_gives_the_transformers_first_loss(qwen):
 
 
 def test_export_of_a_trained_checkpoint_loads_as_the_same_class(qwen, tmp_path):
-    from workers.checkpoint import Checkpointer
+    from workers.checkpoint.checkpointer import Checkpointer
 
     kind, path = qwen
     t = trainer(path)

@@ -24,7 +24,7 @@ DENSE = {"num_layers": 2}
 
 def _count_one_step(rank: int, world_size: int, job) -> list[str]:
     """Sync events of one ``train_step`` (after a warm-up step), batches read beforehand."""
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     trainer = Trainer(job, rank, world_size)
     try:
@@ -62,7 +62,7 @@ def test_fp16_loss_scaling_adds_no_host_sync():
 
 
 def test_one_host_sync_per_dense_step_tp2():
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     job = _job({}, world=2, parallel={"tensor_model_parallel_size": 2})
     per_rank = run_ranks(_count_one_step, 2, args=(job,), timeout_s=300)
@@ -74,7 +74,7 @@ def test_fp16_overflow_is_still_skipped_on_the_device():
     step is reported skipped with no grad norm, all decided from the one read."""
     import torch
 
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     trainer = Trainer(_job({"fp16": True, "initial_loss_scale": 2.0**8}), 0, 1)
     try:
@@ -98,7 +98,7 @@ def test_non_finite_grad_norm_is_reported_and_leaves_the_weights():
 
     import torch
 
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     trainer = Trainer(_job({}), 0, 1)
     try:

@@ -1,5 +1,7 @@
-"""Rooms import one way, downward: api -> service/server -> service/ranks -> service/control
--> service/spec -> workers.
+"""Rooms import one way, downward: api/cli -> api/rest -> service/server -> service/ranks ->
+service/control -> service/spec -> workers/rank -> workers/train -> workers/hf ->
+workers/checkpoint -> workers/data -> workers/model -> workers/parallel -> workers (the
+torch-free vocabulary at its top level: config, grid, routing).
 
 Every module's imports are read from its source (AST), including imports inside functions,
 so a backward edge cannot hide behind a lazy import. An import from a lower room into a higher
@@ -15,8 +17,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Each room and its height; a module may import only from its own room or lower ones.
-ROOMS = {"workers": 0, "service": 1, "service.spec": 1, "service.control": 2, "service.ranks": 3,
-         "service.server": 4, "api": 5}
+WORKERS_ROOMS = ("workers", "workers.parallel", "workers.model", "workers.data", "workers.checkpoint", "workers.hf",
+                 "workers.train", "workers.rank")
+SERVICE_ROOMS = ("service.spec", "service.control", "service.ranks", "service.server")
+API_ROOMS = ("api.rest", "api.cli")
+ROOMS = {room: height for height, room in enumerate(WORKERS_ROOMS + SERVICE_ROOMS + API_ROOMS)}
+ROOMS["service"] = ROOMS["service.spec"]
+ROOMS["api"] = ROOMS["api.rest"]
 PACKAGES = ("api", "service", "workers")
 
 
@@ -100,9 +107,28 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_rooms_import_one_way():
     graph = import_graph()
-    assert {"api.cli", "service.control.controller", "service.spec.spec", "service.ranks.ray_launcher",
-            "service.server.scheduler", "workers.train"} <= set(graph)  # the walk found the code
+    assert {"api.cli.main", "service.control.controller", "service.spec.spec", "service.ranks.ray_launcher",
+            "service.server.scheduler", "workers.train.trainer"} <= set(graph)  # the walk found the code
     assert backward_edges(graph) == []
+
+
+def test_workers_and_api_hold_only_their_rooms():
+    """workers/ keeps only its torch-free vocabulary at the top; api/ only its two programs."""
+    loose = sorted(p.name for p in (ROOT / "workers").glob("*.py") if p.name != "__init__.py")
+    assert loose == ["config.py", "grid.py", "routing.py"]
+    assert {p.name for p in (ROOT / "workers").iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        r.split(".")[1] for r in WORKERS_ROOMS[1:]}
+    assert sorted(p.name for p in (ROOT / "api").glob("*.py")) == ["__init__.py"]
+    assert {p.name for p in (ROOT / "api").iterdir() if p.is_dir() and p.name != "__pycache__"} == {"rest", "cli"}
+
+
+def test_no_project_module_imports_the_tests():
+    graph = {m: imports_of(p, set(project_modules()) | _test_modules()) for m, p in project_modules().items()}
+    assert sorted((m, t) for m, targets in graph.items() for t in targets if t.startswith("tests")) == []
+
+
+def _test_modules() -> set[str]:
+    return {module_name(p) for p in (ROOT / "tests").rglob("*.py")}
 
 
 def test_service_holds_only_its_rooms():
@@ -133,14 +159,17 @@ def test_the_checks_catch_what_they_claim():
         ("service.spec.a", "service.control.b")]
     assert backward_edges({"service.ranks.a": {"service.server.b"}, "service.server.b": {"service.ranks.a"}}) == [
         ("service.ranks.a", "service.server.b")]
+    assert backward_edges({"workers.checkpoint.a": {"workers.hf.b"}, "workers.hf.b": set()}) == [
+        ("workers.checkpoint.a", "workers.hf.b")]
+    assert backward_edges({"api.rest.a": {"api.cli.b"}, "api.cli.b": set()}) == [("api.rest.a", "api.cli.b")]
     assert cycles({"service.a": {"service.b"}, "service.b": {"service.a"}, "service.c": set()}) == [
         ["service.a", "service.b"]]
 
 
 def test_function_level_imports_count(tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("def f():\n    from api.cli import main\n    import service.control.jobs\n")
-    assert imports_of(src, {"api.cli", "service.control.jobs", "api"}) == {"api.cli", "service.control.jobs"}
+    src.write_text("def f():\n    from api.cli.main import main\n    import service.control.jobs\n")
+    assert imports_of(src, {"api.cli.main", "service.control.jobs", "api"}) == {"api.cli.main", "service.control.jobs"}
 
 
 def test_service_never_prints():

@@ -5,7 +5,7 @@ import struct
 import numpy as np
 import pytest
 
-from workers.indexed_dataset import IndexedDataset, IndexedDatasetWriter, optimal_dtype, write_indexed_dataset
+from workers.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype, write_indexed_dataset
 
 # Megatron's DType enum (megatron/core/datasets/indexed_dataset.py), written out here.
 CODES = {"uint8": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "float64": 6, "float32": 7, "uint16": 8}

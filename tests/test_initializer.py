@@ -2,7 +2,7 @@
 
 import torch
 
-from workers.config import init_full
+from tests.helpers.init import init_full
 from workers.parallel.initializer import BLOCK, Cat, NormalInit, Zeros, materialize
 
 

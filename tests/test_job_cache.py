@@ -1,12 +1,12 @@
-"""api/job_cache.py over a real SQLite store: a job's view is built once per change of that job,
+"""api/rest/job_cache.py over a real SQLite store: a job's view is built once per change of that job,
 whoever wrote the change (this store, or another connection as a job runner is)."""
 
 from __future__ import annotations
 
 import pytest
 
-from api.job_cache import JobCache
-from api.routes.jobs import job_views
+from api.rest.job_cache import JobCache
+from api.rest.routes.jobs import job_views
 from service.server.store import JobStore, sqlite_url
 
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from api.cli import build_parser as cli_parser
-from api.serve_cmd import build_app
+from api.cli.main import build_parser as cli_parser
+from api.cli.serve_cmd import build_app
 from service.server.job_main import build_parser, drills_for
 from service.server.runners import runner_command
 from service.server.store import JobStore, sqlite_url
-from workers.faults import KINDS, Fault
+from workers.rank.faults import KINDS, Fault
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,14 +1,14 @@
 """The LR schedule against Megatron-Core's OptimizerParamScheduler.get_lr formulas.
 
 Expected values are written out from Megatron's formulas here, in iterations (n = completed
-updates), independently of workers/lr_schedule.py.
+updates), independently of workers/train/lr_schedule.py.
 """
 
 import math
 
 import pytest
 
-from workers.lr_schedule import LRSchedule
+from workers.train.lr_schedule import LRSchedule
 
 MAX, MIN = 1e-3, 1e-4
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.parity import check_layout, job_of, metric, reference, run_trainer, tiny_spec
-from workers.mixed_precision import DynamicGradScaler
+from workers.train.mixed_precision import DynamicGradScaler
 
 BF16 = {"bf16": True}
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
@@ -31,7 +31,7 @@ BF16_LAYOUTS = {
 
 
 def _trainer(training, model=None, parallel=None):
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     return Trainer(job_of(tiny_spec(model={"num_layers": 2, **(model or {})}, parallel=parallel,
                                     training={"eval_interval": None, **training})), 0, 1)
@@ -127,8 +127,8 @@ def test_fp16_dp2_layout_skips_the_same_steps():
 
 @pytest.mark.parametrize("training", [{**BF16}, {**BF16, "distopt": True}, {**FP16}])
 def test_resume_keeps_fp32_main_params_and_scaler(tmp_path, training):
-    from workers.checkpoint import Checkpointer
-    from workers.checkpoint_reader import load_checkpoint
+    from workers.checkpoint.checkpointer import Checkpointer
+    from workers.checkpoint.reader import load_checkpoint
 
     training = dict(training)
     parallel = {"use_distributed_optimizer": training.pop("distopt", False)}

@@ -1,4 +1,4 @@
-"""Multi-latent attention (workers/mla.py, workers/yarn.py) against transformers' DeepseekV3Attention
+"""Multi-latent attention (workers/model/mla.py, workers/model/yarn.py) against transformers' DeepseekV3Attention
 and its YaRN rotary embedding, and a whole dense MLA model against DeepseekV3ForCausalLM, with the
 weights copied in: outputs, loss and every gradient at 1e-6; its spec fields' rules; and
 ``raytron plan``'s counts of it against the real model.
@@ -55,9 +55,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_mla_matches_transformers_forward_and_every_gradient(q_lora_rank):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
-    from workers.mla import MLAttention
-    from workers.model import RMSNorm, ShardContext
-    from workers.yarn import mla_rotary_tables
+    from workers.model.mla import MLAttention
+    from workers.model.decoder import RMSNorm, ShardContext
+    from workers.model.yarn import mla_rotary_tables
 
     torch.manual_seed(0)
     hf = hf_config(q_lora_rank, yarn=True)
@@ -89,7 +89,7 @@ def test_mla_matches_transformers_forward_and_every_gradient(q_lora_rank):
 def test_rotary_tables_and_softmax_scale_match_transformers(yarn):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
-    from workers.yarn import mla_rotary_tables, mla_softmax_scale
+    from workers.model.yarn import mla_rotary_tables, mla_softmax_scale
 
     hf = hf_config(16, yarn)
     positions = torch.arange(64)
@@ -169,7 +169,7 @@ def test_cli_refuses_a_bad_mla_spec_with_exit_2(tmp_path):
 
 @pytest.mark.parametrize("q_lora_rank", [16, None], ids=["q-lora", "no-q-lora"])
 def test_plan_counts_the_real_mla_model(q_lora_rank):
-    from workers.model import ModelChunk, ShardContext
+    from workers.model.decoder import ModelChunk, ShardContext
 
     spec = parse_spec(mla_spec(q_lora_rank=q_lora_rank))
     job = to_job_config(spec)
@@ -191,7 +191,7 @@ def test_plan_counts_the_real_mla_model(q_lora_rank):
 
 
 def _shard_numel(rank, world_size, job):
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     trainer = Trainer(job, rank, world_size)
     return sum(p.numel() for chunk in trainer.chunks for p in chunk.parameters())
@@ -199,7 +199,7 @@ def _shard_numel(rank, world_size, job):
 
 def test_plan_counts_two_real_tp_ranks():
     """tp2: the up and output projections split over heads, the down projections and their norms whole."""
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     spec = parse_spec(mla_spec(world=2, parallel={"tensor_model_parallel_size": 2}))
     per_rank = run_ranks(_shard_numel, 2, args=(to_job_config(spec),), timeout_s=300)
@@ -211,7 +211,7 @@ def test_whole_dense_mla_model_matches_deepseek_v3_for_causal_lm():
     (first_k_dense_replace = all layers), weights copied by name: logits, loss and every gradient."""
     from transformers import DeepseekV3ForCausalLM
 
-    from workers.model import ModelChunk, ShardContext
+    from workers.model.decoder import ModelChunk, ShardContext
 
     torch.manual_seed(0)
     hf = hf_config(16, yarn=True)

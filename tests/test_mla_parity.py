@@ -1,4 +1,4 @@
-"""Layout invariance of multi-latent attention (workers/mla.py; see parity.py): an MLA model with
+"""Layout invariance of multi-latent attention (workers/model/mla.py; see parity.py): an MLA model with
 q compression, YaRN and v_head_dim unlike the q/k head dim gives the single-process run's losses
 (1e-6), iteration-0 gradients and grad norms (1e-6, tighter than parity.py's 1e-5), with bit-equal
 replicas, at tp2 with and without sequence parallelism, pp2 with vpp2, dp2 with the distributed
@@ -48,7 +48,7 @@ def test_mla_checkpoint_saved_at_tp2_sp_goes_on_at_pp2(tmp_path):
     assert_same_curve(saved[0]["losses"], ref, rtol=RTOL)
     out = run(2, {"pipeline_model_parallel_size": 2}, MLA, load=str(tmp_path))
     assert_same_curve(out[0]["losses"], ref[2:], rtol=RTOL)
-    from workers.hf_export import export_hf
+    from workers.hf.export import export_hf
 
     # transformers' DeepSeek-V3 latent norms have eps 1e-6 whatever rms_norm_eps is: refused, not
     # written wrong (a dense MLA model's export: tests/test_hf_moe_families.py)

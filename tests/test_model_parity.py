@@ -56,7 +56,7 @@ def test_loss_falls_on_builtin_tiny():
 
 
 def test_moe_aux_loss_reported_apart_from_lm_loss():
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     no_aux = Trainer(job_of(tiny_spec(moe=True, model={"moe_aux_loss_coeff": 0.0})), 0, 1).train_step()
     with_aux = Trainer(job_of(tiny_spec(moe=True, model={"moe_aux_loss_coeff": 0.01})), 0, 1).train_step()

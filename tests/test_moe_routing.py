@@ -1,6 +1,6 @@
 """MoE routing as Qwen3-MoE and DeepSeek-V3 route, against transformers' own modules.
 
-The MoE layer the model builds (:func:`workers.model.moe_layer`, from a ``ModelConfig``) gets the
+The MoE layer the model builds (:func:`workers.model.decoder.moe_layer`, from a ``ModelConfig``) gets the
 weights of a tiny random ``Qwen3MoeSparseMoeBlock`` / ``DeepseekV3MoE`` (transformers' names and
 layouts: ``gate.weight``, ``gate.e_score_correction_bias``, ``experts.gate_up_proj [E, 2f, h]``
 gate then up, ``experts.down_proj [E, h, f]``, ``shared_experts.{gate,up,down}_proj``). Output
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from workers.config import ModelConfig
-from workers.model import ShardContext, moe_layer
+from workers.model.decoder import ShardContext, moe_layer
 from workers.parallel.router import Routing, TopKRouter, update_expert_biases
-from workers.spawn import run_ranks
+from tests.helpers.ranks import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -225,7 +225,7 @@ def test_seq_aux_loss_is_the_mean_of_each_sequences_switch_loss():
 
 @pytest.mark.parametrize("freq,moe_layers", [(1, [0, 1, 2, 3]), (2, [0, 2]), ((0, 1, 1, 1), [1, 2, 3])])
 def test_moe_layer_freq_picks_the_moe_layers(freq, moe_layers):
-    from workers.model import MLP, ModelChunk
+    from workers.model.decoder import MLP, ModelChunk
     from workers.parallel.expert import MoELayer
 
     cfg = ModelConfig(num_layers=4, hidden_size=H, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=40,
@@ -296,8 +296,8 @@ def test_expert_bias_is_saved_and_resharded(tmp_path):
     """A checkpoint holds every expert bias; loaded at another layout (tp2 + sp + ep2 from one
     process), every rank has them, and the next iteration's loss is the uninterrupted run's."""
     from tests.parity import V3_MODEL, V3_TRAIN, job_of, tiny_spec
-    from workers.checkpoint import Checkpointer
-    from workers.train import Trainer
+    from workers.checkpoint.checkpointer import Checkpointer
+    from workers.train.trainer import Trainer
 
     t = Trainer(job_of(tiny_spec(model=V3_MODEL, training=V3_TRAIN)), 0, 1)
     for _ in range(3):
@@ -317,8 +317,8 @@ def test_expert_bias_is_saved_and_resharded(tmp_path):
 
 
 def _resume_worker(rank, world, job, root):
-    from workers.checkpoint_reader import load_checkpoint
-    from workers.train import Trainer
+    from workers.checkpoint.reader import load_checkpoint
+    from workers.train.trainer import Trainer
 
     t = Trainer(job, rank, world)
     load_checkpoint(t, root)
@@ -344,7 +344,7 @@ def test_expert_bias_stays_float32_through_a_bf16_cast():
 def test_bf16_training_with_deepseek_v3_routing():
     """bf16 compute (fp32 main params): the routing trains, the biases stay float32 and move."""
     from tests.parity import V3_MODEL, V3_TRAIN, job_of, tiny_spec
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     t = Trainer(job_of(tiny_spec(model=V3_MODEL, training={**V3_TRAIN, "bf16": True})), 0, 1)
     losses = [t.train_step()["loss"] for _ in range(3)]

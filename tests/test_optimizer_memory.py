@@ -12,7 +12,7 @@ import torch
 
 from service.spec.plan import plan_job
 from service.spec.spec import parse_spec, to_job_config
-from workers.spawn import run_ranks
+from tests.helpers.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def _spec(distributed: bool):
 
 
 def _live_bytes(rank, world, job):
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     trainer = Trainer(job, rank, world)
     gc.collect()

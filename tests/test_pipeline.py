@@ -21,7 +21,7 @@ from workers.parallel.pipeline import (
 )
 from workers.parallel.pipeline_exec import run_pipeline
 from workers.parallel.pipeline_p2p import Step, check_nccl_safe, p2p_plan, simulate_nccl
-from workers.spawn import run_ranks
+from tests.helpers.ranks import run_ranks
 
 
 def _acts(text: str) -> list[Action]:

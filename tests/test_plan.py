@@ -32,7 +32,7 @@ def test_parameter_counts_match_the_real_model(kind, stage):
     import torch
 
     from tests.parity import V3_MODEL
-    from workers.model import ModelChunk, ShardContext
+    from workers.model.decoder import ModelChunk, ShardContext
 
     model = {"qwen": QWEN, "deepseek-v3": V3_MODEL}.get(kind)
     spec = spec_of(moe=kind is True, model=model)
@@ -50,7 +50,7 @@ def test_parameter_counts_match_the_real_model(kind, stage):
 
 
 def _shard_numel(rank, world_size, job):
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     trainer = Trainer(job, rank, world_size)
     return sum(p.numel() for chunk in trainer.chunks for p in chunk.parameters())
@@ -59,7 +59,7 @@ def _shard_numel(rank, world_size, job):
 @pytest.mark.parametrize("moe,parallel", [(False, {"tensor_model_parallel_size": 2}),
                                           (True, {"expert_model_parallel_size": 2})])
 def test_sharded_counts_match_two_real_ranks(moe, parallel):
-    from workers.spawn import run_ranks
+    from tests.helpers.ranks import run_ranks
 
     spec = spec_of(world=2, moe=moe, parallel=parallel, vocab=251)  # 251: padded to 252 under tp 2
     per_rank = run_ranks(_shard_numel, 2, args=(to_job_config(spec),), timeout_s=300)

@@ -21,7 +21,7 @@ from service.control.errors import InsufficientResources, RankDied, RankHung, Ra
 from service.control.events import JobState
 from service.spec.placement import check_tp_in_node
 from service.spec.spec import parse_spec, to_job_config
-from workers.faults import Fault
+from workers.rank.faults import Fault
 from workers.grid import ParallelGrid
 
 pytestmark = pytest.mark.ray
@@ -239,7 +239,7 @@ def test_cli_run_simulated_restarts_after_a_fault(tmp_path):
     spec = tmp_path / "tiny.yaml"
     spec.write_text(yaml.safe_dump(spec_dict(tp=1, pp=2, nodes=2, gpus=1, iters=3, gbs=4, max_restarts=1)))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "api.cli", "run", str(spec), "--simulate", "2x4", "--json",
+    proc = subprocess.run([sys.executable, "-m", "api.cli.main", "run", str(spec), "--simulate", "2x4", "--json",
                            "--fault", "1@2:exit"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -248,7 +248,7 @@ def test_cli_run_simulated_restarts_after_a_fault(tmp_path):
     assert set(result) >= {"job_id", "losses", "restarts", "sizes", "placement"}
     assert len({p["node_id"] for p in result["placement"]}) == 2  # STRICT_SPREAD: one node per bundle
     assert "Unhandled error" not in proc.stderr  # the peers' failed calls were read, not left to Ray's logger
-    local = subprocess.run([sys.executable, "-m", "api.cli", "run", str(spec), "--launcher", "processes", "--json"],
+    local = subprocess.run([sys.executable, "-m", "api.cli.main", "run", str(spec), "--launcher", "processes", "--json"],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert json.loads(local.stdout.strip().splitlines()[-1])["losses"] == pytest.approx(result["losses"], rel=1e-6)
 
@@ -264,7 +264,7 @@ def test_sigterm_cancels_a_ray_run_and_stops_the_cluster(tmp_path):
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAYTRON_TEST_TAG": tag}
     err = tmp_path / "err.txt"
     with open(err, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "api.cli", "run", str(spec), "--simulate", "2x1"], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "api.cli.main", "run", str(spec), "--simulate", "2x1"], cwd=ROOT,
                                 env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
         deadline = time.monotonic() + 240
         while "node_id" not in err.read_text() and time.monotonic() < deadline:

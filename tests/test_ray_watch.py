@@ -190,7 +190,7 @@ import sys, ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from service.ranks.ray_cluster import NAMESPACE
-from workers.rank_actor import actor_name
+from workers.rank.actor import actor_name
 ray.init(namespace=NAMESPACE, logging_level="warning")
 job = sys.argv[1]
 pg = placement_group([{"GPU": 2, "CPU": 2}], strategy="PACK", name=f"raytron:{job}")

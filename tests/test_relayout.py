@@ -15,7 +15,7 @@ from service.control.relayout import ElasticRelayout, predicted_step_s
 from service.ranks.process_launcher import ProcessLauncher
 from service.spec.spec import parse_spec, to_job_config
 from tests.test_serve_faults import close, undisturbed
-from workers.faults import Fault
+from workers.rank.faults import Fault
 from workers.grid import ParallelGrid
 
 MODEL = {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 64, "vocab_size": 256,

@@ -11,7 +11,7 @@ from service.control.events import JobState
 from service.control.jobs import start_job
 from service.ranks.process_launcher import ProcessLauncher
 from service.spec.spec import parse_spec, to_job_config
-from workers.faults import Fault
+from workers.rank.faults import Fault
 
 pytestmark = pytest.mark.procs
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.limits import RateLimiter
+from api.rest.limits import RateLimiter
 from service.server.accounts import Accounts, load_or_create_secret
 from service.server.queue import QueuedJob, admit
 from service.server.store import JobStore, sqlite_url
@@ -160,7 +160,7 @@ def _wide(name: str, nodes: int, iters: int = 10 ** 7, **kw) -> dict:
 
 def _cli(srv: Server, token: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "RAYTRON_API_TOKEN": token, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "api.cli", *args, "--server", srv.url], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "api.cli.main", *args, "--server", srv.url], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -306,7 +306,7 @@ def test_three_users_on_a_2x4_cluster(tmp_path):
 @pytest.mark.parametrize("flag, value", [("--submit-burst", "0"), ("--max-queued-per-user", "-1"),
                                          ("--max-submits-per-minute", "x")])
 def test_bad_limits_are_refused_before_the_server_starts(tmp_path, flag, value):
-    p = subprocess.run([sys.executable, "-m", "api.cli", "serve", "--data-dir", str(tmp_path), flag, value],
+    p = subprocess.run([sys.executable, "-m", "api.cli.main", "serve", "--data-dir", str(tmp_path), flag, value],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and flag in p.stderr and "expected a positive number" in p.stderr, p.stderr
     assert not (tmp_path / "raytron.db").exists()

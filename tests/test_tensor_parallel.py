@@ -29,7 +29,7 @@ from workers.parallel.tensor import (
     VocabParallelEmbedding,
 )
 from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
-from workers.spawn import run_ranks
+from tests.helpers.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ KEYS = {"iteration", "loss", "moe_aux_loss", "lr", "grad_norm", "loss_scale", "s
 
 
 def _trainer(training, model=None):
-    from workers.train import Trainer
+    from workers.train.trainer import Trainer
 
     return Trainer(job_of(tiny_spec(model={"num_layers": 2, **(model or {})}, training=training)), 0, 1)
 
@@ -73,7 +73,7 @@ def test_lr_schedule_position_survives_the_checkpoint_hooks():
 
 
 def test_tensorboard_scalars_with_megatrons_names(tmp_path):
-    from workers.tensorboard import crc32c, read_scalars
+    from workers.train.tensorboard import crc32c, read_scalars
 
     assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
     t = _trainer({"train_iters": 2, "eval_interval": 2, "eval_iters": 1, "tensorboard_dir": str(tmp_path / "tb")})

@@ -4,9 +4,8 @@ per-parameter seeding every layout shares.
 The pydantic ``JobSpec`` (``service/spec/spec.py``) is parsed at the edge and turned into these
 by one function (``service.spec.spec.to_job_config``); nothing in ``workers/`` reads YAML, and no
 setting comes from an environment variable (torchrun's rendezvous variables, read by
-``workers.rank_main.torchrun_env``, say where a rank is, not how the job runs).
-:func:`stable_seed` and :func:`init_full` make a parameter's initial value a function of
-(seed, name, shape) alone.
+``workers.rank.main.torchrun_env``, say where a rank is, not how the job runs).
+:func:`stable_seed` makes a parameter's initial value a function of (seed, name, shape) alone.
 """
 
 from __future__ import annotations
@@ -38,12 +37,12 @@ class ModelConfig:
     init_method_std: float = 0.02
     recompute_granularity: str | None = None
     """Activation recomputation (Megatron's): None, "full" (whole layers) or "selective"
-    (the attention core only). See workers.recompute."""
+    (the attention core only). See workers.parallel.recompute."""
     recompute_method: str | None = None
     """With "full": "uniform" (groups of recompute_num_layers layers) or "block" (the first
     recompute_num_layers layers of each pipeline model chunk)."""
     recompute_num_layers: int | None = None
-    # Multi-latent attention (DeepSeek-V2/V3) and its YaRN rotary scaling: workers/mla.py, workers/yarn.py.
+    # Multi-latent attention (DeepSeek-V2/V3) and its YaRN rotary scaling: workers/model/mla.py, workers/model/yarn.py.
     multi_latent_attention: bool = False
     q_lora_rank: int | None = None
     """None: queries from one column-parallel projection (no low-rank compression)."""
@@ -146,7 +145,7 @@ class TrainingConfig:
     seed: int = 1234
     data: str | tuple[str, ...] = "builtin:tiny"
     """A corpus (builtin:tiny, a .npy/.bin token file, a Megatron prefix) or a blend as Megatron's
-    --data-path: ("0.7", "a", "0.3", "b") or ("a", "b") (see workers.dataset)."""
+    --data-path: ("0.7", "a", "0.3", "b") or ("a", "b") (see workers.data.dataset)."""
     weight_decay: float = 0.0
     min_lr: float = 0.0
     lr_warmup_iters: int = 0
@@ -155,7 +154,7 @@ class TrainingConfig:
     lr_decay_iters: int | None = None
     """None: train_iters."""
     lr_decay_style: str = "constant"
-    """constant | linear | cosine | inverse-square-root | WSD (workers.lr_schedule)."""
+    """constant | linear | cosine | inverse-square-root | WSD (workers.train.lr_schedule)."""
     lr_wsd_decay_style: str = "exponential"
     """WSD's annealing shape: exponential | linear | cosine | minus_sqrt."""
     lr_wsd_decay_iters: int | None = None
@@ -228,12 +227,3 @@ def stable_seed(seed: int, name: str) -> int:
     """
     digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def init_full(seed: int, name: str, shape: tuple[int, ...], std: float):
-    """The full (unsharded) initial value of a parameter: N(0, std^2), a pure function of
-    (seed, name, shape). Ranks make only their shard of it with
-    :class:`workers.parallel.initializer.NormalInit`, which gives the same numbers."""
-    from workers.parallel.initializer import NormalInit
-
-    return NormalInit(seed, name, shape, std).materialize()

@@ -45,7 +45,7 @@ from service.control.rank_group import RankGroup
 from service.control.result import result_object
 from service.control.sizing import Sizer
 from workers.config import JobConfig
-from workers.faults import Fault
+from workers.rank.faults import Fault
 from workers.grid import ParallelGrid
 
 CHECKED_METRICS = ("loss", "grad_norm")  # a non-finite value of either fails the job at that iteration
@@ -354,7 +354,7 @@ class JobController:
         Once the job has recorded iterations, the latest one not past them: the ranks may save a
         checkpoint and die before the call that saved it returns its metrics, and resuming from
         it would leave those iterations out of the curve (``keep_last`` >= 2 keeps the one before)."""
-        from workers.checkpoint_storage import Storage, list_checkpoints
+        from workers.checkpoint.storage import Storage, list_checkpoints
 
         ckpt = self.job.checkpoint
         if ckpt.dir:

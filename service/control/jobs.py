@@ -19,13 +19,13 @@ from service.spec.placement import plan_placement
 from service.control.policy import FailurePolicy
 from service.spec.spec import load_spec, to_job_config
 from workers.config import JobConfig
-from workers.faults import Fault
+from workers.rank.faults import Fault
 from workers.grid import ParallelGrid
 
 
 def prepare(spec_path: str) -> tuple[JobConfig, ParallelGrid]:
     """Everything that can be refused before a process starts. Raises ValueError naming the file."""
-    from workers.dataset import check_corpus
+    from workers.data.dataset import check_corpus
 
     job = to_job_config(load_spec(spec_path))
     try:

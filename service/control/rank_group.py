@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from workers.config import JobConfig
-from workers.faults import Fault
+from workers.rank.faults import Fault
 from workers.grid import ParallelGrid
 
 

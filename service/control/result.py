@@ -2,7 +2,7 @@
 
 Its keys: ``job_id``, ``state``, ``iterations``, ``losses``, ``restarts``, ``world_size``,
 ``sizes``, ``placement`` (per rank exactly :data:`PLACEMENT_KEYS`, read from the ranks'
-placement records, :meth:`workers.placement_record.PlacementRecord.to_dict`), each series of
+placement records, :meth:`workers.rank.placement_record.PlacementRecord.to_dict`), each series of
 :data:`SERIES` the metrics carry, and ``error`` when the job did not succeed.
 """
 

@@ -1,6 +1,6 @@
 """``--launcher processes``: a job's ranks as local processes, driven by the job controller.
 
-:class:`ProcessRankGroup` is one attempt: one process per rank (``workers/rank_process.py``),
+:class:`ProcessRankGroup` is one attempt: one process per rank (``workers/rank/process.py``),
 each with a duplex command pipe, forked from a ``forkserver`` that has already imported torch
 (a rank costs a fork, not a 3-second import). Rendezvous is a free loopback port; a port taken
 between choosing and binding it is retried with a new one. Failures are typed exactly as on
@@ -23,11 +23,11 @@ from service.control.errors import JobError, RankDied, RankRaised
 from service.ranks.gather import collect
 from service.spec.placement import RankPlacement, plan_placement
 from workers.config import JobConfig
-from workers.faults import Fault
+from workers.rank.faults import Fault
 from workers.grid import COORDS, ParallelGrid
-from workers.placement_record import PlacementRecord
+from workers.rank.placement_record import PlacementRecord
 
-_PRELOAD = ["torch", "torch.distributed", "workers.train"]
+_PRELOAD = ["torch", "torch.distributed", "workers.train.trainer"]
 _PORT_RETRIES = 3
 
 
@@ -60,8 +60,8 @@ class ProcessRankGroup:
         raise AssertionError("unreachable")
 
     def _start_once(self, faults: tuple) -> list[dict]:
-        from workers.rank_process import rank_process_main
-        from workers.spawn import free_port
+        from workers.rank.process import rank_process_main
+        from workers.rank.distributed import free_port
 
         port = free_port()
         for p in self.plan:

@@ -38,7 +38,7 @@ def clear_leftovers(job_id: str, world_size: int, wait_s: float = 30.0) -> None:
     from ray.util import placement_group_table
     from ray.util.placement_group import get_placement_group, remove_placement_group
 
-    from workers.rank_actor import actor_name
+    from workers.rank.actor import actor_name
 
     stale = []
     for rank in range(world_size):

@@ -7,7 +7,7 @@ may have another size). One attempt:
 1. a placement group with one bundle per node of the plan (``{"GPU": gpus_per_node, "CPU": ...}``,
    STRICT_SPREAD), waited for with a timeout; a job that cannot fit fails with needed vs
    available nodes and GPUs;
-2. one :class:`~workers.rank_actor.RankActor` per rank, in the bundle of its planned node, one
+2. one :class:`~workers.rank.actor.RankActor` per rank, in the bundle of its planned node, one
    GPU each; the rank comes from the plan, never from the order in which actors start. All are
    created at once so that their torch imports overlap;
 3. rendezvous: rank 0 reports its node IP and a free port; every rank joins the process group
@@ -39,9 +39,9 @@ from service.ranks.ray_cluster import RaySession
 from service.ranks.ray_actors import clear_leftovers, kill_actors, kill_and_wait
 from service.ranks.ray_nodes import capacity_message, could_ever_fit, dead_nodes, node_totals
 from workers.config import JobConfig
-from workers.faults import Fault
+from workers.rank.faults import Fault
 from workers.grid import COORDS, ParallelGrid
-from workers.placement_record import PlacementRecord
+from workers.rank.placement_record import PlacementRecord
 
 
 @dataclass
@@ -128,7 +128,7 @@ class RayRankGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from workers.rank_actor import RankActor, actor_name
+        from workers.rank.actor import RankActor, actor_name
 
         return ray.remote(RankActor).options(
             name=actor_name(self.job_id, p.rank), num_gpus=1, num_cpus=self.config.cpus_per_rank, max_restarts=0,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from service.control.errors import RankRaised
 from service.control.result import result_object
 from workers.config import JobConfig
-from workers.faults import Fault
+from workers.rank.faults import Fault
 from workers.grid import COORDS, ParallelGrid
 
 
@@ -18,8 +18,8 @@ def run_torchrun_rank(job: JobConfig, grid: ParallelGrid, env: dict, *, job_id: 
     on rank 0, None on the others."""
     import torch.distributed as dist
 
-    from workers.rank_main import train_rank
-    from workers.spawn import init_distributed
+    from workers.rank.main import train_rank
+    from workers.rank.distributed import init_distributed
 
     if env["world_size"] != grid.world_size:
         raise ValueError(f"torchrun started {env['world_size']} processes but the spec's world_size is "

@@ -48,7 +48,7 @@ from service.ranks.launcher import LAUNCHERS, open_launcher
 from service.spec.spec import parse_spec, to_job_config
 from service.server.store import TERMINAL_STATES, JobStore
 from workers.config import JobConfig
-from workers.faults import Fault
+from workers.rank.faults import Fault
 from workers.grid import ParallelGrid
 
 log = logging.getLogger("raytron.job")

@@ -27,7 +27,7 @@ from service.server.runners import runner_command
 from service.server.logs import job_dir, log_path, read_runner, write_runner
 from service.server.scheduler import NodeSlots
 from service.server.store import JobStore
-from workers.faults import Fault
+from workers.rank.faults import Fault
 
 ALIVE = ("PENDING", "RUNNING")
 

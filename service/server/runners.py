@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Protocol, Sequence
 
 from service.server.logs import job_dir, log_path, read_runner, write_runner
-from workers.faults import Fault
+from workers.rank.faults import Fault
 
 
 class JobRunners(Protocol):

@@ -1,4 +1,4 @@
-"""The spec side of multi-latent attention (MLA, :mod:`workers.mla`): its rules, the fields it hands the
+"""The spec side of multi-latent attention (MLA, :mod:`workers.model.mla`): its rules, the fields it hands the
 worker config, and its sizes for ``raytron plan`` (parameters, FLOPs, activations, CP bytes). Pure,
 no torch.
 """

@@ -10,10 +10,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from workers.data_blend import parse_split
-from workers.hf_families import model_from_hf_config, read_hf_config
-from workers.dataset import data_form_problem
-from workers.lr_schedule import LRSchedule
+from workers.data.blend import parse_split
+from workers.hf.families import model_from_hf_config, read_hf_config
+from workers.data.dataset import data_form_problem
+from workers.train.lr_schedule import LRSchedule
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 """Unknown fields refused, no type coercion (``"2"`` is not 2), only finite numbers."""
@@ -66,7 +66,7 @@ class ModelSpec(BaseModel):
         "aux_loss", description="the moe_aux_loss_coeff loss: per microbatch, per sequence, or none")
     moe_layer_freq: int | list[int] = Field(1, description="N: layers 0, N, 2N... are MoE; or one 1 (MoE) / "
                                             "0 (dense) per layer, e.g. DeepSeek's first_k_dense_replace 1: [0,1,1,...]")
-    # Multi-latent attention (DeepSeek-V2/V3) and YaRN: rules in service/spec/mla.py, model in workers/mla.py.
+    # Multi-latent attention (DeepSeek-V2/V3) and YaRN: rules in service/spec/mla.py, model in workers/model/mla.py.
     multi_latent_attention: bool = Field(False, description="DeepSeek-V2/V3 multi-latent attention (no GQA: "
                                          "leave num_query_groups unset)")
     q_lora_rank: int | None = Field(None, ge=1, description="MLA: query compression rank; null = no compression")
@@ -108,7 +108,7 @@ class ModelSpec(BaseModel):
 def hf_model_fields(directory: str) -> dict:
     """The ModelSpec architecture fields of a Hugging Face directory's config.json (all but
     seq_length: max_position_embeddings is not the training sequence length), MoE routing, MLA
-    and YaRN fields included (Qwen3-MoE, DeepSeek-V3: :mod:`workers.hf_families`)."""
+    and YaRN fields included (Qwen3-MoE, DeepSeek-V3: :mod:`workers.hf.families`)."""
     config = read_hf_config(directory, "model.from_hf")
     try:
         hf = model_from_hf_config(config)

@@ -13,7 +13,7 @@ all_to_all         bytes sent to the other ranks
 send               tensor bytes
 =================  =====================================
 
-A group gets a readable label (``"tp"``, ``"dp-cp"``, ...) from ``workers.groups`` through
+A group gets a readable label (``"tp"``, ``"dp-cp"``, ...) from ``workers.parallel.groups`` through
 :func:`label_group`; unlabelled groups count under ``"other"``.
 """
 

@@ -3,7 +3,7 @@
 CP rank ``i`` of ``cp`` holds chunks ``i`` and ``2 cp - 1 - i`` of the sequence cut into
 ``2 cp`` equal chunks. Pure position math, shared by the split itself
 (:mod:`workers.parallel.context`), the ring's block plans (:mod:`workers.parallel.context_ring`)
-and rotary embeddings (:mod:`workers.model`).
+and rotary embeddings (:mod:`workers.model.decoder`).
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ class MoELayer(nn.Module):
         routing: Routing | None = None,
         shared: nn.Module | None = None,
     ) -> "MoELayer":
-        """Build every part from the full, unsharded tensors (see ``workers.config.init_full``).
+        """Build every part from the full, unsharded tensors (see ``tests.helpers.init.init_full``).
 
         Args:
             router_weight: ``[E, h]``.

@@ -271,7 +271,7 @@ def build_optimizer(param_groups: ParamGroups, *, distributed: bool, lr: float, 
             main grads (bf16/fp16 mixed precision); ``None``: fp32.
         clip_grad: clip the global grad norm to this value; 0: no clipping (the norm is
             computed and reported anyway).
-        grad_scaler: fp16's :class:`workers.mixed_precision.DynamicGradScaler` (the caller
+        grad_scaler: fp16's :class:`workers.train.mixed_precision.DynamicGradScaler` (the caller
             multiplies the loss by its ``scale``); ``None``: no loss scaling.
         tp_rank: this rank's TP rank (TP duplicates are counted once in the norm).
         norm_group: every rank of the job, over which the norm and overflow flag are reduced.

@@ -41,7 +41,7 @@ from torch import nn
 
 from workers.parallel import comm
 from workers.parallel.initializer import materialize
-from workers.recompute import is_recomputing
+from workers.parallel.recompute import is_recomputing
 from workers.routing import Routing, routing_problem
 
 __all__ = ["Routing", "TopKRouter", "group_limited_topk", "routers_with_bias", "update_expert_biases"]

@@ -1,0 +1,62 @@
+"""``raytron export --format hf``: a raytron checkpoint as a Hugging Face model directory.
+
+Reads the full (logical) tensors through :class:`workers.checkpoint.reader.CheckpointReader` and
+writes them under Hugging Face's names (:func:`workers.hf.interop.to_hf`), so transformers
+loads the result as the class of its family (:mod:`workers.hf.families`: Llama, Mixtral, Qwen2,
+Qwen3, Qwen3-MoE, DeepSeek-V3).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from workers.checkpoint.layout import Box
+from workers.checkpoint.reader import CheckpointReader
+from workers.hf.interop import hf_config, logical_shapes, to_hf
+
+
+def export_hf(checkpoint: str, out_dir: str) -> dict:
+    """Write a raytron checkpoint (a directory, or the latest under a root) as a Hugging Face
+    model directory: ``model.safetensors`` (float32) and ``config.json``.
+
+    Returns:
+        ``{"iteration", "architecture", "bytes", "path"}``.
+    """
+    reader = CheckpointReader.open(checkpoint)
+    reader.verify()  # every byte against the manifest before it leaves raytron
+    m = reader.model
+    config = hf_config(m)  # refuses a model no family expresses before anything is read
+    tensors, storages = {}, set()
+    # every DeepSeek-V3 router has a bias: a sigmoid router without one writes zeros
+    shapes = logical_shapes({**m, "moe_router_enable_expert_bias": config["model_type"] == "deepseek_v3"})
+    for name, shape in shapes.items():
+        key = f"model/{name}"
+        if reader.has(key) or not name.endswith("router.expert_bias"):
+            full = reader.read(key, Box((0,) * len(shape), shape))
+        else:
+            full = torch.zeros(shape)
+        tensors.update({k: _own(v, storages) for k, v in to_hf(name, full, m).items()})
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "model.safetensors"
+    save_file(tensors, path, {"format": "pt", "raytron_iteration": str(reader.iteration)})
+    size = path.stat().st_size
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {"iteration": reader.iteration, "architecture": config["architectures"][0], "bytes": size, "path": str(out)}
+
+
+def _own(t: torch.Tensor, storages: set[int]) -> torch.Tensor:
+    """``t`` contiguous on the CPU in memory of its own (a clone unless it already is), so that
+    ``save_file`` takes every tensor whatever it is a view of: it refuses non-contiguous tensors
+    and tensors whose memory overlaps (gate_up's halves and the experts are views of one tensor)."""
+    t = t.detach().cpu().contiguous()
+    storage = t.untyped_storage()
+    whole = t.storage_offset() == 0 and t.numel() * t.element_size() == storage.nbytes()
+    if not whole or storage.data_ptr() in storages:
+        t = t.clone()
+    storages.add(t.untyped_storage().data_ptr())
+    return t

@@ -1,0 +1,277 @@
+"""A Llama/Mixtral-style decoder built from the parallel layers.
+
+RMSNorm, rotary embeddings, grouped-query attention (fused QKV, column-parallel, optionally
+with a bias (Qwen2) and RMSNorm on each q and k head (Qwen3); output row-parallel) or DeepSeek's
+multi-latent attention (:mod:`workers.model.mla`), SwiGLU MLP (gate/up column-parallel, down
+row-parallel) or a Mixtral MoE, vocab-parallel embedding and output layer, untied or tied (see
+:meth:`ModelChunk.tied_parameters`). Activations are ``[seq, batch, hidden]``;
+with sequence parallelism the sequence is sharded over TP outside the TP regions, and with
+context parallelism each CP rank holds its two load-balanced chunks of the sequence.
+
+Every parameter is a pure function of (seed, name, full shape)
+(:class:`workers.parallel.initializer.NormalInit`), of which each rank makes only its own
+shard: every layout starts from the same model, and init costs O(shard) per rank. The vocabulary is padded to a multiple of tp with zero rows whose logits are masked
+to -inf: the padding changes with tp but never the loss.
+
+A pipeline stage builds only its own layers: :class:`ModelChunk` holds a contiguous run of
+layers, plus the embedding on the first virtual stage and the final norm and output layer
+on the last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workers.config import ModelConfig
+from workers.model.attention import Attention, RMSNorm, rotary_tables  # noqa: F401 (rotary_tables: re-exported)
+from workers.model.fused import swiglu
+from workers.model.mla import MLAttention
+from workers.parallel import comm
+from workers.parallel.context import cp_positions
+from workers.parallel.expert import MoELayer, Routing
+from workers.parallel.initializer import Cat, NormalInit, Zeros
+from workers.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from workers.parallel.recompute import is_recomputing, run_layers
+from workers.model.yarn import mla_rotary_tables
+
+
+@dataclass(frozen=True)
+class ShardContext:
+    """What a rank's model shard needs to know about its layout."""
+
+    tp_group: object = None
+    cp_group: object = None
+    tp_cp_group: object = None
+    cp_ranks: tuple[int, ...] | None = None
+    ep_group: object = None
+    etp_group: object = None
+    sequence_parallel: bool = False
+    cp_comm_type: str = "p2p"
+    seed: int = 1234
+
+    @property
+    def tp_size(self) -> int:
+        return comm.world_size(self.tp_group)
+
+    @property
+    def tp_rank(self) -> int:
+        return comm.rank(self.tp_group)
+
+    @property
+    def cp_size(self) -> int:
+        return comm.world_size(self.cp_group)
+
+    @property
+    def token_group(self):
+        """The ranks whose tokens together make one microbatch: TP x CP with SP, else CP."""
+        return self.tp_cp_group if self.sequence_parallel and self.tp_size > 1 else self.cp_group
+
+
+def padded_vocab(vocab_size: int, tp_size: int) -> int:
+    return -(-vocab_size // tp_size) * tp_size
+
+
+class MLP(nn.Module):
+    """SwiGLU. Gate and up share one column-parallel layer (one SP all-gather, not two):
+    its full weight interleaves them per TP shard so rank r holds ``[gate_r; up_r]``."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ShardContext, prefix: str, ffn_hidden_size: int | None = None):
+        super().__init__()
+        h, std, sp, tp_size = cfg.hidden_size, cfg.init_method_std, ctx.sequence_parallel, ctx.tp_size
+        f = ffn_hidden_size or cfg.ffn_hidden_size
+        gate = NormalInit(ctx.seed, f"{prefix}.gate", (f, h), std)
+        up = NormalInit(ctx.seed, f"{prefix}.up", (f, h), std)
+        per = f // tp_size
+        gate_up = Cat([part for r in range(tp_size)
+                       for part in (gate.narrow(0, r * per, per), up.narrow(0, r * per, per))])
+        self.gate_up = ColumnParallelLinear(gate_up, ctx.tp_group, sequence_parallel=sp)
+        self.down = RowParallelLinear(NormalInit(ctx.seed, f"{prefix}.down", (h, f), std), ctx.tp_group,
+                                      sequence_parallel=sp)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """SwiGLU MLP of ``x``, plus ``residual`` if given (folded into the down GEMM)."""
+        return self.down(swiglu(self.gate_up(x)), residual)
+
+
+def moe_layer(cfg: ModelConfig, ctx: ShardContext, prefix: str) -> MoELayer:
+    """The MoE of layer ``prefix``: router, routed experts (``moe_ffn_hidden_size``) and, with
+    ``moe_shared_expert_intermediate_size``, shared experts (an :class:`MLP`, ``mlp.shared_mlp``)."""
+    e, h, f, std = cfg.num_moe_experts, cfg.hidden_size, cfg.expert_ffn_hidden_size, cfg.init_method_std
+    shared = cfg.moe_shared_expert_intermediate_size
+    return MoELayer.from_full(
+        NormalInit(ctx.seed, f"{prefix}.router", (e, h), std),
+        NormalInit(ctx.seed, f"{prefix}.experts.gate", (e, f, h), std),
+        NormalInit(ctx.seed, f"{prefix}.experts.up", (e, f, h), std),
+        NormalInit(ctx.seed, f"{prefix}.experts.down", (e, h, f), std),
+        topk=cfg.moe_router_topk, ep_group=ctx.ep_group, etp_group=ctx.etp_group,
+        aux_loss_coeff=cfg.moe_aux_loss_coeff, sequence_parallel=ctx.sequence_parallel,
+        token_group=ctx.token_group, routing=Routing.of(cfg),
+        shared=MLP(cfg, ctx, f"{prefix}.shared_mlp", shared) if shared else None,
+    )
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on the activations whose backward also backpropagates the MoE aux loss.
+
+    The aux loss of a layer on an early pipeline stage cannot join the last stage's loss, so
+    (as Megatron's MoEAuxLossAutoScaler does) its gradient rides on the activation's backward.
+    """
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, ctx.scale), None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ShardContext, index: int):
+        super().__init__()
+        prefix = f"layers.{index}"
+        self.index = index  # global layer index: the parameter names' prefix
+        self.ctx = ctx
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
+        if cfg.multi_latent_attention:
+            self.attention = MLAttention(cfg, ctx, f"{prefix}.attention", norm=RMSNorm)
+        else:
+            self.attention = Attention(cfg, ctx, f"{prefix}.attention")
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
+        if cfg.is_moe_layer(index):
+            self.mlp = moe_layer(cfg, ctx, prefix)
+        else:
+            self.mlp = MLP(cfg, ctx, f"{prefix}.mlp")
+        self.aux_scale = 0.0  # gradient weight of this layer's aux loss, set by the trainer
+        self.aux_loss_sum = None  # detached aux losses of the iteration's microbatches
+
+    def forward(self, x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
+        x = self.attention(self.input_norm(x), rotary, residual=x)
+        h = self.post_norm(x)
+        if isinstance(self.mlp, MoELayer):
+            y, aux = self.mlp(h)
+            if not is_recomputing():  # a recomputed forward must not record its aux loss twice
+                self.aux_loss_sum = aux.detach() if self.aux_loss_sum is None else self.aux_loss_sum + aux.detach()
+            if aux.requires_grad:
+                y = _AttachAuxLoss.apply(y, aux, self.aux_scale)
+        else:
+            return self.mlp(h, residual=x)
+        return x + y
+
+
+class ModelChunk(nn.Module):
+    """A contiguous run of decoder layers (one pipeline virtual stage).
+
+    Args:
+        cfg: the model.
+        ctx: the rank's groups and settings.
+        layer_ids: global indices of this chunk's layers.
+        pre_process: holds the embedding (first virtual stage): input is tokens ``[s, b]``.
+        post_process: holds the final norm and output layer (last virtual stage): output is
+            vocab-parallel logits ``[s, b, padded_vocab / tp]`` with padding masked.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: ShardContext, layer_ids: list[int], *, pre_process: bool,
+                 post_process: bool, positions: torch.Tensor):
+        super().__init__()
+        self.cfg, self.ctx = cfg, ctx
+        self.pre_process, self.post_process = pre_process, post_process
+        rotary = (mla_rotary_tables(positions, cfg) if cfg.multi_latent_attention
+                  else rotary_tables(positions, cfg.head_dim, cfg.rotary_base))
+        self.register_buffer("rotary", rotary, persistent=False)
+        vocab = padded_vocab(cfg.vocab_size, ctx.tp_size)
+        if pre_process:
+            emb = _padded_table(ctx.seed, "embedding", cfg, vocab)
+            self.embedding = VocabParallelEmbedding(emb, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, i) for i in layer_ids)
+        # The RoPE tables now, so they count as buffers from the start (MLA rotates without them).
+        for layer in self.layers if not cfg.multi_latent_attention else ():
+            layer.attention._rope_tables(self.rotary, cfg.num_attention_heads // cfg.num_query_groups + 2)
+        if post_process:
+            self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
+            out = _padded_table(ctx.seed, "embedding" if cfg.tied_embeddings else "output", cfg, vocab)
+            self.output = ColumnParallelLinear(out, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
+            if cfg.tied_embeddings:
+                if pre_process:  # one stage: the output layer uses the embedding's parameter itself
+                    self.output.weight = self.embedding.weight
+                    # Two uses in one backward: a fused weight gradient's dummy must be zeros
+                    # (Megatron's zero_out_wgrad, see workers.parallel.wgrad).
+                    self.output.weight.zero_out_wgrad = True
+                else:  # the last stage's copy (Megatron's): equal at init, grads summed with stage 0's
+                    self.output.weight.tied_copy = True
+            per = vocab // ctx.tp_size
+            start = ctx.tp_rank * per
+            pad = torch.arange(start, start + per) >= cfg.vocab_size
+            self.register_buffer("vocab_pad_mask", pad, persistent=False)
+            self.has_vocab_pad = bool(pad.any())  # known at build time: no per-step check
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre_process:
+            x = self.embedding(x)
+        x = run_layers(self.layers, x, self.rotary, self.cfg)
+        if self.post_process:
+            logits = self.output(self.final_norm(x))
+            x = logits.masked_fill(self.vocab_pad_mask, float("-inf")) if self.has_vocab_pad else logits
+        return x
+
+    def logical_parameters(self):
+        """Yield ``(full name, param, shards)`` for every parameter of this chunk.
+
+        The full name uses the global layer index (``layers.5.attention.qkv.weight``), the
+        same on every layout. ``shards`` says which part of the full tensor ``param`` is: a
+        tuple of ``(dim, index, count)``, i.e. the ``index``-th of ``count`` equal slices of
+        ``dim`` (empty for a replicated param). The vocab-parallel tables include the vocab
+        padding rows; ``mlp.gate_up`` is laid out ``[gate_r; up_r]`` per TP rank.
+        """
+        # (rank, size) in each group a parameter may be sliced over
+        tp_slice = (self.ctx.tp_rank, self.ctx.tp_size)
+        ep_slice = (comm.rank(self.ctx.ep_group), comm.world_size(self.ctx.ep_group))
+        etp_slice = (comm.rank(self.ctx.etp_group), comm.world_size(self.ctx.etp_group))
+        for name, p in self.named_parameters():
+            if name == "output.weight" and self.cfg.tied_embeddings:
+                name = "embedding.weight"  # the last stage's copy: the same logical tensor
+            if name.startswith("layers."):
+                _, local, rest = name.split(".", 2)
+                name = f"layers.{self.layers[int(local)].index}.{rest}"
+            shards = []
+            if getattr(p, "tensor_model_parallel", False) and tp_slice[1] > 1:
+                shards.append((p.partition_dim, *tp_slice))
+            if getattr(p, "is_expert", False):
+                shards += [(dim, *where) for dim, where in ((p.ep_partition_dim, ep_slice),
+                                                            (p.etp_partition_dim, etp_slice)) if where[1] > 1]
+            yield name, p, tuple(shards)
+
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """With tied embeddings over several stages: this chunk's embedding or its copy, whose
+        gradient is summed over the embedding group (first and last stage)."""
+        if not self.cfg.tied_embeddings or self.pre_process == self.post_process:
+            return []
+        return [self.embedding.weight if self.pre_process else self.output.weight]
+
+    def pop_aux_loss(self) -> float:
+        """Sum of this chunk's MoE aux losses over layers and microbatches since the last call."""
+        total = 0.0
+        for layer in self.layers:
+            if layer.aux_loss_sum is not None:
+                total += float(layer.aux_loss_sum)
+                layer.aux_loss_sum = None
+        return total
+
+
+def _padded_table(seed: int, name: str, cfg: ModelConfig, padded: int) -> Cat:
+    """A vocab table ``[padded, hidden]``: the real rows, then zero rows up to a multiple of tp."""
+    rows = NormalInit(seed, name, (cfg.vocab_size, cfg.hidden_size), cfg.init_method_std)
+    return Cat([rows] + ([Zeros((padded - cfg.vocab_size, cfg.hidden_size))] if padded > cfg.vocab_size else []))
+
+
+def local_positions(cfg: ModelConfig, ctx: ShardContext, cp_rank: int) -> torch.Tensor:
+    """Global positions of this CP rank's tokens (its two load-balanced chunks)."""
+    if ctx.cp_size == 1:
+        return torch.arange(cfg.seq_length)
+    return cp_positions(cfg.seq_length, ctx.cp_size, cp_rank)

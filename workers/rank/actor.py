@@ -1,0 +1,177 @@
+"""One rank of a job as a Ray actor.
+
+The Ray launcher (``service/ranks/ray_launcher.py``, one ``RayRankGroup`` per attempt) creates one
+:class:`RankActor` per rank, named ``raytron:<job_id>:rank<r>`` so it shows in ``ray list actors``
+and the dashboard, each in its node's placement-group bundle with one GPU. Its life:
+
+1. ``__init__`` imports torch and the training stack at once. Every actor's constructor runs
+   concurrently as soon as it is scheduled, so the dominant start-up cost (the torch import,
+   ~2 s of CPU per process) overlaps across ranks instead of queueing behind the rendezvous.
+2. ``rendezvous_address()`` (rank 0 only): this node's IP and a free port for the TCP store.
+3. ``setup(job, ...)``: joins the process group (gloo on CPU, nccl on GPU, with a collective
+   timeout so that a silent peer becomes an error), builds the :class:`~workers.train.trainer.Trainer` of
+   this attempt's job (the checkpoint it resumes from), and returns its placement record
+   (:class:`~workers.rank.placement_record.PlacementRecord`: Ray node id, hostname, pid, device, grid
+   coordinates, the checkpoint it resumed from).
+4. ``run(n)``: ``n`` iterations (through :class:`~workers.rank.main.RankRunner`, which also fires
+   failure drills); returns their metrics and exports each as Ray metrics.
+5. ``stall()``: answered from a second thread while ``run`` is blocked: the group kind a hang
+   drill blocked in, or "" (the controller asks a rank that stopped answering).
+6. ``reset()``: after a failed attempt, a rank that survived it forgets the attempt (its trainer
+   and process groups) but keeps its process, torch imported, so that the next attempt starts
+   it again with ``setup`` instead of a new actor (see ``service/ranks/ray_launcher.py``).
+
+Nothing here imports torch or ray at module level: the driver imports this module only to name
+the class.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+from workers.config import JobConfig
+from workers.rank.faults import Fault
+from workers.grid import COORDS
+from workers.rank.placement_record import PlacementRecord
+
+METRIC_TAGS = ("job_id", "rank", *COORDS)
+
+
+def actor_name(job_id: str, rank: int) -> str:
+    """The Ray actor name of a rank (unique per job)."""
+    return f"raytron:{job_id}:rank{rank}"
+
+
+class RankActor:
+    """A rank of ``job``: process-group member, model shard, optimizer and data position.
+
+    Args:
+        rank: this rank; the controller assigns it from the placement plan, never from the
+            order in which actors happen to start.
+        job_id: tags the metrics.
+    """
+
+    def __init__(self, rank: int, job_id: str):
+        import torch
+
+        # Two cores are shared by every rank on a simulated cluster; on a real node each rank
+        # has its GPU and intra-op CPU threads only fight the data loader.
+        torch.set_num_threads(1)
+        import workers.train.trainer  # noqa: F401 - warm the rest of the stack during the start-up overlap
+
+        self.rank, self.job_id = rank, job_id
+        self.runner = None
+        self.stalled_in = ""
+        self._gauges: dict = {}
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Where the process group meets: this node's IP and a port free on it a moment ago."""
+        import ray
+
+        from workers.rank.distributed import free_port
+
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port(ip)
+
+    def setup(self, job: JobConfig, master_addr: str, master_port: int, world_size: int, local_rank: int,
+              collective_timeout_s: float, faults: tuple[Fault, ...] = ()) -> PlacementRecord:
+        """Join the process group and build the trainer of ``job`` (this attempt's: its size and the
+        checkpoint to resume from); returns this rank's placement record."""
+        import ray
+        import torch.distributed as dist
+
+        from workers.rank.main import RankRunner
+        from workers.rank.distributed import init_distributed, rank_device
+
+        # Ray exposes exactly one GPU to this actor (CUDA_VISIBLE_DEVICES), so any slot maps to it.
+        device = rank_device(local_rank)
+        backend = init_distributed(self.rank, world_size, master_addr, master_port, timeout_s=collective_timeout_s)
+        if self.runner is not None:
+            raise RuntimeError(f"rank {self.rank}: setup() twice without reset()")
+        self.runner = RankRunner(job, self.rank, world_size, device=device, faults=faults,
+                                 on_stall=self._stalled)
+        self._make_gauges(self.runner.trainer.coords)
+        ctx = ray.get_runtime_context()
+        return self.runner.placement(
+            node_id=ctx.get_node_id(), node_ip=ray.util.get_node_ip_address(), actor_id=ctx.get_actor_id(),
+            backend=backend, world_size=dist.get_world_size(), gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+            local=local_rank)
+
+    def run(self, iterations: int) -> list[dict]:
+        """Train ``iterations`` iterations; returns each one's metrics (the loss is global).
+
+        When they fail, this rank forgets the attempt before it raises (:meth:`reset`): a gloo
+        group closes its connections only once nothing refers to it any more, and only then do the
+        peers blocked in a collective with this rank fail at once instead of at their timeout."""
+        if self.runner is None:
+            raise RuntimeError(f"rank {self.rank}: run() before setup()")
+        try:
+            return self.runner.run(iterations, on_metrics=self._export)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, without its frames
+            error = exc
+        # Outside the handler, so that nothing holds the failed call's frames (and, through them,
+        # the trainer and its groups); the traceback travels as text.
+        error.add_note("".join(traceback.format_exception(error)).rstrip())
+        error.__traceback__ = error.__context__ = error.__cause__ = None
+        self.reset()
+        raise error
+
+    def stall(self) -> str:
+        """The collective a hang drill blocked in ("tp all_reduce"), or ""."""
+        return self.stalled_in
+
+    def _stalled(self, where: str) -> None:
+        self.stalled_in = where
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def reset(self) -> int:
+        """Forget the attempt, keep the process: finish a pending checkpoint write, leave the
+        process groups (peers that are gone are not waited for), free the trainer. Returns the pid."""
+        import gc
+
+        import torch
+
+        from workers.rank.main import abort_process_groups
+
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            try:
+                runner.close()
+            except Exception:  # noqa: BLE001 - a failed write leaves an incomplete checkpoint, never loaded
+                pass
+        abort_process_groups()
+        self.stalled_in = ""
+        del runner
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return os.getpid()
+
+    def _make_gauges(self, coords: dict) -> None:
+        from ray.util.metrics import Gauge
+
+        tags = {"job_id": self.job_id, "rank": str(self.rank),
+                **{k: str(coords[k]) for k in COORDS}}
+        if self._gauges:  # a reused rank: same metrics, this attempt's coordinates
+            for gauge in self._gauges.values():
+                gauge.set_default_tags(tags)
+            return
+        for key, name, doc in (("loss", "raytron_lm_loss", "language-model loss of the last iteration"),
+                               ("val_loss", "raytron_val_loss", "validation loss of the last evaluation"),
+                               ("lr", "raytron_lr", "learning rate the last update applied"),
+                               ("grad_norm", "raytron_grad_norm", "global gradient L2 norm before clipping"),
+                               ("loss_scale", "raytron_loss_scale", "fp16 dynamic loss scale (1 otherwise)"),
+                               ("tokens_per_s", "raytron_tokens_per_s", "global-batch tokens per second"),
+                               ("step_time_s", "raytron_step_time_s", "seconds per iteration"),
+                               ("peak_mem_mb", "raytron_peak_mem_mb", "this rank's peak memory, MiB")):
+            gauge = Gauge(name, description=doc, tag_keys=METRIC_TAGS)
+            gauge.set_default_tags(tags)
+            self._gauges[key] = gauge
+
+    def _export(self, metrics: dict) -> None:
+        for key, gauge in self._gauges.items():
+            if metrics.get(key) is not None:  # val_loss only where an evaluation ran; grad_norm None on fp16 overflow
+                gauge.set(float(metrics[key]))

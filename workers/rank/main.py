@@ -1,0 +1,151 @@
+"""What one rank runs, whoever started it: a local rank process, a Ray actor, or torchrun.
+
+:class:`RankRunner` wraps the :class:`~workers.train.trainer.Trainer` (the seam to the training code):
+it loads the attempt's checkpoint (``job.checkpoint.resume_from``, chosen by the controller),
+runs iterations, saves a checkpoint every ``checkpoint.save_interval`` iterations (every rank
+at the same iteration, through one :class:`~workers.checkpoint.checkpointer.Checkpointer`), fires failure
+drills (:mod:`workers.rank.faults`) at the right iteration, and when anything raises it tears down
+this rank's process groups at once, so that peers blocked in a collective with it see
+"connection closed" now instead of waiting for their timeout. :meth:`RankRunner.placement` is
+the rank's placement record (:mod:`workers.rank.placement_record`), whoever started it.
+:func:`torchrun_env` reads the standard torchrun variables so that ``torchrun
+--nproc-per-node N $(which raytron) run SPEC --launcher processes`` runs the same code.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Callable
+
+from workers.config import JobConfig
+from workers.rank.faults import Fault, crash_in_save, trigger
+from workers.grid import COORDS
+from workers.rank.placement_record import PlacementRecord
+
+
+class RankRunner:
+    """One rank's trainer plus its failure drills.
+
+    Args:
+        job: the job.
+        rank: this rank (torch.distributed is initialised when world_size > 1).
+        world_size: ranks in the job.
+        device: where to compute.
+        faults: drills for this rank (others are ignored).
+        on_stall: told the group kind when a ``hang`` drill blocks (a side channel to the launcher).
+    """
+
+    def __init__(self, job: JobConfig, rank: int, world_size: int, device=None, *, faults=(),
+                 on_stall: Callable[[str], None] | None = None):
+        from workers.train.trainer import Trainer
+
+        self.rank, self.job = rank, job
+        mine = [f for f in faults if f.rank == rank]
+        self.faults = {f.iteration: f for f in mine if f.kind != "save"}
+        self.save_faults = {f.iteration: f for f in mine if f.kind == "save"}
+        self.on_stall = on_stall
+        self.trainer = Trainer(job, rank, world_size, device=device)
+        ckpt = job.checkpoint
+        self.resumed = {"iteration": 0, "path": None, "load_s": 0.0}
+        if ckpt.resume_from:
+            from workers.checkpoint.reader import load_checkpoint
+            from workers.hf.interop import open_source
+
+            t0 = time.perf_counter()
+            loaded = load_checkpoint(self.trainer, open_source(ckpt.resume_from))
+            self.resumed = {**loaded, "load_s": time.perf_counter() - t0}
+        self.checkpointer = None
+        if ckpt.save_interval and ckpt.dir:
+            from workers.checkpoint.checkpointer import Checkpointer
+
+            self.checkpointer = Checkpointer(ckpt.dir, keep_last=ckpt.keep_last, async_save=ckpt.async_save,
+                                             timeout_s=max(60.0, 2 * job.collective_timeout_s))
+
+    def placement(self, **where) -> PlacementRecord:
+        """This rank's placement record: this process (host, pid, device), its grid coordinates
+        and the checkpoint this attempt started from; ``where`` adds what the caller knows
+        beyond the process (its slot ``local``, and on Ray the node id, actor, ...)."""
+        c = self.trainer.coords
+        return PlacementRecord(
+            rank=self.rank, hostname=socket.gethostname(), pid=os.getpid(), device=str(self.trainer.device),
+            **{k: c[k] for k in (*COORDS, "etp", "expert_dp")},
+            resumed_iteration=self.resumed["iteration"], resumed_from=self.resumed["path"],
+            load_s=round(self.resumed["load_s"], 4), **where)
+
+    def run(self, iterations: int, on_metrics: Callable[[dict], None] | None = None) -> list[dict]:
+        """``iterations`` iterations; returns their metrics. On any error the groups are torn down."""
+        out = []
+        try:
+            for _ in range(iterations):
+                fault = self.faults.pop(self.trainer.iteration + 1, None)
+                if fault is not None:
+                    trigger(fault, self.on_stall)
+                metrics = self.trainer.train_step()
+                self._maybe_save(metrics)
+                if on_metrics is not None:
+                    on_metrics(metrics)
+                out.append(metrics)
+        except BaseException:
+            abort_process_groups()
+            raise
+        return out
+
+    def _maybe_save(self, metrics: dict) -> None:
+        """Save after every save_interval-th iteration (all ranks agree: same iteration counter);
+        the last iteration waits for an async save so the job ends with a complete checkpoint."""
+        if self.checkpointer is None:
+            return
+        it = self.trainer.iteration
+        if it % self.job.checkpoint.save_interval == 0:
+            fault = self.save_faults.pop(it, None)
+            if fault is not None:
+                crash_in_save(self.checkpointer)
+            t0 = time.perf_counter()
+            self.checkpointer.save(self.trainer)
+            metrics["checkpoint_save_s"] = round(time.perf_counter() - t0, 4)
+            metrics["checkpoint_bytes"] = int(self.checkpointer.last_stats.get("bytes", 0))
+        if it >= self.job.training.train_iters:
+            self.checkpointer.wait()
+
+    def close(self) -> None:
+        """Finish a pending async save, release the trainer (see :meth:`Trainer.close`)."""
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
+        finally:
+            self.trainer.close()
+
+
+def abort_process_groups() -> None:
+    """Leave torch.distributed now (closes this rank's connections; peers fail fast)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort on a rank that is failing anyway
+        pass
+
+
+def train_rank(rank: int, world_size: int, job: JobConfig, *, local_rank: int | None = None,
+               faults: tuple[Fault, ...] = ()) -> tuple[PlacementRecord, list[dict]]:
+    """Train the whole job on this rank (torchrun); returns its placement record and its
+    per-iteration metrics."""
+    from workers.rank.distributed import rank_device
+
+    local = rank if local_rank is None else local_rank
+    runner = RankRunner(job, rank, world_size, device=rank_device(local), faults=faults)
+    metrics = runner.run(job.training.train_iters)
+    return runner.placement(local=local_rank), metrics
+
+
+def torchrun_env() -> dict | None:
+    """RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK when started by torchrun, else None."""
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(k in os.environ for k in needed):
+        return None
+    return {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"]),
+            "master_addr": os.environ["MASTER_ADDR"], "master_port": int(os.environ["MASTER_PORT"]),
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0))}

@@ -1,0 +1,294 @@
+"""One rank's training loop: build the shard, run iterations, report metrics.
+
+An iteration: the global batch of iteration i is cut into ``dp`` contiguous slices, each
+rank's slice into microbatches; the pipeline schedule (1F1B, interleaved, or plain gradient
+accumulation when pp = 1) runs forwards and backwards; gradients are reduced once (dense over
+dp-cp, sequence-parallel weights over tp-dp-cp, experts over expert-dp); AdamW steps. Each
+microbatch's loss is ``sum(token losses) / tokens_in_global_batch``, so the gradients summed
+over all ranks are exactly the single-process gradient of the global-batch mean loss, and the
+reported loss is the same number whatever the layout.
+
+Before the optimizer step the LR of this update is set from Megatron's schedule
+(:class:`workers.train.lr_schedule.LRSchedule`, indexed by successful updates so far, so a step
+the fp16 loss scaler skips does not advance it); the step unscales (fp16), takes the global
+grad norm and clips by it (``training.clip_grad``), then updates the fp32 main params
+(:mod:`workers.parallel.optimizer`). Evaluation (:mod:`workers.train.evaluation`) follows the
+iterations Megatron evaluates after.
+
+On the dense path an iteration makes one host sync: clipping, the non-finite-norm skip and
+fp16's overflow skip are decided on the device (``AdamWOverGrads.step_on_device``), and the
+loss, the grad norm and the skip flags are read together by one ``tolist`` at the end (MoE
+layers add their own routing reads, evaluation its loss). On CUDA the batches go up from
+pinned memory with ``non_blocking`` copies.
+
+``train_step()`` returns the iteration's metrics, the same on every rank:
+
+* ``iteration``: completed iterations; ``loss``: the global-batch LM loss (unscaled);
+  ``moe_aux_loss``: the MoE load-balancing loss (None for a dense model);
+* ``lr``: the LR applied by this iteration's update (Megatron's log line shows the next
+  one, :meth:`LRSchedule.logged_lr`); on a skipped step, the LR it would have applied;
+* ``grad_norm``: the global L2 norm of the gradient before clipping, ``nan``/``inf`` when it
+  is not finite (no update then: the caller fails the job), ``None`` on an fp16 overflow step;
+* ``loss_scale``: the loss scale this iteration's backward used (1.0 without fp16);
+  ``skipped``: 1 if no update happened this iteration, else 0;
+* ``val_loss``: the validation loss when evaluation ran after this iteration, else None;
+* ``tokens_per_s``, ``step_time_s`` (training only, evaluation excluded), ``peak_mem_mb``.
+
+With ``training.tensorboard_dir`` the last rank also writes them as TensorBoard scalars under
+Megatron's names (:mod:`workers.train.tensorboard`).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+
+from workers.train import evaluation
+from workers.config import JobConfig
+from workers.data.dataset import GlobalSampler
+from workers.grid import ParallelGrid
+from workers.train.heap import pin_mmap_threshold, release_free_heap
+from workers.parallel.groups import ProcessGroups, build_process_groups
+from workers.train.lr_schedule import LRSchedule
+from workers.train.mixed_precision import DynamicGradScaler, compute_dtype
+from workers.model.decoder import ModelChunk, ShardContext, local_positions
+from workers.parallel import comm
+from workers.parallel.context import cp_split
+from workers.parallel.optimizer import build_optimizer
+from workers.parallel.pipeline import partition_layers, schedule
+from workers.parallel.pipeline_exec import run_pipeline
+from workers.parallel.router import update_expert_biases
+from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
+from workers.train.tensorboard import EventWriter
+from workers.train.reduce import global_aux_loss, global_loss_tensor, param_groups
+
+
+class Trainer:
+    """The model shard, optimizer and data position of one rank.
+
+    Args:
+        job: the job.
+        rank: this rank (torch.distributed must be initialised when world_size > 1).
+        world_size: ranks in the job (the job's own world size, or a resized one).
+        device: where to compute; default CPU.
+    """
+
+    def __init__(self, job: JobConfig, rank: int, world_size: int, device: torch.device | None = None):
+        self.job, self.rank = job, rank
+        self.device = device or torch.device("cpu")
+        pin_mmap_threshold()
+        self.grid = ParallelGrid.from_config(job.parallel, world_size)
+        self.groups: ProcessGroups = build_process_groups(self.grid, rank)
+        self.coords = self.grid.coords(rank)
+        g, c, p = self.grid, self.coords, job.parallel
+        t = job.training
+        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * g.dp)
+        self.vpp = p.virtual_pipeline_model_parallel_size or 1
+        self.stage = c["pp"]
+        pg = self.groups
+        self.ctx = ShardContext(
+            tp_group=pg.tp_group, cp_group=pg.cp_group, tp_cp_group=pg.tp_cp_group, cp_ranks=tuple(pg.ranks("cp")),
+            ep_group=pg.ep_group, etp_group=pg.etp_group, sequence_parallel=p.sequence_parallel,
+            cp_comm_type=p.cp_comm_type, seed=t.seed,
+        )
+        positions = local_positions(job.model, self.ctx, c["cp"])
+        layers = partition_layers(job.model.num_layers, g.pp, p.virtual_pipeline_model_parallel_size)[self.stage]
+        self.chunks = [
+            ModelChunk(job.model, self.ctx, ids, positions=positions,
+                       pre_process=(chunk == 0 and self.stage == 0),
+                       post_process=(chunk == self.vpp - 1 and self.stage == g.pp - 1)).to(self.device)
+            for chunk, ids in enumerate(layers)
+        ]
+        self.dtype = compute_dtype(t)
+        self.grad_scaler = DynamicGradScaler(initial_scale=t.initial_loss_scale) if t.fp16 else None
+        dp_groups, self.tied_buffer = param_groups(self.chunks, self.groups)
+        self.optimizer = build_optimizer(
+            dp_groups, distributed=p.use_distributed_optimizer, lr=t.lr,
+            betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay,
+            param_dtype=self.dtype, clip_grad=t.clip_grad, grad_scaler=self.grad_scaler, tp_rank=c["tp"],
+            norm_group=_world_group() if g.world_size > 1 else None, overlap_param_gather=p.overlap_param_gather,
+        )
+        self._gather_hooks = self.optimizer.hook_param_gather(self.chunks)
+        for chunk in self.chunks:
+            chunk.to(self.dtype)  # the params are cast already; this casts the rotary tables
+        self.lr_schedule = LRSchedule.from_config(t)
+        self.num_skipped = 0
+        # Megatron's rule: the last rank (it holds the loss) writes TensorBoard.
+        self.tensorboard = EventWriter(t.tensorboard_dir) if t.tensorboard_dir and rank == g.world_size - 1 else None
+        self.sampler = GlobalSampler(t.data, job.model.seq_length, t.seed, t.global_batch_size, split=t.split)
+        self.tokens_per_iteration = t.global_batch_size * job.model.seq_length
+        s_local = job.model.seq_length // g.cp // (g.tp if p.sequence_parallel else 1)
+        self.activation_shape = (s_local, t.micro_batch_size, job.model.hidden_size)
+        if g.pp > 1:
+            # NCCL: batched p2p on a group whose communicator does not exist yet needs every
+            # member to take part in that first call; one collective creates it up front.
+            comm.all_reduce(torch.zeros(1, device=self.device), self.groups.pp_group)
+        release_free_heap()
+
+    def close(self) -> None:
+        """Release what outlives a dropped reference: the gradient hooks (a param -> hook ->
+        gradient buffer -> param cycle that keeps the model, and with it every process group,
+        alive) and the TensorBoard file."""
+        self.optimizer.grads.remove_hooks()
+        for handle in self._gather_hooks:
+            handle.remove()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+    @property
+    def iteration(self) -> int:
+        return self.sampler.iteration
+
+    def _sum_tied_grads(self) -> None:
+        """Megatron's embedding-group all-reduce: the first stage's embedding and the last
+        stage's copy get the sum of both grads (after the dp reduction), so they stay equal."""
+        if self.tied_buffer is not None:
+            self.optimizer.grads.finish()
+            comm.all_reduce(self.optimizer.main_grads()[self.tied_buffer], self.groups.embedding_group)
+
+    def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (tokens, labels) of microbatch ``mb``, ``[s_local, micro_batch]`` each."""
+        return self.local_slice(lambda start, count: self.sampler.batch(self.iteration, start, count), mb)
+
+    def local_slice(self, read, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of microbatch ``mb`` of a global batch: ``read(start, count)`` gives
+        samples ``[start, start + count)`` as (tokens, labels) ``[count, seq]``; the dp cut, the
+        sequence-first transpose and the CP split are the training ones."""
+        t, g, c = self.job.training, self.grid, self.coords
+        per_dp = t.global_batch_size // g.dp
+        start = c["dp"] * per_dp + mb * t.micro_batch_size
+        tokens, labels = read(start, t.micro_batch_size)
+        tokens, labels = tokens.t(), labels.t()  # [s, b]: Megatron's sequence-first layout
+        if g.cp > 1:
+            tokens, labels = cp_split(tokens, g.cp, c["cp"]), cp_split(labels, g.cp, c["cp"])
+        if self.device.type == "cuda":
+            # Pinned, so the copies are async DMA that overlap the previous microbatch's
+            # kernels instead of blocking the host on pageable memory (the caching host
+            # allocator keeps the pinned buffer alive until its copy has run).
+            return (tokens.pin_memory().to(self.device, non_blocking=True),
+                    labels.pin_memory().to(self.device, non_blocking=True))
+        return tokens.to(self.device), labels.to(self.device)
+
+    def train_step(self) -> dict:
+        """Run one iteration (and the evaluation due after it); returns its metrics (see the
+        module docstring), the same on every rank."""
+        t0 = time.perf_counter()
+        scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+        for chunk in self.chunks:
+            for layer in chunk.layers:
+                # Each rank backpropagates its share of each microbatch's aux loss; the global
+                # objective is the mean over the num_microbatches x dp microbatches (x the loss
+                # scale, which rides on the aux gradient too, as Megatron's MoEAuxLossAutoScaler).
+                layer.aux_scale = scale / (self.num_microbatches * self.grid.dp)
+        self.optimizer.zero_grad()
+        lr = self.lr_schedule.lr_for_update(self.optimizer.num_steps)
+        self.optimizer.lr = lr
+        mb_losses = self.run_microbatches(self._microbatch, loss_scale=scale, forward_only=False)
+        self._sum_tied_grads()
+        pending = self.optimizer.step_on_device()
+        # The iteration's one host read (dense path): loss, grad norm and skip flags together.
+        loss_sum, grad_norm, skipped, found_inf = torch.cat(
+            [self._global_loss_tensor(mb_losses), *pending.tensors()]).tolist()
+        info = self.optimizer.finish_step(grad_norm, skipped, found_inf)
+        # Aux-loss-free balancing: every expert bias moves by the global batch's loads.
+        update_expert_biases(self.chunks, self.groups.tp_dp_cp_group)
+        loss = loss_sum / scale  # a power of two: exact
+        aux = self._global_aux_loss() if self.job.model.is_moe else None
+        self.sampler.iteration += 1
+        self.num_skipped += int(info.skipped)
+        dt = time.perf_counter() - t0
+        val_loss = evaluation.evaluate_if_due(self)
+        metrics = {
+            "iteration": self.iteration,
+            "loss": loss,
+            "moe_aux_loss": aux,
+            "lr": lr,
+            "grad_norm": info.grad_norm,
+            "loss_scale": scale,
+            "skipped": int(info.skipped),
+            "val_loss": val_loss,
+            "step_time_s": dt,
+            "tokens_per_s": self.tokens_per_iteration / dt,
+            "peak_mem_mb": peak_memory_mb(self.device),
+        }
+        if self.tensorboard is not None:
+            self.tensorboard.write_metrics(metrics)
+        return metrics
+
+    def run_microbatches(self, microbatch, *, loss_scale: float = 1.0, forward_only: bool = False):
+        """Run this stage's schedule over ``microbatch(mb) -> (tokens, labels)``; returns the
+        last stage's per-microbatch losses (each ``sum(token losses) / tokens_per_iteration``,
+        times ``loss_scale``)."""
+        from workers.parallel.pipeline import schedule_forward_only
+
+        vpp_cfg = self.job.parallel.virtual_pipeline_model_parallel_size
+        make = schedule_forward_only if forward_only else schedule
+        actions = make(self.num_microbatches, self.grid.pp, vpp_cfg, self.stage)
+        labels: dict[int, torch.Tensor] = {}
+
+        def get_input(mb: int) -> torch.Tensor:
+            tokens, labels[mb] = microbatch(mb)
+            return tokens
+
+        def loss_fn(mb: int, logits: torch.Tensor) -> torch.Tensor:
+            target = labels.pop(mb) if mb in labels else microbatch(mb)[1]
+            # The cross-entropy runs in fp32 whatever the compute dtype (as Megatron's), inside.
+            losses = vocab_parallel_cross_entropy(logits, target, self.groups.tp_group)
+            loss = losses.sum() / self.tokens_per_iteration
+            return loss * loss_scale if loss_scale != 1.0 else loss
+
+        return run_pipeline(
+            actions, stage=self.stage, pp=self.grid.pp, vpp=self.vpp, pp_ranks=self.groups.ranks("pp"),
+            chunks=self.chunks, num_microbatches=self.num_microbatches, get_input=get_input, loss_fn=loss_fn,
+            tensor_shape=self.activation_shape, dtype=self.dtype, group=self.groups.pp_group, device=self.device,
+            before_last_backward=None if forward_only else (
+                lambda chunk: self.optimizer.grads.arm(self.chunks[chunk].parameters())),
+            forward_only=forward_only,
+        )
+
+    def _global_loss(self, mb_losses: list[torch.Tensor]) -> float:
+        """Sum the last stage's microbatch losses over dp-cp, then share it along the pipeline."""
+        return float(self._global_loss_tensor(mb_losses).item())
+
+    def _global_loss_tensor(self, mb_losses: list[torch.Tensor]) -> torch.Tensor:
+        """:meth:`_global_loss` left on the device (:func:`workers.train.reduce.global_loss_tensor`)."""
+        return global_loss_tensor(mb_losses, last_stage=self.stage == self.grid.pp - 1, pg=self.groups,
+                                  device=self.device)
+
+    def _global_aux_loss(self) -> float:
+        return global_aux_loss(self.chunks, microbatches=self.num_microbatches * self.grid.dp,
+                               tp_replicas=1 if self.job.parallel.sequence_parallel else self.grid.tp,
+                               world_size=self.grid.world_size, device=self.device)
+
+    # -- checkpoint hooks (workers/checkpoint/checkpointer.py stores the tensors; this is the rest) --------
+    def state_for_checkpoint(self) -> dict:
+        """JSON-able trainer state beside the tensors: data position, successful updates (the
+        LR schedule's position, Megatron's ``num_steps`` / global batch), skipped steps and
+        the fp16 loss scaler (``load_state_from_checkpoint`` restores them)."""
+        return {"sampler": self.sampler.state_dict(), "optimizer_steps": self.optimizer.num_steps,
+                "lr": self.optimizer.lr,
+                "lr_schedule": {"completed_updates": self.optimizer.num_steps,
+                                "next_lr": self.lr_schedule.lr_for_update(self.optimizer.num_steps)},
+                "num_skipped": self.num_skipped,
+                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
+
+    def load_state_from_checkpoint(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.optimizer.num_steps = int(state.get("lr_schedule", {}).get("completed_updates", state["optimizer_steps"]))
+        self.num_skipped = int(state.get("num_skipped", 0))
+        if self.grad_scaler is not None and state.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+
+
+def _world_group():
+    import torch.distributed as dist
+
+    return dist.group.WORLD
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
