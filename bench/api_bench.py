@@ -35,7 +35,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.test_api import Server, a_held_slot, tiny, wait_for  # noqa: E402
+from tests.helpers.server import Server, a_held_slot, tiny, wait_for  # noqa: E402
 
 
 async def _get_latencies(url: str, token: str, job_id: str, clients: int, requests: int) -> tuple[list[float], float]:

@@ -9,7 +9,7 @@ resume them), so the fuzzer's requests all come back. Then runs
     schemathesis run URL/openapi.json --checks all --max-time SECONDS --seed SEED -H 'Authorization: Bearer ...'
 
 (every phase: examples, coverage, fuzzing, stateful) with bench/schemathesis.toml (its one
-exception says why), prints its report and returns its exit status: 0 when it found nothing. ``tests/test_api_fuzz.py`` runs it for 60 s.
+exception says why), prints its report and returns its exit status: 0 when it found nothing. ``tests/api/rest/test_api_fuzz.py`` runs it for 60 s.
 
 ``--users``: two users, alice and bob (no quota, no priority cap, limits out of the fuzzer's way), are
 added and schemathesis runs as them (a Web Fuzzing Commons auth file, ``[auth.wfc]`` with both as
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.test_api import Server, a_held_slot  # noqa: E402
+from tests.helpers.server import Server, a_held_slot  # noqa: E402
 
 
 def schemathesis_cmd() -> list[str]:

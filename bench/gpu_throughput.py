@@ -89,7 +89,7 @@ def run_mode(job, mode: str, warmup: int, iters: int, device: torch.device | Non
 
 def nccl_world_of_one_check() -> str:
     """A one-rank job through run_ranks: init_process_group('nccl'), groups, collectives."""
-    from tests.parity import ITERS, assert_same_curve, job_of, reference, tiny_spec
+    from tests.helpers.parity import ITERS, assert_same_curve, job_of, reference, tiny_spec
     from tests.helpers.ranks import run_ranks
 
     import gpu_ranks

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Headless Chromium and its WebDriver for the browser tests (tests/test_console_browser.py).
+# Headless Chromium and its WebDriver for the browser tests (tests/api/rest/test_console_browser.py).
 # Idempotent: does nothing when both are on PATH. Otherwise installs Debian's `chromium` and
 # `chromium-driver` with apt-get (as root, or through sudo when it works without a password).
 # Never fails the caller: without a browser the browser tests skip and say why.

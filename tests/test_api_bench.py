@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT_DIR as ROOT
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 

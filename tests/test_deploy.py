@@ -15,7 +15,7 @@ import yaml
 
 from service.spec.spec import parse_spec, to_job_config
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers.paths import ROOT
 DEPLOY = ROOT / "deploy"
 
 

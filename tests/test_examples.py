@@ -14,7 +14,7 @@ from api.cli.main import main as cli_main
 from service.spec.placement import check_tp_in_node, plan_placement
 from service.spec.spec import grid_of, parse_spec
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from tests.helpers.paths import EXAMPLES
 PUBLISHED = {  # parameters: exact where the count is known to the parameter, else the model card's size
     "llama3-8b.yaml": (8_030_261_248, 0.0),
     "qwen3-8b.yaml": (8.2e9, 0.01),

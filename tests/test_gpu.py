@@ -4,7 +4,7 @@ on machines without CUDA, such as CI."""
 import pytest
 import torch
 
-from tests.parity import ITERS, assert_same_curve, job_of, reference, tiny_spec
+from tests.helpers.parity import ITERS, assert_same_curve, job_of, reference, tiny_spec
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")

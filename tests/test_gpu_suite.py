@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT_DIR as ROOT
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from bench import gpu_suite  # noqa: E402

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers.paths import ROOT
 # Each room and its height; a module may import only from its own room or lower ones.
 WORKERS_ROOMS = ("workers", "workers.parallel", "workers.model", "workers.data", "workers.checkpoint", "workers.hf",
                  "workers.train", "workers.rank")

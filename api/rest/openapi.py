@@ -9,7 +9,7 @@ FastAPI's own document is the start; :func:`install` completes it where it canno
   401 everywhere the token is needed, 404 where a job id is in the path, 400/413/422 where a body
   is read, 422 where parameters are; and none it cannot answer.
 
-``tests/test_api_fuzz.py`` holds the document to this: schemathesis ``--checks all`` against a real
+``tests/api/rest/test_api_fuzz.py`` holds the document to this: schemathesis ``--checks all`` against a real
 server finds nothing.
 """
 

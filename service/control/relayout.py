@@ -8,7 +8,7 @@ parallelism open; micro batch, optimizer, recompute and order as the job has the
 memory margin, every grid and batch rule). The best of those re-places the dp-only choice when its
 predicted step time is below the dp-only layout's by at least :data:`MIN_GAIN`. The global batch
 stays, so the loss curve is the one of any layout (checkpoints reshard across layouts:
-tests/test_checkpoint_reshard.py); a job that grows back returns to its own layout.
+tests/workers/checkpoint/test_checkpoint_reshard.py); a job that grows back returns to its own layout.
 """
 
 from __future__ import annotations

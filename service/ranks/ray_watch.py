@@ -18,7 +18,7 @@ server starts a new runner (:mod:`service.server.job_main`).
 
 The decision (:meth:`ConnectionWatch.judge`) is separate from the probes so that its timing is
 tested without a cluster; the probes themselves are tested against a real one
-(``tests/test_ray_watch.py``).
+(``tests/service/ranks/test_ray_watch.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a job would need, from the pure rank math: grid, placement, memory and traffic. Runs nothing.
 
 Used by ``POST /api/v1/plan`` and ``raytron plan SPEC``. No torch import: parameter counts come
-from the model's shapes (the same shapes :mod:`workers.model.decoder` builds; ``tests/test_plan.py``
+from the model's shapes (the same shapes :mod:`workers.model.decoder` builds; ``tests/service/spec/test_plan.py``
 checks them against a real model's ``numel``).
 
 Memory (fp32 training, as the trainer runs today): per parameter 4 bytes of weight, 4 of

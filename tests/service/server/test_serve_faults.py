@@ -1,0 +1,157 @@
+"""Fault drills through `raytron serve --simulate 4x2 --launcher ray` (issue 11's acceptance):
+a real server, jobs as Ray Jobs, ranks as Ray actors on a simulated 4-node cluster that the
+tests share. Each drill breaks a running job from outside (kill -9, SIGSTOP, a raylet killed)
+or from inside (a crash while saving, through `serve --fault`, on a server of its own; exhausted
+restarts); the job must end as stated, with the loss curve of an undisturbed run (computed here
+on local processes: layout invariance) and events that tell what happened. The crash-in-save
+drill runs first, its server stopped before the shared one starts (one simulated cluster at a
+time); the lost-node drill runs last: it leaves the cluster a node short.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from service.control.jobs import start_job
+from service.ranks.process_launcher import ProcessLauncher
+from service.spec.spec import parse_spec, to_job_config
+from tests.helpers.server import Server, job_losses, wait_for
+from tests.helpers.drills import DONE, _raylet_of, api, close, events, failures, spec, story, submit, undisturbed, wait_iteration  # noqa: F401
+
+pytestmark = pytest.mark.ray
+
+
+def rank_record(api, job_id: str, rank: int) -> dict:
+    ranks = api.get(f"/jobs/{job_id}/placement").json()["ranks"]
+    return next(r for r in ranks if r["rank"] == rank)
+
+
+SAVE_DRILL = "3@6:save"  # rank 3 dies writing the checkpoint of iteration 6 (after its data file, before its record)
+
+
+@pytest.fixture
+def drilled(tmp_path_factory):
+    """A server of its own whose every job carries ``SAVE_DRILL`` (``serve --fault``); stopped
+    after its one test, before the shared server's cluster starts."""
+    srv = Server(tmp_path_factory.mktemp("serve4x2-drill") / "data", simulate="4x2", launcher="ray",
+                 start_timeout_s=180, extra_args=("--fault", SAVE_DRILL)).start()
+    try:
+        with srv.client() as client:
+            yield srv, client
+    finally:
+        srv.stop()
+        srv.kill_runners()
+
+
+def wait_failure(api, job_id: str, timeout_s: float = 240) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = failures(api, job_id)
+        if found:
+            return found
+        state = api.get(f"/jobs/{job_id}").json()["state"]
+        assert state not in DONE, f"job {job_id} ended {state} without a failure (did the drill reach it?)"
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id}: no failure after {timeout_s}s")
+
+
+def test_crash_in_the_middle_of_a_save_restarts_from_the_previous_complete_checkpoint(drilled):
+    srv, api = drilled
+    s = spec("ckptcrash")  # 2 nodes x 2 slots, tp 2 (dp 2), 12 iterations, a checkpoint every 2
+    job_id = submit(api, s)
+    root = srv.data_dir / "checkpoints" / job_id
+    wait_failure(api, job_id)
+    # What the crash left (before the next attempt's commits prune it): the save of iteration 6
+    # in its temporary directory with rank 3's data file but not its record, and no manifest;
+    # the checkpoint of iteration 4 complete.
+    names = sorted(os.listdir(root))
+    tmp = [n for n in names if n.startswith(".iter_0000006.tmp-")]
+    assert "iter_0000004" in names and "iter_0000006" not in names and len(tmp) == 1, names
+    left = set(os.listdir(root / tmp[0]))
+    assert "rank_00003.bin" in left and "rank_00003.json" not in left and "manifest.json" not in left, left
+    assert "manifest.json" in os.listdir(root / "iter_0000004")
+    expected = undisturbed(s)
+    job = wait_for(api, job_id, DONE, timeout_s=300)
+    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+    assert job["restarts"] == 1  # the drill fires once
+    losses = job_losses(api, job_id)
+    assert close(losses, expected), (losses, expected)
+    named = [f for f in failures(api, job_id) if f.get("rank") == 3]
+    assert named and named[0]["code"] == "rank_died" and "died" in named[0]["message"], failures(api, job_id)
+    froms = [a["from_checkpoint"] for a in job["attempts"]]
+    assert len(froms) == 2 and froms[0] is None and froms[1].endswith(f"/{job_id}/iter_0000004"), froms
+    log = events(api, job_id)
+    placements = [e["data"]["placement"] for e in log if e["kind"] == "placement"]
+    assert {(r["resumed_iteration"], os.path.basename(r["resumed_from"])) for r in placements[1]} == \
+        {(4, "iter_0000004")}, placements[1]  # every rank of attempt 2 loaded iteration 4
+    its = [e["data"]["iteration"] for e in log if e["kind"] == "iteration"]
+    assert its == [1, 2, 3, 4, 5, *range(5, 13)], its  # 5 and 6 ran again after the checkpoint of 4
+    # the half-written save never became a checkpoint: only complete ones remain, leftovers pruned
+    assert sorted(os.listdir(root)) == ["iter_0000010", "iter_0000012"], os.listdir(root)
+
+
+def signal_drill(api, s: dict, *, at: int, rank: int, sig: int) -> tuple[str, dict, dict]:
+    """Submit ``s``, send ``sig`` to rank ``rank``'s process once the job is at iteration ``at``;
+    the job must end SUCCEEDED after a restart, on the undisturbed curve. Returns (job id, job, victim)."""
+    job_id = submit(api, s)
+    wait_iteration(api, job_id, at)
+    victim = rank_record(api, job_id, rank)
+    os.kill(victim["pid"], sig)
+    expected = undisturbed(s)
+    job = wait_for(api, job_id, DONE, timeout_s=300)
+    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+    assert job["restarts"] >= 1
+    losses = job_losses(api, job_id)
+    assert close(losses, expected), story(api, job_id, losses, expected)
+    return job_id, job, victim
+
+
+def test_kill_9_of_rank_3_mid_job_restarts_from_the_checkpoint(api):
+    job_id, job, victim = signal_drill(api, spec("kill9"), at=4, rank=3, sig=signal.SIGKILL)
+    named = [f for f in failures(api, job_id) if f.get("rank") == 3]
+    assert named and named[0].get("node_id") == victim["node_id"] and "died" in named[0]["message"], failures(api, job_id)
+    attempts = job["attempts"]
+    assert attempts[1]["from_checkpoint"] and "iter_" in attempts[1]["from_checkpoint"], attempts
+
+
+def test_sigstop_of_a_rank_is_caught_by_the_collective_timeout(api):
+    job_id, job, victim = signal_drill(api, spec("sigstop", timeout=10), at=3, rank=1, sig=signal.SIGSTOP)
+    hung = [f for f in failures(api, job_id) if f.get("code") == "rank_hung"]
+    assert hung and hung[0]["rank"] == 1 and hung[0]["node_id"] == victim["node_id"], failures(api, job_id)
+
+
+def test_max_restarts_exhausted_fails_with_the_reason(api):
+    job_id = submit(api, spec("norestart", max_restarts=0))
+    wait_iteration(api, job_id, 2)
+    os.kill(rank_record(api, job_id, 2)["pid"], signal.SIGKILL)
+    job = wait_for(api, job_id, DONE, timeout_s=120)
+    assert job["state"] == "FAILED" and job["restarts"] == 0
+    assert job["error"]["code"] == "rank_died" and "rank 2" in job["error"]["message"], job["error"]
+
+
+def test_lost_node_shrinks_dp_with_the_same_global_batch_and_curve(api):
+    """Runs last: the cluster stays a node short."""
+    s = spec("shrink", nodes=4, gpus=1, tp=1, gbs=8, iters=30, min_nodes=1, grace=5.0)
+    job_id = submit(api, s)
+    wait_iteration(api, job_id, 3)
+    ranks = api.get(f"/jobs/{job_id}/placement").json()["ranks"]
+    for victim in sorted(ranks, key=lambda r: -r["rank"]):
+        raylet, head = _raylet_of(victim["node_id"])
+        if not head:
+            break
+    os.kill(raylet, signal.SIGKILL)
+    expected = undisturbed(s)
+    job = wait_for(api, job_id, DONE, timeout_s=400)
+    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+    assert job["sizes"]["dp"] == 2 and job["sizes"]["tp"] == 1  # 3 nodes left: dp 3 does not divide 8
+    assert job["spec"]["training"]["global_batch_size"] == 8
+    losses = job_losses(api, job_id)
+    assert close(losses, expected), story(api, job_id, losses, expected)
+    resize = [e for e in events(api, job_id) if e["kind"] == "resize"]
+    assert resize and resize[0]["data"]["old"]["sizes"]["dp"] == 4 and resize[0]["data"]["new"]["sizes"]["dp"] == 2
+    assert len(api.get(f"/jobs/{job_id}/placement").json()["ranks"]) == 2
+    assert any(f.get("node_id") == victim["node_id"] for f in failures(api, job_id)), failures(api, job_id)
