@@ -76,7 +76,7 @@ class Outcome(enum.Enum):
 
 
 class JobController:
-    """Drives one job to a terminal state; :meth:`run` returns the contract-3 result.
+    """Drives one job to a terminal state; :meth:`run` returns the job's result (:mod:`service.control.result`).
 
     Args:
         job: the job.
@@ -150,7 +150,7 @@ class JobController:
         return [m["loss"] for m in self.metrics]
 
     def run(self) -> dict:
-        """Run every attempt until a terminal state; returns the contract-3 result object."""
+        """Run every attempt until a terminal state; returns the job's result object (what ``raytron run --json`` prints)."""
         try:
             while not self.state.is_terminal:
                 try:
