@@ -18,15 +18,15 @@ from dataclasses import dataclass
 class ModelConfig:
     """A Llama/Mixtral-style decoder. Field names are Megatron-Core's."""
 
-    num_layers: int
+    num_layers: int = 4
     """Transformer layers (split over pp x vpp)."""
-    hidden_size: int
-    num_attention_heads: int
+    hidden_size: int = 64
+    num_attention_heads: int = 4
     num_query_groups: int
     """Key/value heads (grouped-query attention); equal to heads for plain multi-head."""
     ffn_hidden_size: int
-    vocab_size: int
-    seq_length: int
+    vocab_size: int = 256
+    seq_length: int = 64
     num_moe_experts: int | None = None
     """None: dense MLP in every layer; N: the MoE layers' MLP (see moe_layer_freq) is a mixture of N experts."""
     moe_router_topk: int = 2
@@ -138,9 +138,9 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
-    train_iters: int
-    global_batch_size: int
-    micro_batch_size: int
+    train_iters: int = 20
+    global_batch_size: int = 16
+    micro_batch_size: int = 2
     lr: float = 1e-3
     seed: int = 1234
     data: str | tuple[str, ...] = "builtin:tiny"

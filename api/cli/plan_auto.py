@@ -120,9 +120,11 @@ def trials_of(spec_data: dict, found: dict, args, note=None) -> dict:
     from service.control.trials import TRIAL_ITERATIONS, run_trials
     from service.ranks.launcher import open_launcher
 
-    res = spec_data.get("resources") or {}
+    from service.spec.stored import stored_section
+
+    res = stored_section(spec_data, "resources")
     note = note or (lambda line: print(f"raytron: {line}", file=sys.stderr))
-    with open_launcher(args.launcher or "processes", shape=(res.get("num_nodes", 1), res.get("gpus_per_node", 1)),
+    with open_launcher(args.launcher or "processes", shape=(res.num_nodes, res.gpus_per_node),
                        simulate=args.simulate, note=note) as launcher:
         return run_trials(found, args.trial, launcher, iterations=args.trial_iters or TRIAL_ITERATIONS, note=note)
 

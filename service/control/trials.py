@@ -116,9 +116,9 @@ def auto_layout_record(data) -> dict | None:
     from service.spec.auto import auto_fields
     from service.spec.spec import search_layouts
 
-    if not isinstance(data, dict) or not auto_fields({k: v for k, v in data.items() if k != "priority"}):
+    if not isinstance(data, dict) or not auto_fields(data):
         return None
-    return layout_record(search_layouts({k: v for k, v in data.items() if k != "priority"}))
+    return layout_record(search_layouts(data))
 
 
 def layout_message(record: dict) -> str:

@@ -182,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         recorder = StoreRecorder(store, args.job_id)
         try:
-            spec = {k: v for k, v in row["spec"].items() if k != "priority"}
-            job = to_job_config(parse_spec(spec))
+            job = to_job_config(parse_spec(row["spec"]))
             grid = ParallelGrid.from_config(job.parallel, job.world_size)
         except ValueError as e:  # the server validated it; a spec written by another version may not be
             recorder(JobEvent.now("state", JobState.FAILED, f"invalid spec: {e}",

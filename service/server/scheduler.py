@@ -36,8 +36,8 @@ from service.control.events import ACTIVE_STATES, TERMINAL_STATES, JobEvent, Job
 from service.server.cluster_view import ClusterView, NodeSlots, StaticCluster  # noqa: F401 (re-exported)
 from service.server.runners import JobRunners
 from service.server.queue import QueuedJob, admit, can_ever_fit
-from service.spec.sections import FaultToleranceSpec
 from service.spec.spec import JobSpec
+from service.spec.stored import stored_section
 from service.server.store import BOOTSTRAP_ADMIN, InvalidTransition, JobStore, UnknownJob
 
 log = logging.getLogger("raytron.scheduler")
@@ -52,16 +52,14 @@ class JobNotActive(ValueError):
 
 
 def max_restarts(row: dict) -> int:
-    """The job's ``fault_tolerance.max_restarts`` (its default when the stored spec has none)."""
-    value = ((row.get("spec") or {}).get("fault_tolerance") or {}).get("max_restarts")
-    return FaultToleranceSpec().max_restarts if value is None else int(value)
+    """The job's ``fault_tolerance.max_restarts``."""
+    return stored_section(row.get("spec"), "fault_tolerance").max_restarts
 
 
 def queued_job(row: dict) -> QueuedJob:
-    res = row["spec"].get("resources") or {}
+    res = stored_section(row["spec"], "resources")
     return QueuedJob(id=row["id"], submitted_at=row["submitted_at"], priority=row["priority"],
-                     num_nodes=int(res.get("num_nodes", 1)), gpus_per_node=int(res.get("gpus_per_node", 1)),
-                     owner=row.get("owner"))
+                     num_nodes=res.num_nodes, gpus_per_node=res.gpus_per_node, owner=row.get("owner"))
 
 
 class Scheduler:
@@ -93,16 +91,16 @@ class Scheduler:
         self._thread: threading.Thread | None = None
 
     # ---- the API's calls ----------------------------------------------------------------------
-    def submit(self, spec: JobSpec, *, priority: int = 0, sizes: dict | None = None,
-               owner: str = BOOTSTRAP_ADMIN) -> dict:
-        """Store ``owner``'s job QUEUED; raises :class:`NeverFits` when the cluster can never hold it."""
-        data = {**spec.model_dump(mode="json"), "priority": priority}
-        probe = QueuedJob(id=spec.name, submitted_at=0.0, priority=priority, num_nodes=spec.resources.num_nodes,
+    def submit(self, spec: JobSpec, *, sizes: dict | None = None, owner: str = BOOTSTRAP_ADMIN) -> dict:
+        """Store ``owner``'s job QUEUED, in the queue at ``spec.priority``; raises :class:`NeverFits` when
+        the cluster can never hold it."""
+        probe = QueuedJob(id=spec.name, submitted_at=0.0, priority=spec.priority, num_nodes=spec.resources.num_nodes,
                           gpus_per_node=spec.resources.gpus_per_node)
         refusal = can_ever_fit(probe, self.total_slots())
         if refusal is not None:
             raise NeverFits(refusal.replace(f"job {spec.name} ", "this job ", 1))
-        row = self.store.create_job(data, name=spec.name, priority=priority, sizes=sizes, owner=owner)
+        row = self.store.create_job(spec.model_dump(mode="json"), name=spec.name, priority=spec.priority, sizes=sizes,
+                                    owner=owner)
         self._wake.set()
         return row
 

@@ -125,11 +125,11 @@ class JobStore:
         return tuple(row) if row is not None else None
 
     # ---- jobs -------------------------------------------------------------------------------
-    def create_job(self, spec: dict, *, name: str | None = None, priority: int | None = None,
+    def create_job(self, spec: dict, *, name: str | None = None, priority: int = 0,
                    job_id: str | None = None, sizes: dict | None = None, owner: str = BOOTSTRAP_ADMIN) -> dict:
-        """Store a new QUEUED job of ``owner`` and its first event (seq 1, "submitted"); returns the job."""
+        """Store a new QUEUED job of ``owner`` at queue ``priority`` and its first event (seq 1, "submitted");
+        returns the job."""
         name = name or spec.get("name") or "job"
-        priority = int(spec.get("priority", 0) if priority is None else priority)
         job_id = job_id or f"{name}-{uuid.uuid4().hex[:8]}"
         now = time.time()
         try:

@@ -1,4 +1,4 @@
-"""A job spec as the API receives it: one problem per entry, sizes bounded, priority split off.
+"""A job spec as the API receives it: one problem per entry, sizes bounded.
 
 :func:`service.spec.spec.parse_spec` raises one ``ValueError`` whose message joins every problem;
 the REST API answers 422 with one entry per problem (the field path, the message with its
@@ -9,8 +9,8 @@ becoming one entry. Nothing here duplicates a rule of ``service/spec/spec.py``.
 
 Two things this adapter adds for requests from outside:
 
-* ``priority`` (the queue order in ``raytron serve``) is checked here and returned beside the
-  spec, for the scheduler; the spec that is stored and run is parsed without it.
+* ``priority`` (the queue order in ``raytron serve``, a field of :class:`JobSpec`) gets a message that
+  says which way it orders.
 * Sizes are bounded (:mod:`service.spec.limits`) before any rank math runs, so that a request
   cannot make the server build 10^9-rank grids or plan 10^12-element tensors.
 """
@@ -23,13 +23,8 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ValidationError
 
 from service.spec.limits import MAX_PRIORITY, MAX_WORLD_SIZE
-from service.spec.spec import (CheckpointSpec, FaultToleranceSpec, JobSpec, ModelSpec, ParallelSpec, ResourcesSpec,
-                               TrainingSpec, field_errors, parse_spec, spec_problems)
-
-SECTIONS: dict[str, type[BaseModel]] = {
-    "model": ModelSpec, "parallel": ParallelSpec, "training": TrainingSpec, "checkpoint": CheckpointSpec,
-    "resources": ResourcesSpec, "fault_tolerance": FaultToleranceSpec,
-}
+from service.spec.spec import JobSpec, field_errors, parse_spec, spec_problems
+from service.spec.stored import SECTIONS
 MAX_TENSOR_ELEMENTS = 10**11
 """Elements of the largest single (unsharded) parameter tensor."""
 MAX_TRAIN_ITERS = 10**9
@@ -43,7 +38,6 @@ class SpecCheck:
     """The outcome of :func:`check_spec`: ``spec`` when valid, else ``problems`` (never both)."""
 
     spec: JobSpec | None = None
-    priority: int = 0
     problems: list[dict] = field(default_factory=list)
 
 
@@ -126,14 +120,13 @@ def check_spec(data: object) -> SpecCheck:
         return SpecCheck(problems=[_problem("spec", f"a job spec is a JSON object, got {type(data).__name__}")])
     data = dict(data)
     problems: list[dict] = []
-    priority = data.pop("priority", 0)
+    priority = data.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_PRIORITY:
         problems.append(_problem("priority", f"priority must be an integer between -{MAX_PRIORITY} and {MAX_PRIORITY} "
                                  f"(higher runs first), got {priority!r}"))
-        priority = 0
     sections: dict[str, BaseModel] = {}
     for key, value in data.items():
-        if key == "name" or key in SECTIONS:
+        if key in ("name", "priority") or key in SECTIONS:
             continue
         problems.append(_problem(key, f"unknown field {key!r}; the spec's sections are name, priority, "
                                  f"{', '.join(SECTIONS)}"))
@@ -152,7 +145,7 @@ def check_spec(data: object) -> SpecCheck:
             problems += _field_errors(key, e)
     if problems:
         return SpecCheck(problems=problems)
-    candidate = JobSpec.model_construct(name=name, **sections)
+    candidate = JobSpec.model_construct(name=name, priority=priority, **sections)
     problems = _size_problems(candidate)
     if problems:
         return SpecCheck(problems=problems)
@@ -160,6 +153,6 @@ def check_spec(data: object) -> SpecCheck:
     if problems:
         return SpecCheck(problems=problems)
     try:
-        return SpecCheck(spec=parse_spec({k: v for k, v in data.items() if k != "priority"}), priority=priority)
+        return SpecCheck(spec=parse_spec(data))
     except ValueError as e:  # a rule this adapter did not see separately: still one entry, never a 500
         return SpecCheck(problems=[_problem("spec", str(e))])

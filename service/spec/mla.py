@@ -1,5 +1,4 @@
-"""The spec side of multi-latent attention (MLA, :mod:`workers.model.mla`): its rules, the fields it hands the
-worker config, and its sizes for ``raytron plan`` (parameters, FLOPs, activations, CP bytes). Pure,
+"""The spec side of multi-latent attention (MLA, :mod:`workers.model.mla`): its rules and its sizes for ``raytron plan`` (parameters, FLOPs, activations, CP bytes). Pure,
 no torch.
 """
 
@@ -10,11 +9,6 @@ from dataclasses import dataclass
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 YARN_FIELDS = ("rotary_scaling_factor", "mscale", "mscale_all_dim", "original_max_position_embeddings",
                "beta_fast", "beta_slow")
-
-
-def config_fields(m) -> dict:
-    """The MLA and YaRN fields of a spec's model section, for :class:`workers.config.ModelConfig`."""
-    return {name: getattr(m, name) for name in ("multi_latent_attention",) + MLA_FIELDS + YARN_FIELDS}
 
 
 def mla_problems(m) -> list[str]:

@@ -1,6 +1,6 @@
 """The rules of the MoE routing fields of the model section (:class:`service.spec.sections.ModelSpec`),
-Megatron-Core's ``TransformerConfig`` checks, each naming the fields, the numbers and the fix, and
-their conversion to :class:`workers.config.ModelConfig` fields."""
+Megatron-Core's ``TransformerConfig`` checks, each naming the fields, the numbers and the fix. The
+fields reach :class:`workers.config.ModelConfig` by name (:func:`service.spec.spec.to_job_config`)."""
 
 from __future__ import annotations
 
@@ -46,12 +46,4 @@ def moe_problems(m: ModelSpec, tp: int, etp: int) -> list[str]:
     elif len(freq) != m.num_layers or set(freq) - {0, 1} or 1 not in freq:
         out.append(f"model.moe_layer_freq {freq} must list model.num_layers {m.num_layers} values, each 1 (MoE) "
                    f"or 0 (dense), at least one 1; e.g. first-k-dense 1: [0{', 1' * (m.num_layers - 1)}]")
-    return out
-
-
-def moe_fields(m: ModelSpec) -> dict:
-    """The :class:`workers.config.ModelConfig` values of the routing fields."""
-    out = {name: getattr(m, name) for name in ROUTING_FIELDS}
-    if isinstance(out["moe_layer_freq"], list):
-        out["moe_layer_freq"] = tuple(out["moe_layer_freq"])
     return out

@@ -15,6 +15,7 @@ ranking itself.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,8 +24,8 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from service.spec.auto import PARALLEL_AUTO, auto_fields, resolve, search_once
 from service.spec.errors import field_errors, format_validation_error, yaml_loader  # noqa: F401 (field_errors: interface)
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
-from service.spec.mla import config_fields as mla_config_fields, mla_problems
-from service.spec.moe import moe_fields, moe_problems
+from service.spec.mla import mla_problems
+from service.spec.moe import moe_problems
 from service.spec.sections import (  # noqa: F401 (the sections are part of this module's interface)
     STRICT, Auto, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
     from_hf_problems, resources_problems, training_problems)
@@ -261,43 +262,28 @@ def parse_spec(data) -> JobSpec:
         raise ValueError(format_validation_error(e)) from None
 
 
+def _by_name(config_cls, section: BaseModel, **derived):
+    """A worker config from a spec section: every field both declare is copied by name (a list becomes
+    a tuple: the configs are frozen), ``derived`` gives the fields computed from others.
+    tests/service/spec/test_config_agreement.py holds the two sides to the same names, types and defaults."""
+    names = [f.name for f in dataclasses.fields(config_cls) if f.name in type(section).model_fields
+             and f.name not in derived]
+    values = {n: getattr(section, n) for n in names}
+    return config_cls(**{n: tuple(v) if isinstance(v, list) else v for n, v in values.items()}, **derived)
+
+
 def to_job_config(spec: JobSpec) -> JobConfig:
     """The one conversion from the user-facing spec to the frozen internal config."""
     m, p, t = spec.model, spec.parallel, spec.training
-    model = ModelConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups or m.num_attention_heads,
-        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size, vocab_size=m.vocab_size,
-        seq_length=m.seq_length, num_moe_experts=m.num_moe_experts, moe_router_topk=m.moe_router_topk,
-        moe_aux_loss_coeff=m.moe_aux_loss_coeff, rotary_base=m.rotary_base, norm_epsilon=m.norm_epsilon,
-        recompute_granularity=m.recompute_granularity, recompute_method=m.recompute_method,
-        recompute_num_layers=m.recompute_num_layers, **mla_config_fields(m), **moe_fields(m),
-        add_qkv_bias=m.add_qkv_bias, qk_layernorm=m.qk_layernorm,
+    model = _by_name(
+        ModelConfig, m, num_query_groups=m.num_query_groups or m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size or 4 * m.hidden_size,
         kv_channels=None if m.kv_channels and m.kv_channels * m.num_attention_heads == m.hidden_size else m.kv_channels,
-        untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
     )
-    parallel = ParallelConfig(
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
-        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
-        context_parallel_size=p.context_parallel_size,
-        expert_model_parallel_size=p.expert_model_parallel_size,
-        expert_tensor_parallel_size=p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
-        sequence_parallel=p.sequence_parallel, use_distributed_optimizer=p.use_distributed_optimizer,
-        overlap_param_gather=p.overlap_param_gather, cp_comm_type=p.cp_comm_type, order=p.order,
-    )
-    training = TrainingConfig(
-        train_iters=t.train_iters, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-        lr=t.lr, seed=t.seed, data=tuple(str(x) for x in t.data) if isinstance(t.data, list) else t.data,
-        weight_decay=t.weight_decay, min_lr=t.min_lr, lr_warmup_iters=t.lr_warmup_iters,
-        lr_warmup_fraction=t.lr_warmup_fraction, lr_decay_iters=t.lr_decay_iters, lr_decay_style=t.lr_decay_style,
-        lr_wsd_decay_style=t.lr_wsd_decay_style, lr_wsd_decay_iters=t.lr_wsd_decay_iters, split=t.split,
-        eval_interval=t.eval_interval, eval_iters=t.eval_iters, clip_grad=t.clip_grad, bf16=t.bf16, fp16=t.fp16,
-        initial_loss_scale=t.initial_loss_scale, tensorboard_dir=t.tensorboard_dir,
-    )
-    c = spec.checkpoint
-    checkpoint = CheckpointConfig(save_interval=c.save_interval, dir=c.dir, keep_last=c.keep_last,
-                                  async_save=c.async_save, load=c.load)
+    parallel = _by_name(ParallelConfig, p,
+                        expert_tensor_parallel_size=p.expert_tensor_parallel_size or p.tensor_model_parallel_size)
+    training = _by_name(TrainingConfig, t, data=tuple(str(x) for x in t.data) if isinstance(t.data, list) else t.data)
+    checkpoint = _by_name(CheckpointConfig, spec.checkpoint)
     return JobConfig(
         checkpoint=checkpoint, min_nodes=spec.resources.min_nodes,
         node_grace_s=spec.fault_tolerance.node_grace_s,

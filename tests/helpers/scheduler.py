@@ -33,8 +33,8 @@ class FakeRunners:
         return False
 
 
-def spec(name, nodes=1, gpus=2):
-    return parse_spec({"name": name, "resources": {"num_nodes": nodes, "gpus_per_node": gpus},
+def spec(name, nodes=1, gpus=2, priority=0):
+    return parse_spec({"name": name, "priority": priority, "resources": {"num_nodes": nodes, "gpus_per_node": gpus},
                        "training": {"global_batch_size": nodes * gpus * 2, "micro_batch_size": 1}})
 
 

@@ -26,6 +26,7 @@ from service.control.events import JobEvent, JobState
 from service.server.cluster_view import reported_gpu_type
 from service.server.store import STATES, TERMINAL_STATES, JobStore, UnknownJob
 from service.spec.check import check_spec, with_gpu_type
+from service.spec.stored import stored_section
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 states_router = APIRouter(tags=["jobs"])
@@ -61,12 +62,11 @@ async def read_spec(request: Request):
 def job_summary(store: JobStore, row: dict) -> dict[str, Any]:
     """A job as the list shows it (:class:`~api.rest.schemas.JobSummary`): everything the console's jobs
     page draws, from the row and its state events (no metrics row is read)."""
-    spec = row["spec"] or {}
-    res, training = spec.get("resources") or {}, spec.get("training") or {}
+    res = stored_section(row["spec"], "resources")
     return {**{k: row[k] for k in ("id", "name", "owner", "state", "priority", "submitted_at", "updated_at",
                                    "iteration", "ray_job_id", "error", "sizes")},
-            "train_iters": training.get("train_iters", 0),
-            "world_size": res.get("num_nodes", 1) * res.get("gpus_per_node", 1),
+            "train_iters": stored_section(row["spec"], "training").train_iters,
+            "world_size": res.num_nodes * res.gpus_per_node,
             "loss": curves.value(row["loss"]), "tokens_per_s": curves.value(row["tokens_per_s"]),
             "restarts": job_restarts(store, row["id"])}
 
@@ -115,16 +115,16 @@ async def submit_job(request: Request, scheduler: SchedulerDep, store: StoreDep,
             plan_placement(grid, spec.resources.gpus_per_node, spec.resources.num_nodes)
         except ValueError as e:
             raise ApiError(422, "invalid_spec", str(e), errors=[{"field": "resources", "message": str(e)}]) from None
-        await run_in_threadpool(check_submission, user, accounts, settings, priority=check.priority,
+        await run_in_threadpool(check_submission, user, accounts, settings, priority=spec.priority,
                                 num_gpus=spec.resources.num_nodes * spec.resources.gpus_per_node)
-        row = await run_in_threadpool(scheduler.submit, spec, priority=check.priority, sizes=grid.sizes(),
+        row = await run_in_threadpool(scheduler.submit, spec, sizes=grid.sizes(),
                                       owner=user.name)
     except Exception as e:
         await run_in_threadpool(accounts.record, user.name, "submit", None, status_of(e),
                                 code=getattr(e, "code", type(e).__name__), message=str(e)[:500])
         raise
     await run_in_threadpool(_record_auto_layout, store, row["id"], json.loads(await request.body()))
-    await run_in_threadpool(accounts.record, user.name, "submit", row["id"], 201, priority=check.priority,
+    await run_in_threadpool(accounts.record, user.name, "submit", row["id"], 201, priority=spec.priority,
                             gpus=spec.resources.num_nodes * spec.resources.gpus_per_node)
     return await run_in_threadpool(job_public, store, row)
 
@@ -211,7 +211,7 @@ def get_placement(job_id: str, store: StoreDep) -> dict:
     row = get_row(store, job_id)
     events = store.events(job_id, kind="placement")
     attempts = store.attempts(job_id)
-    gpus_per_node = ((row["spec"] or {}).get("resources") or {}).get("gpus_per_node")
+    gpus_per_node = stored_section(row["spec"], "resources").gpus_per_node
     if not events:
         return {"job_id": job_id, "attempt": len(attempts), "reported_at": None, "gpus_per_node": gpus_per_node,
                 "ranks": []}
@@ -231,7 +231,7 @@ def _planned(store: JobStore, row: dict, before: float) -> list[dict]:
     from service.spec.spec import parse_spec
 
     try:
-        spec = parse_spec({k: v for k, v in row["spec"].items() if k != "priority"})
+        spec = parse_spec(row["spec"])
     except ValueError:
         return []
     starts = [e for e in store.events(row["id"], kind="state") if e["state"] == "STARTING" and e["time"] <= before]

@@ -42,7 +42,7 @@ def test_priority_order(env):
     blocker = sched.submit(spec("blocker", nodes=2))["id"]
     sched.step()
     low = sched.submit(spec("low", nodes=2))["id"]
-    high = sched.submit(spec("high", nodes=2), priority=5)["id"]
+    high = sched.submit(spec("high", nodes=2, priority=5))["id"]
     finish(store, launcher, blocker)
     sched.step(); sched.step()
     assert launcher.launched == [blocker, high]  # mutation: priority not passed to the queue -> low first

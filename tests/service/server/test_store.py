@@ -116,7 +116,7 @@ def test_states_are_the_controllers():
 
 def test_create_get_list_newest_first(store):
     a = store.create_job({"name": "a"}, sizes={"tp": 2})
-    b = store.create_job({"name": "b", "priority": 5})
+    b = store.create_job({"name": "b", "priority": 5}, priority=5)
     c = store.create_job({"name": "c"}, job_id="my-job", priority=-1)
     assert (a["state"], a["priority"], a["iteration"], a["sizes"]) == ("QUEUED", 0, 0, {"tp": 2})
     assert (b["priority"], c["id"], c["priority"]) == (5, "my-job", -1)
