@@ -29,11 +29,11 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not procs and not ray and not gpu"
 
 bench: setup
-	$(PY) bench/grid_bench.py
-	$(PY) bench/comm_bench.py
-	$(PY) bench/dp_vs_ddp.py
-	$(PY) bench/cp_memory.py
-	$(PY) bench/ray_startup_bench.py
+	$(PY) -m bench.grid_bench
+	$(PY) -m bench.comm_bench
+	$(PY) -m bench.dp_vs_ddp
+	$(PY) -m bench.cp_memory
+	$(PY) -m bench.ray_startup_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

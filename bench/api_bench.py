@@ -1,4 +1,4 @@
-"""REST API throughput (run by hand): `python bench/api_bench.py [--clients 200] [--requests 10]`.
+"""REST API throughput (run by hand): `python -m bench.api_bench [--clients 200] [--requests 10]`.
 
 Starts `raytron serve` (a child process, SQLite in a temporary data dir, a 1x1 static cluster),
 submits one long "blocker" job so that every later submission stays QUEUED (nothing else runs),
@@ -32,8 +32,6 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from tests.helpers.server import Server, a_held_slot, tiny, wait_for  # noqa: E402
 

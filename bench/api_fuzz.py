@@ -1,4 +1,4 @@
-"""The REST API against an outside fuzzer: `python bench/api_fuzz.py [--seconds 180] [--seed 1]`.
+"""The REST API against an outside fuzzer: `python -m bench.api_fuzz [--seconds 180] [--seed 1]`.
 
 Starts `raytron serve --launcher processes --simulate 1x1 --max-stream-s 2` in a temporary data dir
 and submits one long "blocker" job whose runner is stopped (SIGSTOP) once it holds the only GPU
@@ -28,7 +28,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from tests.helpers.server import Server, a_held_slot  # noqa: E402
 

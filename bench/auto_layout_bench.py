@@ -1,9 +1,9 @@
 """Issue 23's acceptance figures for the auto layout, on CPU: the cost model's memory against the
 measured peak, and its step-time ranking against measured step times, with ``--trial 4``'s pick.
 
-    .venv/bin/python bench/auto_layout_bench.py              # both parts
-    .venv/bin/python bench/auto_layout_bench.py --memory     # memory only (~2 min on 2 cores)
-    .venv/bin/python bench/auto_layout_bench.py --time       # timing only (~5 min on 2 cores)
+    .venv/bin/python -m bench.auto_layout_bench              # both parts
+    .venv/bin/python -m bench.auto_layout_bench --memory     # memory only (~2 min on 2 cores)
+    .venv/bin/python -m bench.auto_layout_bench --time       # timing only (~5 min on 2 cores)
 
 **Memory** (:func:`memory_table`). One model (8 layers, h 512, vocab 8192: 42 M parameters, fp32,
 seq 256, micro batch 2, global batch 8; ``--small-model``: the earlier 4 layers, h 256, 5 M
@@ -37,9 +37,6 @@ import argparse
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 MEMORY_MODEL = {"num_layers": 8, "hidden_size": 512, "num_attention_heads": 8, "num_query_groups": 4,
                 "ffn_hidden_size": 2048, "vocab_size": 8192, "seq_length": 256}

@@ -1,7 +1,7 @@
 """Chaos drill: one long job through `raytron serve --simulate 4x2` (jobs as Ray Jobs, the path
 `make run` takes) while seeded faults hit it, then the job's curve against an undisturbed run.
 
-    python bench/chaos.py --seed 1 --faults 12
+    python -m bench.chaos --seed 1 --faults 12
 
 The job is tp2 x dp4 on 4 nodes x 2 GPU slots, a checkpoint every 2 iterations, min_nodes 2.
 Each fault is drawn (seeded: which kind, at which iteration, which victim) from
@@ -30,7 +30,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,10 +37,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from service.ranks.proc_tree import descendants, matching  # noqa: E402
+from workers.rank.distributed import free_port  # noqa: E402
 
 KINDS = ("rank_kill", "rank_stop", "node_loss", "runner_kill", "server_kill", "save_crash")
 TOKEN = "chaos-token-0123456789abcdef"
@@ -81,9 +79,7 @@ class Server:
 
     def __init__(self, data_dir: Path, drills: list[str]):
         self.data_dir, self.drills = data_dir, drills
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/api/v1"
         self.proc: subprocess.Popen | None = None
 

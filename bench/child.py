@@ -1,4 +1,4 @@
-"""Run a benchmark script again as a child process (a fresh driver: its own imports, its own Ray
+"""Run a benchmark module again as a child process (a fresh driver: its own imports, its own Ray
 connection) and read the JSON object it prints last. Shared by the benchmarks that compare two
 systems side by side (ray_startup_bench.py, recovery_bench.py)."""
 
@@ -12,10 +12,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_child(script: str, args: list[str], env: dict, timeout_s: float = 900) -> dict:
-    """``python SCRIPT --child ARGS...`` in the repository root; its last stdout line that starts
+def run_child(module: str, args: list[str], env: dict, timeout_s: float = 900) -> dict:
+    """``python -m MODULE --child ARGS...`` in the repository root; its last stdout line that starts
     with ``{``, parsed. Exits with the child's stderr tail when it fails or prints none."""
-    proc = subprocess.run([sys.executable, script, "--child", *args], env=env, cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", module, "--child", *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout_s)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:

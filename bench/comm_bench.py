@@ -1,6 +1,6 @@
 """Bytes each rank sends per iteration, per group, next to the analytic minimum (run by hand).
 
-    .venv/bin/python bench/comm_bench.py [--only tp2,cp2-p2p] [--per-rank]
+    .venv/bin/python -m bench.comm_bench [--only tp2,cp2-p2p] [--per-rank]
 
 For each layout a small model trains two iterations on ``world <= 8`` local gloo ranks; the
 counters of :mod:`workers.parallel.comm` are reset after the first, so the numbers are one
@@ -75,9 +75,6 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from service.spec.spec import parse_spec, to_job_config  # noqa: E402
 from workers.config import JobConfig  # noqa: E402

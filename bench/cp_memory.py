@@ -1,8 +1,8 @@
 """Peak memory and step time per rank under context parallelism; saved activations and CP / EP bytes.
 
-    .venv/bin/python bench/cp_memory.py                  # peak + time at seq 8192 and 16384, then the rest
-    .venv/bin/python bench/cp_memory.py --quick          # peak + time at seq 8192 only
-    .venv/bin/python bench/cp_memory.py --seqs 4096,8192 --iters 3 --no-saved
+    .venv/bin/python -m bench.cp_memory                  # peak + time at seq 8192 and 16384, then the rest
+    .venv/bin/python -m bench.cp_memory --quick          # peak + time at seq 8192 only
+    .venv/bin/python -m bench.cp_memory --seqs 4096,8192 --iters 3 --no-saved
 
 **Peak and time.** For each sequence length, cp = 1 (plain fused causal attention) and cp = 2
 (ring attention; ``--all-gather`` adds the all-gather variant) train ``--iters`` iterations
@@ -45,9 +45,6 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from bench.comm_bench import Layout, compare, header, layout_job, measure_trainer, print_table  # noqa: E402
 from workers.config import JobConfig  # noqa: E402

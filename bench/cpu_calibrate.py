@@ -1,6 +1,6 @@
 """Measure the simulated CPU cluster's figures on this machine (``service.spec.cost.CPU_FIGURES``).
 
-    .venv/bin/python bench/cpu_calibrate.py [--ranks 8] [--json]
+    .venv/bin/python -m bench.cpu_calibrate [--ranks 8] [--json]
 
 Every figure is measured with ``--ranks`` single-threaded rank processes (8: the 2 x 4 simulated
 cluster) all working at once, as they do in a job, on the machine's ``os.cpu_count()`` cores:
@@ -34,9 +34,6 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 KIB, MIB = 2**10, 2**20
 

@@ -1,6 +1,6 @@
 """Data-parallel grad buckets launched during backward, with and without interleaving (run by hand).
 
-    .venv/bin/python bench/dp_overlap.py
+    .venv/bin/python -m bench.dp_overlap
 
 Four ranks, pp2 x dp2, with small buckets (so each stage has several): each rank trains one
 iteration and reports how many of its buckets had their reduction launched before
@@ -18,9 +18,6 @@ import functools
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from service.spec.spec import parse_spec, to_job_config  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Data-parallel step time: raytron's trainer vs torch DistributedDataParallel (run by hand).
 
-    .venv/bin/python bench/dp_vs_ddp.py [--iters 8] [--warmup 2] [--profile]
+    .venv/bin/python -m bench.dp_vs_ddp [--iters 8] [--warmup 2] [--profile]
 
 Both run in the same two gloo ranks, on the same model (``workers.model.decoder.ModelChunk`` with the
 embedding and the output layer), the same global batch cut into the same microbatches, the
@@ -29,9 +29,6 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from service.spec.spec import parse_spec, to_job_config  # noqa: E402
 from workers.config import JobConfig  # noqa: E402

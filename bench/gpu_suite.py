@@ -1,7 +1,7 @@
 """Everything worth measuring on one GPU, in one run of under 5 minutes, written as JSON.
 
-    python bench/gpu_suite.py [--out gpu_suite.json]      # on a CUDA machine ($OUT/gpu_suite.json when OUT is set)
-    python bench/gpu_suite.py --smoke                      # a tiny CPU version of every section (the test suite runs it)
+    python -m bench.gpu_suite [--out gpu_suite.json]      # on a CUDA machine ($OUT/gpu_suite.json when OUT is set)
+    python -m bench.gpu_suite --smoke                      # a tiny CPU version of every section (the test suite runs it)
 
 Sections (each key of the JSON; each also printed as one line):
 
@@ -37,12 +37,10 @@ import time
 import warnings
 from contextlib import contextmanager
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 
-from gpu_throughput import PEAK_TFLOPS, flops_per_token, model_spec, run_mode  # noqa: E402
+from bench.gpu_throughput import PEAK_TFLOPS, flops_per_token, model_spec, run_mode  # noqa: E402
 
 BENCH = dict(layers=16, hidden=2048, heads=16, query_groups=8, ffn=5632, vocab=32000, seq=2048, gbs=8, mbs=2,
              warmup=2, iters=5)

@@ -11,7 +11,7 @@ Model FLOPs per token follow the PaLM / Megatron convention: 6 x (matmul paramet
 forward and backward passes plus 12 x layers x hidden x seq for attention scores and values
 (no causal discount), so MFU is comparable with published figures.
 
-    python bench/gpu_throughput.py [--layers 16 --hidden 2048 --seq 2048 --gbs 8 --mbs 2]
+    python -m bench.gpu_throughput [--layers 16 --hidden 2048 --seq 2048 --gbs 8 --mbs 2]
 
 Needs CUDA; exits 0 with a message without it.
 """
@@ -23,7 +23,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
@@ -92,7 +91,7 @@ def nccl_world_of_one_check() -> str:
     from tests.helpers.parity import ITERS, assert_same_curve, job_of, reference, tiny_spec
     from tests.helpers.ranks import run_ranks
 
-    import gpu_ranks
+    from bench import gpu_ranks
 
     job = job_of(tiny_spec(world=1))
     losses, devices = run_ranks(gpu_ranks.losses_on_gpu, 1, args=(job, ITERS), start_method="spawn",

@@ -1,6 +1,6 @@
 """Model init time per rank at tp1 / tp2 / tp4 for a model with a large embedding (run by hand).
 
-    .venv/bin/python bench/init_bench.py
+    .venv/bin/python -m bench.init_bench
 
 Each rank builds its shard of the whole model (``ModelChunk``, pp = 1) and reports the CPU
 time it took (``time.process_time``: the ranks share a few cores with whatever else runs, so
@@ -17,9 +17,6 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from service.spec.spec import parse_spec, to_job_config  # noqa: E402
 

@@ -1,6 +1,6 @@
 """One MoE layer, forward + backward: the per-expert Python loop vs the grouped GEMM.
 
-    .venv/bin/python bench/moe_bench.py [--tokens 4096] [--iters 10] [--threads 1] [--dtypes fp32 bf16]
+    .venv/bin/python -m bench.moe_bench [--tokens 4096] [--iters 10] [--threads 1] [--dtypes fp32 bf16]
 
 Mixtral-shaped layer (E 8, top-2, h 256, ffn 512), one rank (no EP), random router. For each
 dtype the same :class:`~workers.parallel.expert.MoELayer` runs twice: with its experts as they
@@ -25,9 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 aten = torch.ops.aten
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

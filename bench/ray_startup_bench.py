@@ -12,7 +12,7 @@ Each system runs in its own driver process, as a user would start it, so imports
 systems alternate over ``--repeat`` rounds (a shared machine drifts); the table shows the
 median and every run, and the ratio of medians.
 
-    .venv/bin/python bench/ray_startup_bench.py [--repeat 1]
+    .venv/bin/python -m bench.ray_startup_bench [--repeat 1]
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ import sys
 import tempfile
 import time
 
-from child import run_child
+from bench.child import run_child
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = """\
 name: bench
 model: {num_layers: 2, hidden_size: 32, num_attention_heads: 4, ffn_hidden_size: 64, vocab_size: 256, seq_length: 32}
@@ -94,7 +93,7 @@ def child_ray_train(t_launch: float, workers: int) -> dict:
 
 
 def _launch(args: list[str], env: dict) -> dict:
-    return run_child(__file__, [*args, "--t-launch", repr(time.time())], env)
+    return run_child("bench.ray_startup_bench", [*args, "--t-launch", repr(time.time())], env)
 
 
 def main() -> None:
@@ -106,14 +105,12 @@ def main() -> None:
     parser.add_argument("--t-launch", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        sys.path.insert(0, ROOT)
         kind = args.child[0]
         out = child_raytron(args.child[1], args.t_launch) if kind == "raytron" else \
             child_ray_train(args.t_launch, int(args.child[1]))
         print(json.dumps(out))
         return
 
-    sys.path.insert(0, ROOT)
     from service.ranks.ray_cluster import simulated_cluster
 
     runs: dict[str, list[dict]] = {"raytron": [], "ray_train": []}

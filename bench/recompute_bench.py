@@ -1,6 +1,6 @@
 """Activation recomputation: saved-activation memory per rank and step time, with and without.
 
-    .venv/bin/python bench/recompute_bench.py [--tp 2] [--iters 3]
+    .venv/bin/python -m bench.recompute_bench [--tp 2] [--iters 3]
 
 For each ``recompute_granularity`` / ``recompute_method`` setting one microbatch's forward +
 loss runs under ``torch.autograd.graph.saved_tensors_hooks``; every storage autograd keeps
@@ -18,9 +18,6 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 MODEL = {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "num_query_groups": 4,
          "ffn_hidden_size": 512, "vocab_size": 256, "seq_length": 512}

@@ -17,7 +17,7 @@ On one simulated cluster of 4 nodes x 2 GPU slots (started here, shared by both)
 
 Each system runs in its own driver process connected through ``RAY_ADDRESS``.
 
-    .venv/bin/python bench/recovery_bench.py
+    .venv/bin/python -m bench.recovery_bench
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ import tempfile
 import threading
 import time
 
-from child import run_child
+from bench.child import run_child
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = {"name": "recovery", "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                                       "ffn_hidden_size": 128, "vocab_size": 256, "seq_length": 32},
         "parallel": {"tensor_model_parallel_size": 2},
@@ -145,11 +144,10 @@ def child_ray_train(workers: int) -> dict:
 
 
 def _launch(args: list[str], env: dict) -> dict:
-    return run_child(__file__, args, env)
+    return run_child("bench.recovery_bench", args, env)
 
 
 def main() -> None:
-    sys.path.insert(0, ROOT)
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         out = child_raytron(sys.argv[3]) if sys.argv[2] == "raytron" else child_ray_train(int(sys.argv[3]))
         print(json.dumps(out))

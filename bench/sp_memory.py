@@ -1,6 +1,6 @@
 """Saved activations per rank with tensor + sequence parallelism against tp = 1 (run by hand).
 
-    .venv/bin/python bench/sp_memory.py
+    .venv/bin/python -m bench.sp_memory
 
 For tp = 1, 2, 4 (with and without sequence parallelism) one microbatch's forward + loss runs
 under ``torch.autograd.graph.saved_tensors_hooks``; every storage autograd saves for backward
@@ -22,9 +22,6 @@ from __future__ import annotations
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from bench.comm_bench import Layout, layout_job  # noqa: E402
 

@@ -1,6 +1,6 @@
 """One process, CPU: where a training step's time and memory go, measured side by side (run by hand).
 
-    .venv/bin/python bench/step_bench.py [--iters 6] [--warmup 2] [--only ops,bytes,adamw,syncs,step]
+    .venv/bin/python -m bench.step_bench [--iters 6] [--warmup 2] [--only ops,bytes,adamw,syncs,step]
 
 Prints, each figure next to its reference:
 
@@ -28,9 +28,6 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402

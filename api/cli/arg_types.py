@@ -27,12 +27,16 @@ def positive(text: str) -> int:
     return value
 
 
+MAX_SIMULATED_NODES, MAX_SIMULATED_GPUS = 4096, 1024
+
+
 def simulate(text: str) -> tuple[int, int]:
-    """A ``--simulate NODESxGPUS`` value."""
+    """A ``--simulate NODESxGPUS`` value such as ``2x4`` (every command that takes ``--simulate``)."""
     try:
         nodes, gpus = (int(x) for x in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected NODESxGPUS such as 2x4, got {text!r}") from None
-    if nodes < 1 or gpus < 1:
-        raise argparse.ArgumentTypeError(f"expected positive NODESxGPUS such as 2x4, got {text!r}")
+    if not (1 <= nodes <= MAX_SIMULATED_NODES and 1 <= gpus <= MAX_SIMULATED_GPUS):
+        raise argparse.ArgumentTypeError(f"expected NODESxGPUS with 1-{MAX_SIMULATED_NODES} nodes of "
+                                         f"1-{MAX_SIMULATED_GPUS} GPUs, got {text!r}")
     return nodes, gpus

@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from api.cli.tables import print_job_plan, print_reported_placement
 from service.control.events import JobState
 
 TERMINAL = frozenset(s.value for s in JobState if s.is_terminal)
@@ -115,6 +116,15 @@ def _print_json(obj) -> None:
     print(json.dumps(obj, separators=(",", ":")))
 
 
+def answer(args, call, text) -> int:
+    """The body the one-call client commands share: ``call(client)`` against the server, its answer
+    printed as one JSON line (``--json``) or as ``text(answer)``."""
+    with _client(args) as client:
+        out = call(client)
+    _print_json(out) if args.json else print(text(out))
+    return 0
+
+
 def _job_line(j: dict) -> str:
     return f"{j['id']:<28}{j['state']:<11}{j['iteration']:>6}/{j['train_iters']:<7}{j['world_size']:>6}{j['priority']:>6}"
 
@@ -160,9 +170,7 @@ def cmd_status(args) -> int:
         if job.get("error"):
             print(f"error: {job['error'].get('message')}")
         if placement["ranks"]:
-            from api.rest.placement_view import print_placement
-
-            print_placement(placement["ranks"], sys.stdout)
+            print_reported_placement(placement["ranks"], sys.stdout)
         return 0
 
 
@@ -215,10 +223,8 @@ def cmd_logs(args) -> int:
 
 @_command
 def cmd_cancel(args) -> int:
-    with _client(args) as client:
-        job = client.cancel(args.job)
-    _print_json(job) if args.json else print(f"{job['id']} {job['state']} (cancel requested)")
-    return 0
+    return answer(args, lambda client: client.cancel(args.job),
+                  lambda job: f"{job['id']} {job['state']} (cancel requested)")
 
 
 @_command
@@ -246,38 +252,8 @@ def cmd_plan(args) -> int:
             plan = plan_job(check.spec)
         except ValueError as e:
             raise BadInput(str(e)) from None
-    _print_json(plan) if args.json else print_plan(plan)
+    _print_json(plan) if args.json else print_job_plan(plan)
     return 0
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
-def print_plan(plan: dict, out=sys.stdout, max_rows: int = 32) -> None:
-    s = plan["sizes"]
-    print(f"{plan['name']}: world_size {plan['world_size']} on {plan['num_nodes']} node(s) x {plan['gpus_per_node']} "
-          f"GPUs, order {plan['order']}; " + " ".join(f"{k}={v}" for k, v in s.items()), file=out)
-    print(f"model parameters: {plan['model_parameters']:,}", file=out)
-    print(f"{'rank':>6}{'node':>6}{'slot':>6}{'tp':>4}{'cp':>4}{'dp':>4}{'pp':>4}{'ep':>4}{'params':>14}"
-          f"{'memory':>12}{'w/ dist-opt':>13}", file=out)
-    for p, m in list(zip(plan["placement"], plan["memory"]))[:max_rows]:
-        print(f"{p['rank']:>6}{p['node']:>6}{p['local']:>6}" + "".join(f"{p[k]:>4}" for k in ("tp", "cp", "dp", "pp", "ep"))
-              + f"{m['parameters']:>14,}{_bytes(m['total_bytes']):>12}{_bytes(m['total_bytes_distributed']):>13}",
-              file=out)
-    if len(plan["placement"]) > max_rows:
-        print(f"... {len(plan['placement']) - max_rows} more ranks (--json for all)", file=out)
-    print("memory: weights + gradients + Adam state in fp32 (activations not included)", file=out)
-    print(f"{'traffic/iteration':<20}{'in-node':>14}{'cross-node':>14}", file=out)
-    for kind, t in plan["traffic"].items():
-        print(f"{kind:<20}{_bytes(t['in_node']):>14}{_bytes(t['cross_node']):>14}", file=out)
-    from api.cli.plan_auto import print_cost
-
-    print_cost(plan, out)
 
 
 def main(argv: list[str] | None = None) -> int:

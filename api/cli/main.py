@@ -123,7 +123,7 @@ def grid_report(grid, gpus_per_node: int) -> dict:
 
 
 def cmd_grid(args) -> int:
-    from api.cli.render import print_grid
+    from api.cli.tables import print_rank_grid
     from service.spec.limits import check_world_size
     from workers.grid import ParallelGrid
 
@@ -138,7 +138,7 @@ def cmd_grid(args) -> int:
         json.dump(report, sys.stdout, separators=(",", ":"))
         sys.stdout.write("\n")
     else:
-        print_grid(report, grid.order)
+        print_rank_grid(report, grid.order)
     return 0
 
 

@@ -1,10 +1,9 @@
-"""What ``raytron run`` and ``raytron grid`` show: tables, the progress bar, the final line.
+"""What ``raytron run`` shows as a job goes: the progress bar, failures and restarts, the final line.
 
 :class:`RunView` subscribes to a job's :class:`~service.control.events.JobEvent` stream; the controller
 never calls it directly (it only emits events, and any number of views may follow them). Tables
 and the bar go to stderr, so that stdout carries only the result (the final line, or the JSON
-object with ``--json``). The placement table is :func:`api.rest.placement_view.print_placement`, the
-one ``raytron status JOB`` prints too.
+object with ``--json``). The rank tables are in :mod:`api.cli.tables`.
 """
 
 from __future__ import annotations
@@ -12,19 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
-from api.rest.placement_view import print_placement
+from api.cli.tables import print_reported_placement
 from service.control.events import JobEvent, JobState
-
-
-def print_plan(grid, plan, out=None) -> None:
-    out = out or sys.stderr
-    print(f"placement plan: world_size {grid.world_size}, " + " ".join(f"{k}={v}" for k, v in grid.sizes().items()),
-          file=out)
-    print(f"{'rank':>6}{'node':>6}{'slot':>6}{'tp':>4}{'cp':>4}{'dp':>4}{'pp':>4}{'ep':>4}", file=out)
-    for p in plan:
-        c = grid.coords(p.rank)
-        print(f"{p.rank:>6}{p.node:>6}{p.local:>6}{c['tp']:>4}{c['cp']:>4}{c['dp']:>4}{c['pp']:>4}{c['ep']:>4}",
-              file=out)
 
 
 class RunView:
@@ -43,7 +31,7 @@ class RunView:
 
     def __call__(self, event: JobEvent) -> None:
         if event.kind == "placement" and not self.quiet:
-            print_placement(event.data["placement"], self.out)
+            print_reported_placement(event.data["placement"], self.out)
             from tqdm import tqdm
 
             self.bar = tqdm(total=self.total, desc=self.name, unit="it", file=self.out, dynamic_ncols=True)
@@ -106,27 +94,3 @@ def result_json(result: dict) -> str:
     return json.dumps(result, allow_nan=False)
 
 
-def print_grid(report: dict, order: str, out=None, max_rows: int = 64) -> None:
-    out = out or sys.stdout
-    s = report["sizes"]
-    print(f"world_size {report['world_size']}  order {order}  " + "  ".join(f"{k} {v}" for k, v in s.items()),
-          file=out)
-    cols = ["rank", "node", "local", "tp", "cp", "dp", "pp", "ep", "etp", "expert_dp"]
-    print("".join(f"{c:>10}" for c in cols), file=out)
-    for row in report["ranks"][:max_rows]:
-        print("".join(f"{row[c]:>10}" for c in cols), file=out)
-    if len(report["ranks"]) > max_rows:
-        print(f"... {len(report['ranks']) - max_rows} more ranks (use --json for all)", file=out)
-    print("decoder groups:", file=out)
-    for kind, groups in report["decoder"].items():
-        print(f"  {kind:<10}{_fmt_groups(groups)}", file=out)
-    print("expert groups:", file=out)
-    for kind, groups in report["expert"].items():
-        print(f"  {kind:<10}{_fmt_groups(groups)}", file=out)
-    print(f"  {'embedding':<10}{_fmt_groups(report['embedding'])}", file=out)
-    print(f"  {'pos-embed':<10}{_fmt_groups(report['position_embedding'])}", file=out)
-
-
-def _fmt_groups(groups: list[list[int]], limit: int = 8) -> str:
-    shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:limit])
-    return shown + (f" ... ({len(groups)} groups)" if len(groups) > limit else "")

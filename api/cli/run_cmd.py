@@ -13,14 +13,15 @@ import sys
 import time
 
 from api.cli.errors import UsageError
-from api.cli.render import RunView, final_line, print_plan, result_json
+from api.cli.render import RunView, final_line, result_json
+from api.cli.tables import print_placement_plan
 from service.control.errors import JobError
 from service.control.jobs import new_job_id, prepare, start_job
 from service.spec.placement import plan_placement
 from service.control.result import result_object
 from service.control.trials import layout_record
 from service.ranks.launcher import open_launcher
-from workers.rank.faults import Fault
+from workers.rank.faults import Fault, check_ranks
 
 _EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -65,10 +66,7 @@ def cmd_run(args) -> int:
         job, grid = prepare(args.spec)
         found = auto_choice(args.spec, getattr(args, "trial", None))
         faults = list(args.fault or [])
-        for f in faults:
-            if f.rank >= grid.world_size:
-                raise ValueError(f"--fault {f.rank}@{f.iteration}: rank {f.rank} is outside the job's "
-                                 f"{grid.world_size} ranks (0..{grid.world_size - 1})")
+        check_ranks(faults, grid.world_size)
     except ValueError as e:
         signals.restore()
         raise UsageError(str(e)) from None
@@ -82,7 +80,7 @@ def cmd_run(args) -> int:
     job_id = new_job_id(job)
     view = RunView(job.training.train_iters, job.name, quiet=args.json)
     if not args.json:
-        print_plan(grid, plan_placement(grid, job.gpus_per_node, job.num_nodes))
+        print_placement_plan(grid, plan_placement(grid, job.gpus_per_node, job.num_nodes))
     result = None
     try:
         if signals.received is None:  # a signal during validation: start nothing

@@ -22,20 +22,9 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from api.cli.arg_types import FAULT_METAVAR, fault
+from api.cli.arg_types import FAULT_METAVAR, fault, simulate
 from api.cli.data_dir import DEFAULT_DATA_DIR, data_dir_default
 from service.ranks.launcher import LAUNCHERS
-
-
-def shape(text: str) -> tuple[int, int]:
-    """``NODESxGPUS`` such as ``2x4``."""
-    try:
-        nodes, gpus = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected NODESxGPUS such as 2x4, got {text!r}") from None
-    if not (1 <= nodes <= 4096 and 1 <= gpus <= 1024):
-        raise argparse.ArgumentTypeError(f"expected NODESxGPUS with 1-4096 nodes of 1-1024 GPUs, got {text!r}")
-    return nodes, gpus
 
 
 def _port(text: str) -> int:
@@ -63,7 +52,7 @@ def _positive(kind):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
-    p.add_argument("--simulate", type=shape, default=None, metavar="NODESxGPUS",
+    p.add_argument("--simulate", type=simulate, default=None, metavar="NODESxGPUS",
                    help="admit jobs against NODES nodes of GPUS slots each; with --launcher ray, start a simulated "
                         "Ray cluster of that shape on this machine")
     p.add_argument("--data-dir", default=None, help=f"logs, token, database (default $RAYTRON_DATA_DIR or "

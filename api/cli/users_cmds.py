@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 
-from api.cli.client_cmds import _client, _command, _common, _print_json
+from api.cli.client_cmds import _command, _common, answer
 
 
 def add_parsers(sub) -> None:
@@ -48,63 +48,55 @@ def add_parsers(sub) -> None:
 
 @_command
 def cmd_users_add(args) -> int:
-    with _client(args) as client:
-        created = client.add_user(args.name, admin=args.admin, gpu_quota=args.gpu_quota, max_priority=args.max_priority)
-    _print_json(created) if args.json else print(f"user {created['name']} added; its token (shown once):\n"
-                                                 f"{created['token']}")
-    return 0
+    return answer(args, lambda client: client.add_user(args.name, admin=args.admin, gpu_quota=args.gpu_quota,
+                                                       max_priority=args.max_priority),
+                  lambda created: f"user {created['name']} added; its token (shown once):\n{created['token']}")
 
 
 @_command
 def cmd_users_list(args) -> int:
-    with _client(args) as client:
-        users = client.users()
-    if args.json:
-        _print_json(users)
-        return 0
-    print(f"{'USER':<24}{'ADMIN':<7}{'GPU QUOTA':>10}{'MAX PRIO':>10}{'TOKENS':>8}")
+    return answer(args, lambda client: client.users(), _users_table)
+
+
+def _users_table(users: list[dict]) -> str:
+    lines = [f"{'USER':<24}{'ADMIN':<7}{'GPU QUOTA':>10}{'MAX PRIO':>10}{'TOKENS':>8}"]
     for u in users:
         quota = "-" if u["gpu_quota"] is None else u["gpu_quota"]
         prio = "-" if u["max_priority"] is None else u["max_priority"]
-        print(f"{u['name']:<24}{'yes' if u['admin'] else 'no':<7}{quota:>10}{prio:>10}{u['tokens']:>8}")
-    return 0
+        lines.append(f"{u['name']:<24}{'yes' if u['admin'] else 'no':<7}{quota:>10}{prio:>10}{u['tokens']:>8}")
+    return "\n".join(lines)
 
 
 @_command
 def cmd_users_token(args) -> int:
-    with _client(args) as client:
-        issued = client.new_token(args.name)
-    _print_json(issued) if args.json else print(f"a new token of {issued['name']} (shown once):\n{issued['token']}")
-    return 0
+    return answer(args, lambda client: client.new_token(args.name),
+                  lambda issued: f"a new token of {issued['name']} (shown once):\n{issued['token']}")
 
 
 @_command
 def cmd_users_revoke(args) -> int:
-    with _client(args) as client:
-        revoked = client.revoke(args.name)
-    _print_json(revoked) if args.json else print(f"{revoked['revoked']} token(s) of {revoked['name']} revoked")
-    return 0
+    return answer(args, lambda client: client.revoke(args.name),
+                  lambda revoked: f"{revoked['revoked']} token(s) of {revoked['name']} revoked")
 
 
 @_command
 def cmd_users_remove(args) -> int:
-    with _client(args) as client:
+    def remove(client) -> dict:
         client.remove_user(args.name)
-    _print_json({"name": args.name, "removed": True}) if args.json else print(f"user {args.name} removed")
-    return 0
+        return {"name": args.name, "removed": True}
+
+    return answer(args, remove, lambda removed: f"user {removed['name']} removed")
 
 
 @_command
 def cmd_audit(args) -> int:
-    with _client(args) as client:
-        page = client.audit(limit=args.limit, user=args.user, action=args.action)
-    if args.json:
-        _print_json(page["entries"])
-        return 0
-    print(f"{'TIME (UTC)':<21}{'USER':<16}{'ACTION':<14}{'STATUS':>7}  TARGET")
-    for e in page["entries"]:
+    return answer(args, lambda client: client.audit(limit=args.limit, user=args.user, action=args.action)["entries"],
+                  _audit_table)
+
+
+def _audit_table(entries: list[dict]) -> str:
+    lines = [f"{'TIME (UTC)':<21}{'USER':<16}{'ACTION':<14}{'STATUS':>7}  TARGET"]
+    for e in entries:
         when = datetime.datetime.fromtimestamp(e["time"], datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-        print(f"{when:<21}{e['user'] or '-':<16}{e['action']:<14}{e['status']:>7}  {e['target'] or ''}")
-    return 0
-
-
+        lines.append(f"{when:<21}{e['user'] or '-':<16}{e['action']:<14}{e['status']:>7}  {e['target'] or ''}")
+    return "\n".join(lines)

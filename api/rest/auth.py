@@ -9,7 +9,6 @@ Comparison is constant-time (:func:`hmac.compare_digest`); the token is never lo
 
 from __future__ import annotations
 
-import hmac
 import os
 import secrets
 from pathlib import Path
@@ -60,12 +59,3 @@ def bearer_token(header: str | None) -> str | None:
     scheme, _, given = header.partition(" ")
     return given.strip() or None if scheme.lower() == "bearer" else None
 
-
-def token_matches(header: str | None, token: str) -> bool:
-    """Whether an ``Authorization`` header carries ``Bearer <token>`` (constant-time)."""
-    if not header:
-        return False
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(given.strip().encode(), token.encode())

@@ -2,7 +2,7 @@
 
 ``GET /api/v1/jobs/{id}/placement`` returns :func:`placement_view` and the web console draws it
 as it comes (``api/rest/static/console.js`` adds nothing); ``raytron run`` and ``raytron status JOB``
-print its table with :func:`print_placement`.
+print its table with :func:`api.cli.tables.print_reported_placement`.
 
 A rank's entry is the record the rank reported for its attempt (rank, ``node_id``, ``hostname``,
 pid, ``local`` slot, its grid coordinates, ...), completed from the attempt's placement plan
@@ -11,7 +11,6 @@ where the record is silent, plus ``node``: the node the rank is drawn in (see :f
 
 from __future__ import annotations
 
-import sys
 from typing import Callable
 
 PLANNED = ("local", "tp", "cp", "dp", "pp", "ep", "etp", "expert_dp")
@@ -61,15 +60,3 @@ def placement_view(reported: list[dict], planned: Callable[[], list[dict]] | Non
     return out
 
 
-def print_placement(ranks: list[dict], out=None) -> None:
-    """The table of ``raytron run`` (stderr) and ``raytron status JOB``: a rank per line, where it
-    runs (:func:`host_of`), its pid and coordinates."""
-    out = out or sys.stderr
-    print(f"{'rank':>6}  {'node_id/hostname':<20}{'pid':>8}{'tp':>4}{'cp':>4}{'dp':>4}{'pp':>4}{'ep':>4}", file=out)
-    for p in ranks:
-        print(f"{p['rank']:>6}  {str(host_of(p) or '-')[:18]:<20}{p.get('pid') or '':>8}"
-              + "".join(f"{_cell(p.get(k)):>4}" for k in ("tp", "cp", "dp", "pp", "ep")), file=out)
-
-
-def _cell(value) -> str:
-    return "" if value is None else str(value)

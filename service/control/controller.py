@@ -45,7 +45,7 @@ from service.control.rank_group import RankGroup
 from service.control.result import result_object
 from service.control.sizing import Sizer
 from workers.config import JobConfig
-from workers.rank.faults import Fault
+from workers.rank.faults import Fault, check_ranks
 from workers.grid import ParallelGrid
 
 CHECKED_METRICS = ("loss", "grad_norm")  # a non-finite value of either fails the job at that iteration
@@ -116,10 +116,7 @@ class JobController:
         self._make_group, self._on_event, self._release = make_group, on_event, release
         self.policy = failure_policy or RestartUpTo(job.max_restarts)
         self.calls = CallSizer(max(1, iterations_per_call), call_target_s, job.checkpoint.save_interval)
-        for f in faults:
-            if f.rank >= grid.world_size:
-                raise ValueError(f"--fault {f.rank}@{f.iteration}: rank {f.rank} is outside the job's "
-                                 f"{grid.world_size} ranks (0..{grid.world_size - 1})")
+        check_ranks(faults, grid.world_size)
         self.faults = list(faults)
         self.events: list[JobEvent] = []
         self.state = JobState.QUEUED

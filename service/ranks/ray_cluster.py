@@ -47,6 +47,7 @@ from typing import Callable, Iterator
 from service.control.errors import ClusterUnreachable
 from service.ranks.proc_tree import children as _children, descendants as _descendants, marked, orphans, started_at
 from service.ranks.proc_tree import reap as _reap
+from workers.rank.distributed import free_port
 
 NAMESPACE = "raytron"
 CLUSTER_MARK = "RAYTRON_RAY_CLUSTER"
@@ -197,7 +198,7 @@ def simulated_cluster(nodes: int, gpus: int, *, cpus_per_node: float | None = No
             def add_node() -> str:
                 # Not cluster.wait_for_nodes: it never returns once a node was lost without remove_node.
                 with _environment({CLUSTER_MARK: cluster_id}):
-                    node = cluster.add_node(wait=True, dashboard_agent_listen_port=_free_port(), **node_args)
+                    node = cluster.add_node(wait=True, dashboard_agent_listen_port=free_port(), **node_args)
                 _wait_alive(node.node_id, timeout_s=60)
                 return node.node_id
 
@@ -225,9 +226,9 @@ def _start_cluster(nodes: int, node_args: dict, *, fate_share: bool):
         # A simulated node lost for good (its raylet killed) is reported dead in ~3 s, not ~30 s.
         _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
         # None, not Ray's default 8265: lets the dashboard move on when another cluster has it.
-        dashboard_port=None, dashboard_agent_listen_port=_free_port()))
+        dashboard_port=None, dashboard_agent_listen_port=free_port()))
     for _ in range(nodes):  # nodes boot in parallel; waited for below
-        cluster.add_node(wait=False, dashboard_agent_listen_port=_free_port(), **node_args)
+        cluster.add_node(wait=False, dashboard_agent_listen_port=free_port(), **node_args)
     cluster.wait_for_nodes(timeout=120)
     return cluster
 
@@ -244,7 +245,7 @@ def join_simulated_cluster(record: str | Path, gpus: int, cpus: float | None = N
     params = ray._private.parameter.RayParams(
         num_cpus=gpus if cpus is None else cpus, num_gpus=gpus, object_store_memory=_OBJECT_STORE_BYTES,
         min_worker_port=0, max_worker_port=0, gcs_address=data["address"], include_log_monitor=False,
-        node_manager_port=0, dashboard_agent_listen_port=_free_port())
+        node_manager_port=0, dashboard_agent_listen_port=free_port())
     with _local_ray_environment(data["temp_dir"]), _environment({CLUSTER_MARK: data["cluster_id"]}):
         node = ray._private.node.Node(params, head=False, shutdown_at_exit=False, spawn_reaper=False)
     return node.node_id
@@ -359,12 +360,6 @@ def _wait_alive(node_id: str, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the added Ray node {node_id} is not alive after {timeout_s:g}s")
         time.sleep(0.1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

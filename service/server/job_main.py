@@ -148,7 +148,7 @@ def history_of(store: JobStore, job_id: str, state: str) -> list[JobEvent] | Non
 def drills_for(faults: list[Fault], world_size: int) -> tuple[list[Fault], list[Fault]]:
     """The server-wide drills that apply to a job of ``world_size`` ranks, and those left out
     (their rank is outside the job: the controller would refuse them)."""
-    return [f for f in faults if f.rank < world_size], [f for f in faults if f.rank >= world_size]
+    return [f for f in faults if f.within(world_size)], [f for f in faults if not f.within(world_size)]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,13 +4,12 @@ Used by ``POST /api/v1/plan`` and ``raytron plan SPEC``. No torch import: parame
 from the model's shapes (the same shapes :mod:`workers.model.decoder` builds; ``tests/service/spec/test_plan.py``
 checks them against a real model's ``numel``).
 
-Memory (fp32 training, as the trainer runs today): per parameter 4 bytes of weight, 4 of
-gradient and 8 of Adam moments; the distributed optimizer (ZeRO-1) keeps the moments only for
-its 1/n shard (n = dp x cp for dense weights, expert dp for experts), its fp32 main params being
-its slices of the params themselves, as Megatron: ``4 + 4 + 8/n`` bytes. :func:`estimate` adds the cost model of :mod:`service.spec.cost`: the
-most loaded rank's bytes in the spec's precision (bf16: Megatron's 18 per parameter), activations,
-and the predicted step time on the spec's cluster figures (``resources.gpu_type`` ...), from the
-traffic counted here.
+Memory per rank (:func:`memory`): weights, gradients and optimizer state in the spec's precision,
+without and with the distributed optimizer, by the cost model's one accounting
+(:func:`service.spec.cost.state_bytes`: fp32 ``4 + 4 + 8`` bytes per parameter, ``4 + 4 + 8/n``
+sharded n ways; bf16 Megatron's ``2 + 4 + 12``, ``6 + 12/n``). :func:`estimate` adds the most
+loaded rank's activations and the predicted step time on the spec's cluster figures
+(``resources.gpu_type`` ...), from the traffic counted here.
 
 Traffic is the bytes *sent* per iteration, summed over all ranks, modelled as ring collectives
 (an all-reduce of M bytes over n ranks: each rank sends ``2(n-1)/n x M``; all-gather or
@@ -114,20 +113,20 @@ def rank_parameters(s: Shapes, grid: ParallelGrid, rank: int) -> dict[str, int]:
     return {"dense": dense, "expert": moe * expert_layer}
 
 
-def memory(s: Shapes, grid: ParallelGrid) -> list[dict]:
+def memory(s: Shapes, grid: ParallelGrid, *, mixed: bool = False) -> list[dict]:
     """Per rank: parameters and bytes of weights, gradients and optimizer state, without and with
-    the distributed optimizer."""
+    the distributed optimizer, in bf16/fp16 (``mixed``) or fp32: :func:`service.spec.cost.state_bytes`,
+    the accounting the plan's ``cost`` uses too."""
     out = []
     for rank in range(grid.world_size):
         p = rank_parameters(s, grid, rank)
-        total = p["dense"] + p["expert"]
-        shard = p["dense"] / (grid.dp * grid.cp) + p["expert"] / grid.expert_dp
-        out.append({"rank": rank, "parameters": total, "dense_parameters": p["dense"],
-                    "expert_parameters": p["expert"], "param_bytes": BYTES * total, "grad_bytes": BYTES * total,
-                    "optimizer_bytes": 2 * BYTES * total,
-                    "optimizer_bytes_distributed": round(3 * BYTES * shard),
-                    "total_bytes": 4 * BYTES * total,
-                    "total_bytes_distributed": round(2 * BYTES * total + 3 * BYTES * shard)})
+        rep, dist = (cost.state_bytes(p["dense"], p["expert"], grid.dp * grid.cp, grid.expert_dp, mixed=mixed,
+                                      distributed=d) for d in (False, True))
+        out.append({"rank": rank, "parameters": p["dense"] + p["expert"], "dense_parameters": p["dense"],
+                    "expert_parameters": p["expert"], "param_bytes": round(rep["weights"]),
+                    "grad_bytes": round(rep["gradients"]), "optimizer_bytes": round(rep["optimizer"]),
+                    "optimizer_bytes_distributed": round(dist["optimizer"]), "total_bytes": round(rep["total"]),
+                    "total_bytes_distributed": round(dist["total"])})
     return out
 
 
@@ -247,7 +246,7 @@ def plan_job(spec) -> dict:
     placement = plan_placement(grid, spec.resources.gpus_per_node, spec.resources.num_nodes)
     node_of = [pl.node for pl in placement]
     s = Shapes.of(spec)
-    mem = memory(s, grid)
+    mem = memory(s, grid, mixed=spec.training.bf16 or spec.training.fp16)
     ranks = []
     for pl in placement:
         c = grid.coords(pl.rank)

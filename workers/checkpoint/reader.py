@@ -119,15 +119,6 @@ class CheckpointReader:
                 raise ValueError(f"{self.storage.join(name)}: CRC-32 mismatch; the checkpoint is damaged")
 
 
-def resume_source(checkpoint_dir: str | None, load: str | None) -> str | None:
-    """What a rank loads at start: the job's own latest complete checkpoint under
-    ``checkpoint.dir`` (a restart), else ``checkpoint.load`` (a warm start from a raytron
-    checkpoint or ``hf:DIR``), else ``None`` (train from the seed)."""
-    if checkpoint_dir and latest_checkpoint(Storage.from_uri(checkpoint_dir)) is not None:
-        return checkpoint_dir
-    return load or None
-
-
 def check_model(source, model_config, where: str) -> None:
     """Refuse a source whose model differs from the job's, naming every differing field."""
     mine = {k: getattr(model_config, k) for k in MODEL_FIELDS}

@@ -67,6 +67,18 @@ class Fault:
         """The ``RANK@ITER:KIND`` form :meth:`parse` reads back (how a drill travels on a command line)."""
         return f"{self.rank}@{self.iteration}:{self.kind}"
 
+    def within(self, world_size: int) -> bool:
+        """Whether a job of ``world_size`` ranks has this drill's rank."""
+        return self.rank < world_size
+
+
+def check_ranks(faults, world_size: int) -> None:
+    """Refuse (ValueError) the first drill whose rank a job of ``world_size`` ranks does not have."""
+    for f in faults:
+        if not f.within(world_size):
+            raise ValueError(f"--fault {f.rank}@{f.iteration}: rank {f.rank} is outside the job's "
+                             f"{world_size} ranks (0..{world_size - 1})")
+
 
 def trigger(fault: Fault, on_stall: Callable[[str], None] | None = None) -> None:
     """Carry out ``fault`` in this rank (see the module docstring)."""

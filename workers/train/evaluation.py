@@ -44,7 +44,7 @@ def evaluate(trainer, index: int) -> float:
             return trainer.local_slice(
                 lambda start, count: trainer.sampler.validation_batch(index, k, t.eval_iters, start, count), mb)
 
-        total += trainer._global_loss(trainer.run_microbatches(microbatch, forward_only=True))
+        total += trainer.global_loss(trainer.run_microbatches(microbatch, forward_only=True))
     for chunk in trainer.chunks:
         chunk.pop_aux_loss()  # evaluation's MoE aux losses are not training's
     return total / t.eval_iters

@@ -248,12 +248,13 @@ class Trainer:
             forward_only=forward_only,
         )
 
-    def _global_loss(self, mb_losses: list[torch.Tensor]) -> float:
-        """Sum the last stage's microbatch losses over dp-cp, then share it along the pipeline."""
+    def global_loss(self, mb_losses: list[torch.Tensor]) -> float:
+        """The global batch's mean loss from this rank's microbatch losses (what :meth:`run_microbatches`
+        returned): the last stage's sum over dp-cp, shared along the pipeline. A collective."""
         return float(self._global_loss_tensor(mb_losses).item())
 
     def _global_loss_tensor(self, mb_losses: list[torch.Tensor]) -> torch.Tensor:
-        """:meth:`_global_loss` left on the device (:func:`workers.train.reduce.global_loss_tensor`)."""
+        """:meth:`global_loss` left on the device (:func:`workers.train.reduce.global_loss_tensor`)."""
         return global_loss_tensor(mb_losses, last_stage=self.stage == self.grid.pp - 1, pg=self.groups,
                                   device=self.device)
 

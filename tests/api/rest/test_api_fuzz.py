@@ -1,7 +1,7 @@
 """An outside fuzzer against the REST API: schemathesis ``--checks all`` (every phase, a fixed
 seed, about 60 s) against a real ``raytron serve --launcher processes`` finds nothing
 (bench/api_fuzz.py: the server, the blocker that keeps fuzzed jobs queued, the one configured
-exception of bench/schemathesis.toml). ``python bench/api_fuzz.py --seconds 180`` runs it longer."""
+exception of bench/schemathesis.toml). ``python -m bench.api_fuzz --seconds 180`` runs it longer."""
 
 from __future__ import annotations
 

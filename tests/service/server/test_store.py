@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import service.server.store as store_mod
 import service.server.store_schema as schema_mod
 from service.control.controller import JobEvent, JobState
 from service.server.store import InvalidTransition, JobStore, SchemaError, UnknownJob, sqlite_url
+from workers.rank.distributed import free_port
 
 from tests.helpers.paths import ROOT_DIR as ROOT
 from tests.helpers.store import V1_SQLITE  # noqa: F401
@@ -62,9 +62,7 @@ def pg_server():
     base = tempfile.mkdtemp(prefix="raytron-pg-")
     if user is not None:
         os.chown(base, user.pw_uid, user.pw_gid)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     run = dict(user=user.pw_uid if user else None, group=user.pw_gid if user else None, capture_output=True,
                text=True, timeout=120)
     done = subprocess.run([initdb, "-D", f"{base}/data", "-U", "raytron", "--auth=trust", "--no-sync"], **run)

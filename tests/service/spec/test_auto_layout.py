@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from api.cli.main import main as cli_main
-from api.cli.client_cmds import print_plan
+from api.cli.tables import print_job_plan
 from service.spec.check import check_spec
 from service.spec.placement import check_tp_in_node, plan_placement
 from service.spec.plan import plan_job
@@ -120,7 +120,7 @@ def test_plan_auto_table_and_a_concrete_spec(tmp_path, capsys):
     out = capsys.readouterr().out
     assert " 0*" in out and "peak GB" in out and "bubble s" in out and "x-node GB" in out
     buf = io.StringIO()
-    print_plan(plan_job(parse_spec(data)), buf)  # plain `raytron plan` prints the cost model's lines
+    print_job_plan(plan_job(parse_spec(data)), buf)  # plain `raytron plan` prints the cost model's lines
     assert "cost model (simulated-cpu)" in buf.getvalue() and "step" in buf.getvalue()
     assert ParallelGrid(8, tp=2).dp == 4
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from service.spec import cost
 from service.spec.plan import BYTES, Shapes, plan_job, rank_parameters
 from service.spec.spec import parse_spec, to_job_config
 from workers.grid import ParallelGrid
@@ -73,8 +74,24 @@ def test_memory_with_and_without_the_distributed_optimizer():
     n = mem[0]["parameters"]
     assert mem[0]["param_bytes"] == mem[0]["grad_bytes"] == BYTES * n
     assert mem[0]["optimizer_bytes"] == 2 * BYTES * n and mem[0]["total_bytes"] == 16 * n
-    assert mem[0]["optimizer_bytes_distributed"] == round(12 * n / 4)  # master + 2 moments over dp 4
-    assert mem[0]["total_bytes_distributed"] == 8 * n + round(12 * n / 4)
+    # fp32 ZeRO-1: 2 moments over dp 4 (the main params are the params' own slices), plus gloo's staging
+    assert mem[0]["optimizer_bytes_distributed"] == round(8 * n / 4)
+    bucket = min(cost.BUCKET_ELEMENTS, n)
+    scratch = bucket * BYTES + cost.SCATTERS_IN_FLIGHT * bucket * 4
+    assert mem[0]["total_bytes_distributed"] == round(8 * n + 8 * n / 4 + scratch)
+
+
+def test_the_plan_gives_one_memory_answer_per_rank():
+    """A bf16 job's per-rank memory is the cost model's accounting (Megatron's 18 bytes per parameter,
+    6 + 12/n with the distributed optimizer), the same bytes as ``cost.state_bytes`` of its busiest rank."""
+    for distributed in (False, True):
+        spec = spec_of(world=4, parallel={"use_distributed_optimizer": distributed})
+        spec = spec.model_copy(update={"training": spec.training.model_copy(update={"bf16": True})})
+        plan = plan_job(spec)
+        key = "total_bytes_distributed" if distributed else "total_bytes"
+        assert max(m[key] for m in plan["memory"]) == round(plan["cost"]["state_bytes"]["total"])
+        n = plan["memory"][0]["parameters"]
+        assert plan["memory"][0]["param_bytes"] == 2 * n and plan["memory"][0]["optimizer_bytes"] == 12 * n
 
 
 def test_traffic_splits_in_node_and_cross_node_by_the_placement():

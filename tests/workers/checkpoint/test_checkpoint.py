@@ -170,15 +170,6 @@ def test_object_store_commit_is_the_manifest(tmp_path):
     assert fresh.train_step()["loss"] == want
 
 
-def test_resume_source_prefers_the_jobs_own_checkpoints(tmp_path):
-    from workers.checkpoint.reader import resume_source
-
-    assert resume_source(str(tmp_path), "hf:/models/x") == "hf:/models/x"  # nothing saved yet
-    assert resume_source(None, None) is None
-    checkpointer(tmp_path).save(trainer())
-    assert resume_source(str(tmp_path), "hf:/models/x") == str(tmp_path)
-
-
 def test_a_checkpointer_serves_one_layout(tmp_path):
     ck = checkpointer(tmp_path)
     ck.save(trainer())
