@@ -1,7 +1,10 @@
+import contextlib
+import json
 import os
 import time
 import uuid
 
+import pytest
 import torch
 
 from service.ranks.proc_tree import children, is_zombie, marked
@@ -33,7 +36,9 @@ def leftovers() -> dict[int, str]:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the run when a process a test started outlives the session (then stop it)."""
+    """Record each test's time (:data:`TIMES_FILE`); fail the run when a process a test started outlives
+    the session (then stop it)."""
+    _write_times(session)
     deadline = time.monotonic() + LEFTOVER_WAIT_S  # some are on their way out
     while (left := leftovers()) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -52,3 +57,68 @@ def pytest_sessionfinish(session, exitstatus):
         except OSError:
             pass
     session.exitstatus = 1
+
+
+# ---- tiers: every test's tier is its marker; a fast test (no marker) starts no process ----------------
+
+TIERS = ("gpu", "slow", "ray", "procs")
+TIMES_FILE = ".pytest_times.json"  # scripts/test_times.py reads it
+_session = {"start": time.time(), "tiers": {}, "seconds": {}}
+
+
+def tier_of(item) -> str:
+    """``gpu``, ``slow``, ``ray`` or ``procs`` (the test's marker, the first of these it has), else ``fast``."""
+    return next((t for t in TIERS if item.get_closest_marker(t) is not None), "fast")
+
+
+class ProcessStarted(AssertionError):
+    """A fast test (no tier marker) started a process: it belongs in the procs tier (or deeper)."""
+
+
+@contextlib.contextmanager
+def no_processes(nodeid: str):
+    """Within: starting a process (subprocess, fork, multiprocessing) raises :class:`ProcessStarted`."""
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise ProcessStarted(f"{nodeid} starts a process but carries no tier marker: mark it "
+                             f"pytest.mark.procs (or slow / ray), so that make test-fast stays process-free")
+
+    patched = [(subprocess.Popen, "_execute_child"), (os, "fork"), (os, "posix_spawn"), (os, "posix_spawnp"),
+               (multiprocessing.process.BaseProcess, "start")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in patched if hasattr(owner, name)]
+    for owner, name, _ in saved:
+        setattr(owner, name, refuse)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    _session["tiers"].update({item.nodeid: tier_of(item) for item in items})
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _session["tiers"].get(item.nodeid, tier_of(item)) != "fast":
+        yield
+        return
+    with no_processes(item.nodeid):
+        yield
+
+
+def pytest_runtest_logreport(report):
+    """Each test's seconds, setup and teardown included (a module fixture's cost lands on its first test)."""
+    _session["seconds"][report.nodeid] = _session["seconds"].get(report.nodeid, 0.0) + report.duration
+
+
+def _write_times(session) -> None:
+    tests = {nodeid: {"tier": _session["tiers"].get(nodeid, "fast"), "seconds": round(s, 3)}
+             for nodeid, s in _session["seconds"].items()}
+    if tests:
+        path = session.config.rootpath / TIMES_FILE
+        path.write_text(json.dumps({"finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                    "wall_s": round(time.time() - _session["start"], 1), "tests": tests}, indent=0))

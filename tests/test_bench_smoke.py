@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from tests.helpers.paths import ROOT_DIR as ROOT
+
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
@@ -102,6 +103,7 @@ def test_every_bucket_launches_during_backward_with_interleaving():
         assert r["launched"] == r["buckets"] > 1, r
 
 
+@pytest.mark.slow
 def test_cpu_calibration_measures_every_figure_the_cpu_cluster_stores():
     """bench/cpu_calibrate.py on 2 real ranks: the figures of service.spec.cost.CPU_FIGURES, each
     positive (no value is asserted: they are the machine's)."""

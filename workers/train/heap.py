@@ -14,6 +14,7 @@ measure what the tensors need rather than the heap's slack.
 
 from __future__ import annotations
 
+import functools
 import os
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -21,12 +22,14 @@ ENV = "RAYTRON_MMAP_THRESHOLD"
 """Bytes from which glibc serves a block by ``mmap``, pinned (unset: glibc's own dynamic threshold)."""
 
 
+@functools.cache
 def _libc():
+    """glibc, loaded once; None elsewhere. The process's own C library is already mapped, so it is
+    opened by name (``ctypes.util.find_library`` would run ``ldconfig -p`` in a child process)."""
     import ctypes
-    import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")
         return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
     except OSError:
         return None

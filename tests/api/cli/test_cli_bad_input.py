@@ -10,7 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+
 from tests.helpers.cli import refused, run_refused, spec_file  # noqa: F401
+
+pytestmark = pytest.mark.procs  # runs the raytron command in a subprocess
 
 
 def test_token_file_of_floats(tmp_path):

@@ -5,7 +5,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
 from tests.helpers.paths import ROOT
+
+pytestmark = pytest.mark.procs  # runs the raytron command in a subprocess
 
 RAYTRON = str(Path(sys.executable).with_name("raytron"))
 

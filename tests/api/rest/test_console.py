@@ -23,6 +23,7 @@ def server(tmp_path_factory):
     yield from module_server(tmp_path_factory, "console-api", clean_log=False)
 
 
+@pytest.mark.procs
 def test_the_shell_and_its_files_need_no_token_and_hold_no_data(server):
     shell = httpx.get(f"{server.url}/")
     assert shell.status_code == 200 and shell.headers["content-type"].startswith("text/html")
@@ -42,6 +43,7 @@ def test_the_shell_and_its_files_need_no_token_and_hold_no_data(server):
     assert httpx.get(f"{server.url}/static/%2e%2e/app.py").status_code == 404
 
 
+@pytest.mark.procs
 def test_the_yaml_helper_reads_yaml_and_json_and_points_at_errors(server):
     headers = {"Authorization": f"Bearer {TOKEN}"}
     spec = (ROOT / "examples" / "tiny-5d.yaml").read_text()

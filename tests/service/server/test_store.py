@@ -80,7 +80,7 @@ def pg_server():
     shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.procs)])  # a real server
 def url(request, tmp_path):
     """A fresh, empty database of each kind."""
     if request.param == "sqlite":
@@ -352,6 +352,7 @@ def test_list_jobs_pages_by_number_and_filters_by_name(store):
     assert [j["id"] for j in store.list_jobs(name="a")] == [ids[3], ids[1]]
 
 
+@pytest.mark.procs
 def test_store_imports_no_controller_api_or_workers():
     code = ("import sys, service.server.store; print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('api', 'workers', 'torch', 'ray') or m == 'service.control.controller'))")

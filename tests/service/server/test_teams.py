@@ -172,6 +172,7 @@ def _job_routes(srv: Server) -> list[tuple[str, str]]:
     return [(m.upper(), p) for p, ops in doc["paths"].items() for m in ops if "{job_id}" in p]
 
 
+@pytest.mark.procs
 def test_three_users_on_a_2x4_cluster(tmp_path):
     srv = Server(tmp_path / "d", simulate="2x4", extra_args=("--submit-burst", "3", "--max-submits-per-minute", "1",
                                                              "--max-queued-per-user", "1")).start()
@@ -306,6 +307,7 @@ def test_three_users_on_a_2x4_cluster(tmp_path):
 
 @pytest.mark.parametrize("flag, value", [("--submit-burst", "0"), ("--max-queued-per-user", "-1"),
                                          ("--max-submits-per-minute", "x")])
+@pytest.mark.procs
 def test_bad_limits_are_refused_before_the_server_starts(tmp_path, flag, value):
     p = subprocess.run([sys.executable, "-m", "api.cli.main", "serve", "--data-dir", str(tmp_path), flag, value],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)

@@ -9,7 +9,6 @@ from service.spec.plan import BYTES, Shapes, plan_job, rank_parameters
 from service.spec.spec import parse_spec, to_job_config
 from workers.grid import ParallelGrid
 
-
 QWEN = {"add_qkv_bias": True, "qk_layernorm": True, "kv_channels": 16, "untie_embeddings_and_output_weights": False}
 
 
@@ -59,6 +58,7 @@ def _shard_numel(rank, world_size, job):
 
 @pytest.mark.parametrize("moe,parallel", [(False, {"tensor_model_parallel_size": 2}),
                                           (True, {"expert_model_parallel_size": 2})])
+@pytest.mark.slow
 def test_sharded_counts_match_two_real_ranks(moe, parallel):
     from tests.helpers.ranks import run_ranks
 

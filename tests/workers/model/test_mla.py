@@ -55,8 +55,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_mla_matches_transformers_forward_and_every_gradient(q_lora_rank):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
-    from workers.model.mla import MLAttention
     from workers.model.decoder import RMSNorm, ShardContext
+    from workers.model.mla import MLAttention
     from workers.model.yarn import mla_rotary_tables
 
     torch.manual_seed(0)
@@ -153,6 +153,7 @@ def test_mla_spec_reaches_the_job_config_and_dense_specs_are_unchanged():
     assert not to_job_config(parse_spec(dense)).model.multi_latent_attention
 
 
+@pytest.mark.procs
 def test_cli_refuses_a_bad_mla_spec_with_exit_2(tmp_path):
     import subprocess
     import sys
@@ -197,6 +198,7 @@ def _shard_numel(rank, world_size, job):
     return sum(p.numel() for chunk in trainer.chunks for p in chunk.parameters())
 
 
+@pytest.mark.slow
 def test_plan_counts_two_real_tp_ranks():
     """tp2: the up and output projections split over heads, the down projections and their norms whole."""
     from tests.helpers.ranks import run_ranks

@@ -61,6 +61,7 @@ def test_fp16_loss_scaling_adds_no_host_sync():
     assert len(events) <= 1, f"host syncs in one fp16 step: {events}"
 
 
+@pytest.mark.slow
 def test_one_host_sync_per_dense_step_tp2():
     from tests.helpers.ranks import run_ranks
 

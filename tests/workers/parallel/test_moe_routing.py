@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers.paths import ROOT
+from tests.helpers.ranks import run_ranks
 from workers.config import ModelConfig
 from workers.model.decoder import ShardContext, moe_layer
 from workers.parallel.router import Routing, TopKRouter, update_expert_biases
-from tests.helpers.ranks import run_ranks
-from tests.helpers.paths import ROOT
 
 transformers = pytest.importorskip("transformers")
 
@@ -174,6 +174,7 @@ def _bias_worker(rank, world, router_weight):
     return biases
 
 
+@pytest.mark.slow
 def test_expert_bias_updates_from_global_loads():
     hf = _deepseek()
     gate = hf.gate
@@ -293,6 +294,7 @@ def test_routing_fields_reach_the_model_config():
     assert m.moe_layer_freq == (0, 1, 1, 1) and [m.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
 
 
+@pytest.mark.slow
 def test_expert_bias_is_saved_and_resharded(tmp_path):
     """A checkpoint holds every expert bias; loaded at another layout (tp2 + sp + ep2 from one
     process), every rank has them, and the next iteration's loss is the uninterrupted run's."""
@@ -355,6 +357,7 @@ def test_bf16_training_with_deepseek_v3_routing():
         assert layer.mlp.router.expert_bias.dtype == torch.float32 and layer.mlp.router.expert_bias.any()
 
 
+@pytest.mark.procs
 def test_spec_validation_of_routing_imports_no_torch():
     """The spec's routing rules are pure (service/spec imports no torch): a DeepSeek-V3-style spec
     and a refused one are checked without it."""
