@@ -58,11 +58,12 @@ def train_ranks(rank, world_size, job, *, load=None, save_root=None, save_at=(),
     the iterations in ``save_at`` (sync) and ``async_at`` (async)."""
     from workers.checkpoint.checkpointer import Checkpointer
     from workers.checkpoint.reader import load_checkpoint
+    from workers.hf.interop import open_source
     from workers.train.trainer import Trainer
 
     trainer = Trainer(job, rank, world_size)
     t0 = time.perf_counter()
-    start = load_checkpoint(trainer, load)["iteration"] if load else 0
+    start = load_checkpoint(trainer, open_source(load))["iteration"] if load else 0  # as a rank loads checkpoint.load
     load_s = time.perf_counter() - t0
     sync = Checkpointer(save_root) if save_root else None
     background = Checkpointer(save_root, async_save=True) if save_root else None
