@@ -9,12 +9,11 @@ what the server and ``raytron run`` accept: tests/test_docs.py runs ``--check``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from scripts.generated_page import ROOT, write_or_check
+
 PAGE = ROOT / "docs" / "spec-reference.md"
 
 HEADER = """# Job spec field reference
@@ -88,18 +87,7 @@ def render() -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="only compare; exit 1 when the page is stale")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not PAGE.exists() or PAGE.read_text() != text:
-            print(f"{PAGE.relative_to(ROOT)} is stale: run python -m scripts.spec_reference", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(text)
-    print(f"wrote {PAGE.relative_to(ROOT)}")
-    return 0
+    return write_or_check(argv, PAGE, render, "scripts.spec_reference", __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
