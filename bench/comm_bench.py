@@ -93,11 +93,15 @@ _SOURCES = {
     "workers.parallel.sequence": "tp",
     "workers.parallel.context": "cp",
     "workers.parallel.context_ring": "cp",
+    "workers.parallel.context_a2a": "cp",
     "workers.parallel.pipeline_exec": "pp",
     "workers.parallel.moe_dispatch": "moe",
     "workers.parallel.data": "grads",
+    "workers.parallel.grad_buffer": "grads",
+    "workers.parallel.param_gather": "grads",
     "workers.parallel.optimizer": "grads",
     "workers.train.trainer": "loss",
+    "workers.train.reduce": "loss",
     "workers.parallel.clip": "grad-norm",
 }
 TRAFFIC = ("tp", "cp", "pp", "ep", "etp", "grads:dense", "grads:sp", "grads:expert", "loss:dp-cp", "loss:pp",
@@ -127,6 +131,7 @@ LAYOUTS = [
                               "sequence_parallel": True}),
     Layout("cp2-p2p", {"context_parallel_size": 2, "cp_comm_type": "p2p"}),
     Layout("cp2-allgather", {"context_parallel_size": 2, "cp_comm_type": "all_gather"}),
+    Layout("cp2-a2a", {"context_parallel_size": 2, "cp_comm_type": "a2a"}),
     Layout("ep2-moe", {"expert_model_parallel_size": 2}, moe=True),
     Layout("tp2+sp+ep2-moe(etp2)", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                     "expert_model_parallel_size": 2}, moe=True),
@@ -219,8 +224,14 @@ def analytic_bytes(job: JobConfig, rank: int, routes: dict[int, list[int]] | Non
     sends = sum(int(v < last) + int(v > 0) for v in (c * pp + stage for c in range(vpp)))
     out["pp"] = nmb * sends * (s // (tp if sp else 1)) * b * h * FLOAT if pp > 1 else 0.0
 
-    # Context parallelism: K/V blocks of the local kv heads.
-    if cp > 1:
+    # Context parallelism: K/V blocks of the local kv heads (ring, all-gather); with a2a every
+    # token's q, k, v and output once each way, (cp-1)/cp of them leaving the rank (K/V heads that do
+    # not divide by cp travel repeated to one per query head).
+    if cp > 1 and p.cp_comm_type == "a2a":
+        heads = m.num_attention_heads // tp
+        kv_heads = m.num_query_groups // tp if (m.num_query_groups // tp) % cp == 0 else heads
+        out["cp"] = nmb * layers * 2 * (cp - 1) / cp * s * b * (2 * heads + 2 * kv_heads) * d * FLOAT
+    elif cp > 1:
         kv_block = s * b * (m.num_query_groups // tp) * 2 * d * FLOAT
         blocks = 3 * (cp - 1) if p.cp_comm_type == "p2p" else 2 * (cp - 1)
         out["cp"] = nmb * layers * blocks * kv_block

@@ -65,6 +65,11 @@ def test_analytic_minimum_hand_computed():
     job = layout_job(Layout("cp2ag", {"context_parallel_size": 2, "cp_comm_type": "all_gather"}), 2,
                      model={**TINY, "seq_length": 8}, training=ONE_SAMPLE)
     assert analytic_bytes(job, 0)["cp"] == 2 * 256
+    # cp2 all-to-all: per token q 2 heads + k, v 2 heads each + out 2 heads = 8 x d 4 floats; half of
+    # the rank's 4 tokens leave it, each way: 2 x 2 x 8 x 4 x 4 B = 512 B.
+    job = layout_job(Layout("cp2a2a", {"context_parallel_size": 2, "cp_comm_type": "a2a"}), 2,
+                     model={**TINY, "seq_length": 8}, training=ONE_SAMPLE)
+    assert analytic_bytes(job, 0)["cp"] == 512
 
     # pp2 + vpp2, 4 layers, 2 microbatches: 3 virtual-stage boundaries x 2 directions x 2 mb
     # = 12 sends of 128 B, 6 per rank; plus the loss shared along the pipeline (8 B).
@@ -82,6 +87,15 @@ def test_tp2_measurement_runs():
     assert tp.minimum == 800
     assert math.isfinite(tp.ratio) and tp.ratio >= 1.0
     assert all(math.isfinite(r.ratio) for r in rows)
+
+
+@pytest.mark.slow
+def test_a2a_context_parallelism_moves_exactly_the_minimum():
+    job, rows, results = comm_bench.run_layout(Layout("cp2-a2a", {"context_parallel_size": 2, "cp_comm_type": "a2a"}),
+                                               2, model={**TINY, "seq_length": 8, "vocab_size": 256},
+                                               training=ONE_SAMPLE)  # the builtin data's byte tokens
+    cp = next(r for r in rows if r.traffic == "cp")
+    assert cp.minimum == 512 and cp.ratio == 1.0
 
 
 @pytest.mark.slow

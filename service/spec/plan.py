@@ -176,7 +176,15 @@ def count_traffic(s: Shapes, spec, grid: ParallelGrid, node_of: list[int]) -> _T
     n = grid.tp
     for g in grid.groups("tp"):
         tr.ring("tp", g, mbs * layers * 4 * 2 * (n - 1) / n * act)
-    if grid.cp > 1:
+    if grid.cp > 1 and p.cp_comm_type == "a2a":
+        # all-to-all: q, k, v and the output of every token cross once each way ((cp-1)/cp of each
+        # leaves the rank); K/V heads that do not divide by cp travel repeated to one per query head
+        head = s.mla.ring_width // 2 if s.mla else s.head_dim
+        kv_heads = s.heads if s.mla or (s.groups // grid.tp) % grid.cp else s.groups
+        width = (2 * s.heads + 2 * kv_heads) * head
+        for g in grid.groups("cp"):
+            tr.all_to_all("cp", g, mbs * layers * 2 * tokens * width * BYTES // grid.tp)
+    elif grid.cp > 1:
         width = s.heads * s.mla.ring_width if s.mla else 2 * s.groups * s.head_dim
         kv = tokens * width * BYTES // grid.tp
         for g in grid.groups("cp"):

@@ -157,7 +157,9 @@ class ParallelSpec(BaseModel):
     overlap_param_gather: bool = Field(False, description="with the distributed optimizer: the updated params' "
                                        "all-gather runs under the next forward, waited for layer by layer "
                                        "(one extra copy of the params in their dtype)")
-    cp_comm_type: Literal["p2p", "all_gather"] = "p2p"
+    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = Field(
+        "p2p", description="context parallelism's attention: p2p (ring), all_gather (of K/V), a2a (all-to-all from "
+        "sequence to head shards; heads per TP rank divisible by cp)")
     order: str = "tp-cp-ep-dp-pp"
 
     @model_validator(mode="before")

@@ -61,6 +61,14 @@ LAYOUTS = {
     # A large coefficient: the aux loss and its gradient dominate, still layout-invariant.
     "moe-aux1-tp2-sp-cp2": (True, 4, {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                       "context_parallel_size": 2}, None, {"moe_aux_loss_coeff": 1.0}),
+    # All-to-all CP: heads split over cp (2 K/V heads split at cp2; repeated per query head at cp4 and
+    # under tp2, where each TP rank has one).
+    "cp2-a2a": (False, 2, {"context_parallel_size": 2, "cp_comm_type": "a2a"}),
+    "cp4-a2a": (False, 4, {"context_parallel_size": 4, "cp_comm_type": "a2a"}),
+    "cp2-a2a-tp2-sp": (False, 4, {"context_parallel_size": 2, "cp_comm_type": "a2a", "tensor_model_parallel_size": 2,
+                                  "sequence_parallel": True}),
+    "moe-cp2-a2a-ep2": (True, 4, {"context_parallel_size": 2, "cp_comm_type": "a2a",
+                                  "expert_model_parallel_size": 2}),
 }
 
 

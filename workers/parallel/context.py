@@ -16,6 +16,9 @@ ways to provide it (Megatron's ``cp_comm_type``):
   :func:`~workers.parallel.context_layout.attention_blocks` (causal and fully visible
   pieces, merged by log-sum-exp) rather than one call with a mask, which no fused kernel
   takes (the math fallback would materialise the ``[s_local, s]`` scores).
+* ``"a2a"``: all-to-all from sequence shards to head shards and back
+  (:mod:`workers.parallel.context_a2a`): each rank attends the whole sequence for its share of the
+  heads.
 
 Both keep q/k/v in the compute dtype, on the wire and in the kernel
 (:mod:`workers.parallel.attention_kernel`); only the merged output and log-sum-exp are fp32.
@@ -38,9 +41,10 @@ import torch.distributed as dist
 from workers.parallel import comm
 from workers.parallel.attention_kernel import BlockAttention
 from workers.parallel.context_layout import attention_blocks, check_split, cp_positions  # noqa: F401 (re-exported)
+from workers.parallel.context_a2a import a2a_attention
 from workers.parallel.context_ring import RingAttention, ring_plans
 
-COMM_TYPES = ("p2p", "all_gather")
+COMM_TYPES = ("p2p", "all_gather", "a2a")
 
 
 def cp_split(x: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int = 0) -> torch.Tensor:
@@ -157,7 +161,7 @@ def context_parallel_attention(
         group: the CP process group; ``None`` (or size 1) is plain causal attention.
         ranks: the CP group's global ranks in CP-rank order (the ring's neighbours).
         softmax_scale: ``None`` means ``1 / sqrt(head_dim)``.
-        comm_type: ``"p2p"`` (ring attention) or ``"all_gather"``.
+        comm_type: ``"p2p"`` (ring attention), ``"all_gather"`` or ``"a2a"``.
 
     Returns:
         ``[s_local, b, num_heads, head_dim]``.
@@ -185,6 +189,9 @@ def context_parallel_attention(
     if comm_type == "p2p":
         return RingAttention.apply(q, k, v, scale, ring_plans(seq_len, cp, cp_rank), cp_rank, ranks, group)
     positions = torch.cat([cp_positions(seq_len, cp, r, device=q.device) for r in range(cp)])
+    if comm_type == "a2a":
+        return a2a_attention(q, k, v, group=group, positions=positions,
+                             attention=lambda q, k, v: causal_attention(q, k, v, scale))
     d = k.shape[-1]
     kv = _GatherKV.apply(torch.cat([k, v], dim=-1), group, positions)
     k_full, v_full = kv.split(d, dim=-1)

@@ -94,6 +94,21 @@ def test_the_plan_gives_one_memory_answer_per_rank():
         assert plan["memory"][0]["param_bytes"] == 2 * n and plan["memory"][0]["optimizer_bytes"] == 12 * n
 
 
+@pytest.mark.parametrize("world,parallel", [
+    (2, {"context_parallel_size": 2}),  # 2 K/V heads split over cp 2
+    (4, {"context_parallel_size": 4}),  # K/V repeated to one per query head
+    (4, {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True}),
+], ids=["cp2", "cp4", "cp2-tp2-sp"])
+def test_a2a_context_traffic_is_the_measured_minimum(world, parallel):
+    """The plan's all-to-all CP bytes, summed over ranks, equal the minimum the communication benchmark
+    derives on its own (and measures: tests/test_bench_smoke.py)."""
+    from bench.comm_bench import analytic_bytes
+
+    spec = spec_of(world=world, parallel={**parallel, "cp_comm_type": "a2a"})
+    job = to_job_config(spec)
+    assert plan_job(spec)["traffic"]["cp"]["in_node"] == sum(analytic_bytes(job, r)["cp"] for r in range(world)) > 0
+
+
 def test_traffic_splits_in_node_and_cross_node_by_the_placement():
     # 2 nodes x 2 GPUs, tp 2 inside each node, dp 2 across the nodes.
     spec = spec_of(world=4, nodes=2, parallel={"tensor_model_parallel_size": 2})

@@ -96,6 +96,9 @@ def test_unknown_field_is_refused_with_its_path():
     (dict(model={"hidden_size": 1048576}), ["GiB per rank", "any accelerator holds", "hidden_size"]),
     (dict(training={"data": "corpus.txt"}), ["training.data", ".npy or .bin"]),
     (dict(parallel={"cp_comm_type": "ring"}), ["parallel.cp_comm_type"]),
+    (dict(parallel={"pipeline_model_parallel_size": 1, "context_parallel_size": 4, "cp_comm_type": "a2a"}),
+     ["parallel.cp_comm_type a2a", "num_attention_heads 4 / tensor_model_parallel_size 2 = 2",
+      "not divisible by context_parallel_size 4"]),
     (dict(parallel={"overlap_param_gather": True}), ["parallel.overlap_param_gather needs parallel.use_distributed_optimizer"]),
     (dict(training={"micro_batch_size": 0}), ["training.micro_batch_size", "greater than or equal to 1"]),
 ])

@@ -24,6 +24,8 @@ LAYOUTS = {
     # the uncompressed query projection (q_lora_rank: null) column-parallel with SP.
     "cp2-all-gather-tp2-sp-no-q-lora": (4, {"context_parallel_size": 2, "cp_comm_type": "all_gather",
                                             "tensor_model_parallel_size": 2, "sequence_parallel": True}, NO_Q_LORA),
+    # All-to-all CP: every head's q, latent-expanded k and padded v to the rank that owns the head.
+    "cp2-a2a": (2, {"context_parallel_size": 2, "cp_comm_type": "a2a"}),
 }
 
 

@@ -186,7 +186,7 @@ def test_causal_attention_matches_sdpa(heads):
         _close(got, want)
 
 
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
 def test_group_none_is_causal_attention(comm_type):
     q, k, v, dout = _inputs(4, 2)
     ref = _sdpa_reference(q, k, v, dout, 1 / DIM**0.5)
@@ -200,7 +200,7 @@ def test_group_none_is_causal_attention(comm_type):
 def test_bad_comm_type_and_heads_raise():
     q, k, v, _ = _inputs(4, 2)
     with pytest.raises(ValueError, match="cp_comm_type"):
-        context_parallel_attention(q, k, v, group=None, ranks=None, comm_type="a2a")
+        context_parallel_attention(q, k, v, group=None, ranks=None, comm_type="ring")
     with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
         causal_attention(q[:, :, :3], k, v)
 
@@ -210,7 +210,7 @@ def test_bad_comm_type_and_heads_raise():
 
 WORLD = 4
 CP_SIZES = [2, 4]
-COMM_TYPES = ["p2p", "all_gather"]
+COMM_TYPES = ["p2p", "all_gather", "a2a"]
 
 
 def _cp_groups(cp: int) -> list[list[int]]:
@@ -281,6 +281,13 @@ def test_context_parallel_attention_matches_full(cp_cases, cp, comm_type, case_i
         # forward: cp-1 K/V hops; backward: cp-1 K/V hops and cp-1 dK/dV hops (a rank's
         # own block's share stays home): the minimum.
         expected = 3 * (cp - 1) * kv_bytes
+    elif comm_type == "a2a":
+        # q, k, v and the output cross once each way, (cp-1)/cp of each (a rank's own head group
+        # stays home); K/V heads that do not divide by cp travel repeated to one per query head.
+        heads = q.shape[2]
+        kv_heads = k.shape[2] if k.shape[2] % cp == 0 else heads
+        per_token = 2 * heads * DIM + 2 * kv_heads * DIM  # q and out, k and v
+        expected = 2 * (cp - 1) * (SEQ // cp) * BATCH * per_token * 4 // cp
     else:
         # all-gather plus reduce-scatter of the whole sequence's K/V, (cp-1)/cp each.
         expected = 2 * (cp - 1) * kv_bytes
