@@ -116,13 +116,17 @@ def _print_json(obj) -> None:
     print(json.dumps(obj, separators=(",", ":")))
 
 
-def answer(args, call, text) -> int:
-    """The body the one-call client commands share: ``call(client)`` against the server, its answer
-    printed as one JSON line (``--json``) or as ``text(answer)``."""
-    with _client(args) as client:
-        out = call(client)
-    _print_json(out) if args.json else print(text(out))
-    return 0
+def one_call(name: str, call, text):
+    """A client command that makes one call: ``call(client, args)`` against the server, its answer
+    printed as one JSON line (``--json``) or as ``text(answer)``; ``name`` as in ``raytron NAME``."""
+    def run(args) -> int:
+        with _client(args) as client:
+            out = call(client, args)
+        _print_json(out) if args.json else print(text(out))
+        return 0
+
+    run.__name__ = "cmd_" + name.replace(" ", "_")
+    return _command(run)
 
 
 def _job_line(j: dict) -> str:
@@ -221,10 +225,6 @@ def cmd_logs(args) -> int:
     return 0
 
 
-@_command
-def cmd_cancel(args) -> int:
-    return answer(args, lambda client: client.cancel(args.job),
-                  lambda job: f"{job['id']} {job['state']} (cancel requested)")
 
 
 @_command
@@ -255,6 +255,10 @@ def cmd_plan(args) -> int:
     _print_json(plan) if args.json else print_job_plan(plan)
     return 0
 
+
+
+cmd_cancel = one_call("cancel", lambda client, args: client.cancel(args.job),
+                      lambda job: f"{job['id']} {job['state']} (cancel requested)")
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m api.cli.client_cmds COMMAND ...`` (the same commands without the ``raytron`` CLI)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 
-from api.cli.client_cmds import _command, _common, answer
+from api.cli.client_cmds import _common, one_call
 
 
 def add_parsers(sub) -> None:
@@ -46,18 +46,6 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_audit)
 
 
-@_command
-def cmd_users_add(args) -> int:
-    return answer(args, lambda client: client.add_user(args.name, admin=args.admin, gpu_quota=args.gpu_quota,
-                                                       max_priority=args.max_priority),
-                  lambda created: f"user {created['name']} added; its token (shown once):\n{created['token']}")
-
-
-@_command
-def cmd_users_list(args) -> int:
-    return answer(args, lambda client: client.users(), _users_table)
-
-
 def _users_table(users: list[dict]) -> str:
     lines = [f"{'USER':<24}{'ADMIN':<7}{'GPU QUOTA':>10}{'MAX PRIO':>10}{'TOKENS':>8}"]
     for u in users:
@@ -67,36 +55,28 @@ def _users_table(users: list[dict]) -> str:
     return "\n".join(lines)
 
 
-@_command
-def cmd_users_token(args) -> int:
-    return answer(args, lambda client: client.new_token(args.name),
-                  lambda issued: f"a new token of {issued['name']} (shown once):\n{issued['token']}")
-
-
-@_command
-def cmd_users_revoke(args) -> int:
-    return answer(args, lambda client: client.revoke(args.name),
-                  lambda revoked: f"{revoked['revoked']} token(s) of {revoked['name']} revoked")
-
-
-@_command
-def cmd_users_remove(args) -> int:
-    def remove(client) -> dict:
-        client.remove_user(args.name)
-        return {"name": args.name, "removed": True}
-
-    return answer(args, remove, lambda removed: f"user {removed['name']} removed")
-
-
-@_command
-def cmd_audit(args) -> int:
-    return answer(args, lambda client: client.audit(limit=args.limit, user=args.user, action=args.action)["entries"],
-                  _audit_table)
-
-
 def _audit_table(entries: list[dict]) -> str:
     lines = [f"{'TIME (UTC)':<21}{'USER':<16}{'ACTION':<14}{'STATUS':>7}  TARGET"]
     for e in entries:
         when = datetime.datetime.fromtimestamp(e["time"], datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
         lines.append(f"{when:<21}{e['user'] or '-':<16}{e['action']:<14}{e['status']:>7}  {e['target'] or ''}")
     return "\n".join(lines)
+
+
+def _remove(client, args) -> dict:
+    client.remove_user(args.name)
+    return {"name": args.name, "removed": True}
+
+
+cmd_users_add = one_call(
+    "users add", lambda client, args: client.add_user(args.name, admin=args.admin, gpu_quota=args.gpu_quota,
+                                                      max_priority=args.max_priority),
+    lambda created: f"user {created['name']} added; its token (shown once):\n{created['token']}")
+cmd_users_list = one_call("users list", lambda client, args: client.users(), _users_table)
+cmd_users_token = one_call("users token", lambda client, args: client.new_token(args.name),
+                           lambda issued: f"a new token of {issued['name']} (shown once):\n{issued['token']}")
+cmd_users_revoke = one_call("users revoke", lambda client, args: client.revoke(args.name),
+                            lambda revoked: f"{revoked['revoked']} token(s) of {revoked['name']} revoked")
+cmd_users_remove = one_call("users remove", _remove, lambda removed: f"user {removed['name']} removed")
+cmd_audit = one_call("audit", lambda client, args: client.audit(limit=args.limit, user=args.user,
+                                                                action=args.action)["entries"], _audit_table)
