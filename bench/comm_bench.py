@@ -132,6 +132,8 @@ LAYOUTS = [
     Layout("cp2-p2p", {"context_parallel_size": 2, "cp_comm_type": "p2p"}),
     Layout("cp2-allgather", {"context_parallel_size": 2, "cp_comm_type": "all_gather"}),
     Layout("cp2-a2a", {"context_parallel_size": 2, "cp_comm_type": "a2a"}),
+    Layout("cp4-a2a+p2p", {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
+                           "hierarchical_context_parallel_sizes": [2, 2]}),
     Layout("ep2-moe", {"expert_model_parallel_size": 2}, moe=True),
     Layout("tp2+sp+ep2-moe(etp2)", {"tensor_model_parallel_size": 2, "sequence_parallel": True,
                                     "expert_model_parallel_size": 2}, moe=True),
@@ -227,10 +229,13 @@ def analytic_bytes(job: JobConfig, rank: int, routes: dict[int, list[int]] | Non
     # Context parallelism: K/V blocks of the local kv heads (ring, all-gather); with a2a every
     # token's q, k, v and output once each way, (cp-1)/cp of them leaving the rank (K/V heads that do
     # not divide by cp travel repeated to one per query head).
-    if cp > 1 and p.cp_comm_type == "a2a":
+    if cp > 1 and p.cp_comm_type in ("a2a", "a2a+p2p"):
+        a2a = p.hierarchical_context_parallel_sizes[0] if p.cp_comm_type == "a2a+p2p" else cp
         heads = m.num_attention_heads // tp
-        kv_heads = m.num_query_groups // tp if (m.num_query_groups // tp) % cp == 0 else heads
-        out["cp"] = nmb * layers * 2 * (cp - 1) / cp * s * b * (2 * heads + 2 * kv_heads) * d * FLOAT
+        kv_heads = m.num_query_groups // tp if (m.num_query_groups // tp) % a2a == 0 else heads
+        out["cp"] = nmb * layers * 2 * (a2a - 1) / a2a * s * b * (2 * heads + 2 * kv_heads) * d * FLOAT
+        # a2a+p2p: the ring across the a2a groups, each member's block its group's tokens, its kv heads
+        out["cp"] += nmb * layers * 3 * (cp // a2a - 1) * s * b * kv_heads * 2 * d * FLOAT
     elif cp > 1:
         kv_block = s * b * (m.num_query_groups // tp) * 2 * d * FLOAT
         blocks = 3 * (cp - 1) if p.cp_comm_type == "p2p" else 2 * (cp - 1)

@@ -90,12 +90,19 @@ def test_tp2_measurement_runs():
 
 
 @pytest.mark.slow
-def test_a2a_context_parallelism_moves_exactly_the_minimum():
-    job, rows, results = comm_bench.run_layout(Layout("cp2-a2a", {"context_parallel_size": 2, "cp_comm_type": "a2a"}),
-                                               2, model={**TINY, "seq_length": 8, "vocab_size": 256},
+@pytest.mark.parametrize("world,parallel,minimum", [
+    (2, {"context_parallel_size": 2, "cp_comm_type": "a2a"}, 512),
+    # cp4 as 2x2, seq 8: the all-to-all in pairs, 2 x 1/2 x 2 tokens x (2+2+2+2 heads) x d 4 x 4 B = 256 B;
+    # the ring across the pairs: 3 blocks of 2 x 2 tokens x 2 kv heads / 2 x 2 d x 4 B = 128 B each.
+    (4, {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [2, 2]},
+     256 + 3 * 128),
+], ids=["a2a", "a2a+p2p"])
+def test_a2a_context_parallelism_moves_exactly_the_minimum(world, parallel, minimum):
+    job, rows, results = comm_bench.run_layout(Layout("cp-a2a", parallel), world,
+                                               model={**TINY, "seq_length": 8, "vocab_size": 256},
                                                training=ONE_SAMPLE)  # the builtin data's byte tokens
     cp = next(r for r in rows if r.traffic == "cp")
-    assert cp.minimum == 512 and cp.ratio == 1.0
+    assert cp.minimum == minimum and cp.ratio == 1.0
 
 
 @pytest.mark.slow

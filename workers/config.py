@@ -133,6 +133,9 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
     cp_comm_type: str = "p2p"
+    hierarchical_context_parallel_sizes: tuple[int, ...] | None = None
+    """With cp_comm_type a2a+p2p: (a2a size, p2p size), their product the CP size; the a2a groups are
+    consecutive CP ranks (in a node), the ring runs across them."""
     order: str = "tp-cp-ep-dp-pp"
 
 

@@ -176,14 +176,20 @@ def count_traffic(s: Shapes, spec, grid: ParallelGrid, node_of: list[int]) -> _T
     n = grid.tp
     for g in grid.groups("tp"):
         tr.ring("tp", g, mbs * layers * 4 * 2 * (n - 1) / n * act)
-    if grid.cp > 1 and p.cp_comm_type == "a2a":
-        # all-to-all: q, k, v and the output of every token cross once each way ((cp-1)/cp of each
-        # leaves the rank); K/V heads that do not divide by cp travel repeated to one per query head
+    if grid.cp > 1 and p.cp_comm_type in ("a2a", "a2a+p2p"):
+        # all-to-all (inside each a2a group): q, k, v and the output of every token cross once each way
+        # ((a-1)/a of each leaves the rank); K/V heads that do not divide by a travel repeated to one per
+        # query head. a2a+p2p: then the ring across the a2a groups with their K/V, (p2p-1) x 3 blocks.
+        a2a = p.hierarchical_context_parallel_sizes[0] if p.cp_comm_type == "a2a+p2p" else grid.cp
         head = s.mla.ring_width // 2 if s.mla else s.head_dim
-        kv_heads = s.heads if s.mla or (s.groups // grid.tp) % grid.cp else s.groups
+        kv_heads = s.heads if s.mla or (s.groups // grid.tp) % a2a else s.groups
         width = (2 * s.heads + 2 * kv_heads) * head
         for g in grid.groups("cp"):
-            tr.all_to_all("cp", g, mbs * layers * 2 * tokens * width * BYTES // grid.tp)
+            for i in range(0, grid.cp, a2a):
+                tr.all_to_all("cp", g[i:i + a2a], mbs * layers * 2 * tokens * width * BYTES // grid.tp)
+            for j in range(a2a):
+                kv = tokens * 2 * kv_heads * head * BYTES // grid.tp  # a ring member's block: a2a x tokens x kv/a2a
+                tr.ring("cp", g[j::a2a], mbs * layers * 3 * (grid.cp // a2a - 1) * kv)
     elif grid.cp > 1:
         width = s.heads * s.mla.ring_width if s.mla else 2 * s.groups * s.head_dim
         kv = tokens * width * BYTES // grid.tp

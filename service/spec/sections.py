@@ -157,9 +157,12 @@ class ParallelSpec(BaseModel):
     overlap_param_gather: bool = Field(False, description="with the distributed optimizer: the updated params' "
                                        "all-gather runs under the next forward, waited for layer by layer "
                                        "(one extra copy of the params in their dtype)")
-    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = Field(
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = Field(
         "p2p", description="context parallelism's attention: p2p (ring), all_gather (of K/V), a2a (all-to-all from "
-        "sequence to head shards; heads per TP rank divisible by cp)")
+        "sequence to head shards; heads per TP rank divisible by cp), a2a+p2p (a2a inside groups of consecutive CP "
+        "ranks, the ring across them: hierarchical_context_parallel_sizes)")
+    hierarchical_context_parallel_sizes: list[int] | None = Field(
+        None, description="with cp_comm_type a2a+p2p: [a2a size, p2p size], product context_parallel_size")
     order: str = "tp-cp-ep-dp-pp"
 
     @model_validator(mode="before")

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from service.spec.auto import PARALLEL_AUTO, auto_fields, resolve, search_once
 from service.spec.errors import field_errors, format_validation_error, yaml_loader  # noqa: F401 (field_errors: interface)
+from service.spec.context import cp_problems
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.mla import mla_problems
 from service.spec.moe import moe_problems
@@ -157,11 +158,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
     if groups % tp:
         out.append(f"model.num_query_groups {groups} is not divisible by tensor_model_parallel_size {tp}; "
                    f"use a tp that divides {groups} or more query groups")
-    if p.cp_comm_type == "a2a" and cp > 1 and heads % tp == 0 and (heads // tp) % cp:
-        out.append(f"parallel.cp_comm_type a2a splits each rank's attention heads over the CP group: "
-                   f"model.num_attention_heads {heads} / tensor_model_parallel_size {tp} = {heads // tp} is not "
-                   f"divisible by context_parallel_size {cp}; use cp_comm_type p2p or all_gather, or a cp that "
-                   f"divides {heads // tp}")
+    out.extend(cp_problems(p, heads, tp))
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     if ffn % tp:
         out.append(f"model.ffn_hidden_size {ffn} is not divisible by tensor_model_parallel_size {tp}")

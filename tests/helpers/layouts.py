@@ -69,6 +69,13 @@ LAYOUTS = {
                                   "sequence_parallel": True}),
     "moe-cp2-a2a-ep2": (True, 4, {"context_parallel_size": 2, "cp_comm_type": "a2a",
                                   "expert_model_parallel_size": 2}),
+    # Hierarchical CP: the all-to-all inside pairs of CP ranks, the ring across the pairs (each ring
+    # member holds its pair's four scattered chunks).
+    "cp4-a2a+p2p-2x2": (False, 4, {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
+                                   "hierarchical_context_parallel_sizes": [2, 2]}),
+    "moe-cp4-a2a+p2p-2x2-ep2": (True, 4, {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
+                                          "hierarchical_context_parallel_sizes": [2, 2],
+                                          "expert_model_parallel_size": 2}),
 }
 
 

@@ -124,4 +124,4 @@ class Attention(nn.Module):
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return context_parallel_attention(q, k, v, group=self.ctx.cp_group, ranks=self.ctx.cp_ranks,
-                                          comm_type=self.ctx.cp_comm_type)
+                                          comm_type=self.ctx.cp_comm_type, hierarchy=self.ctx.hcp_groups)

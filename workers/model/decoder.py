@@ -46,6 +46,8 @@ class ShardContext:
     cp_group: object = None
     tp_cp_group: object = None
     cp_ranks: tuple[int, ...] | None = None
+    hcp_groups: tuple | None = None
+    """Hierarchical CP (cp_comm_type a2a+p2p): (a2a group, p2p group, the p2p ring's global ranks)."""
     ep_group: object = None
     etp_group: object = None
     sequence_parallel: bool = False

@@ -19,6 +19,8 @@ ways to provide it (Megatron's ``cp_comm_type``):
 * ``"a2a"``: all-to-all from sequence shards to head shards and back
   (:mod:`workers.parallel.context_a2a`): each rank attends the whole sequence for its share of the
   heads.
+* ``"a2a+p2p"``: the all-to-all inside groups of consecutive CP ranks (a node), then the ring
+  across those groups for the heads each rank got (Megatron's hierarchical CP).
 
 Both keep q/k/v in the compute dtype, on the wire and in the kernel
 (:mod:`workers.parallel.attention_kernel`); only the merged output and log-sum-exp are fp32.
@@ -44,7 +46,7 @@ from workers.parallel.context_layout import attention_blocks, check_split, cp_po
 from workers.parallel.context_a2a import a2a_attention
 from workers.parallel.context_ring import RingAttention, ring_plans
 
-COMM_TYPES = ("p2p", "all_gather", "a2a")
+COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
 def cp_split(x: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int = 0) -> torch.Tensor:
@@ -149,6 +151,7 @@ def context_parallel_attention(
     ranks: Sequence[int] | None,
     softmax_scale: float | None = None,
     comm_type: str = "p2p",
+    hierarchy: tuple | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole CP-split sequence.
 
@@ -161,7 +164,8 @@ def context_parallel_attention(
         group: the CP process group; ``None`` (or size 1) is plain causal attention.
         ranks: the CP group's global ranks in CP-rank order (the ring's neighbours).
         softmax_scale: ``None`` means ``1 / sqrt(head_dim)``.
-        comm_type: ``"p2p"`` (ring attention), ``"all_gather"`` or ``"a2a"``.
+        comm_type: ``"p2p"`` (ring attention), ``"all_gather"``, ``"a2a"`` or ``"a2a+p2p"``.
+        hierarchy: with ``"a2a+p2p"``: (a2a group, p2p group, the p2p ring's global ranks).
 
     Returns:
         ``[s_local, b, num_heads, head_dim]``.
@@ -192,10 +196,31 @@ def context_parallel_attention(
     if comm_type == "a2a":
         return a2a_attention(q, k, v, group=group, positions=positions,
                              attention=lambda q, k, v: causal_attention(q, k, v, scale))
+    if comm_type == "a2a+p2p":
+        inner, outer, outer_ranks = hierarchy
+        a2a, p2p = comm.world_size(inner), len(outer_ranks)
+        first = cp_rank - cp_rank % a2a  # this rank's a2a group: CP ranks first .. first + a2a - 1
+        mine = positions[first * q.shape[0]:(first + a2a) * q.shape[0]]
+        if p2p == 1:
+            return a2a_attention(q, k, v, group=inner, positions=mine,
+                                 attention=lambda q, k, v: causal_attention(q, k, v, scale))
+        plans = hierarchical_ring_plans(seq_len, cp, a2a, cp_rank // a2a)
+        return a2a_attention(q, k, v, group=inner, positions=mine, ordered=False,
+                             attention=lambda q, k, v: RingAttention.apply(q, k, v, scale, plans, cp_rank // a2a,
+                                                                           outer_ranks, outer))
     d = k.shape[-1]
     kv = _GatherKV.apply(torch.cat([k, v], dim=-1), group, positions)
     k_full, v_full = kv.split(d, dim=-1)
     return BlockAttention.apply(q, k_full, v_full, gather_plan(seq_len, cp, cp_rank), scale)
+
+
+@functools.lru_cache(maxsize=64)
+def hierarchical_ring_plans(seq_len: int, cp: int, a2a: int, ring_rank: int) -> tuple:
+    """The ring's blocks under hierarchical CP: each ring member holds the tokens of one a2a group
+    (its ``a2a`` consecutive CP ranks' chunks); step ``j`` pairs ours with ring member ``ring_rank - j``'s."""
+    p2p = cp // a2a
+    held = [torch.cat([cp_positions(seq_len, cp, g * a2a + i) for i in range(a2a)]) for g in range(p2p)]
+    return tuple(attention_blocks(held[ring_rank], held[(ring_rank - step) % p2p]) for step in range(p2p))
 
 
 @functools.lru_cache(maxsize=64)

@@ -61,15 +61,17 @@ class _HeadsToSeq(torch.autograd.Function):
 
 
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, positions: torch.Tensor,
-                  attention) -> torch.Tensor:
+                  attention, ordered: bool = True) -> torch.Tensor:
     """This rank's rows of causal attention over the CP-split sequence, by all-to-all.
 
     Args:
         q: ``[s_local, b, heads, d]``; k, v: ``[s_local, b, kv_heads, d]`` (this rank's cp_split slice).
         group: the CP group.
-        positions: the sequence position of each row of the gathered, rank-major sequence (every CP
-            rank's ``cp_positions`` in CP-rank order).
-        attention: ``attention(q, k, v)`` causal attention of whole sequences in order.
+        positions: the sequence position of each row of the gathered, rank-major sequence (every
+            group member's ``cp_positions`` in group order).
+        attention: ``attention(q, k, v)``: causal attention of the gathered rows, in sequence order
+            when ``ordered``, else as gathered (an attention that knows the rows' positions: the ring of
+            hierarchical CP).
 
     Returns:
         ``[s_local, b, heads, d]``.
@@ -81,7 +83,9 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, p
                          f"do not divide by context_parallel_size {cp}")
     if kv_heads % cp:  # too few K/V heads to split: one per query head
         k, v = (t.repeat_interleave(heads // kv_heads, dim=2) for t in (k, v))
+    q, k, v = (_SeqToHeads.apply(t, group) for t in (q, k, v))
+    if not ordered:
+        return _HeadsToSeq.apply(attention(q, k, v), group)
     order = torch.argsort(positions)  # rank-major row -> sequence order
-    q, k, v = (_SeqToHeads.apply(t, group).index_select(0, order) for t in (q, k, v))
-    out = attention(q, k, v)
+    out = attention(*(t.index_select(0, order) for t in (q, k, v)))
     return _HeadsToSeq.apply(out.index_select(0, positions), group)

@@ -23,7 +23,10 @@ from workers.grid import DECODER_KINDS, ParallelGrid
 # view's (its tp, dp are etp, expert_dp) and the embedding group (first and last pp stage).
 DECODER_GROUPS = tuple(k.replace("-", "_") for k in DECODER_KINDS)
 EXPERT_GROUPS = ("etp", "ep", "tp_ep", "tp_ep_pp", "expert_dp")
-GROUP_KINDS = DECODER_GROUPS + EXPERT_GROUPS + ("embedding",)
+# Hierarchical CP (cp_comm_type a2a+p2p): inside each CP group, its a2a groups of consecutive CP ranks and
+# the p2p rings across them (Megatron's hierarchical_context_parallel_groups).
+HCP_GROUPS = ("hcp_a2a", "hcp_p2p")
+GROUP_KINDS = DECODER_GROUPS + EXPERT_GROUPS + ("embedding",) + HCP_GROUPS
 # Expert-view group kind (workers.grid.EXPERT_KINDS) -> its name here; its pp groups are the decoder's.
 _EXPERT_NAMES = {"tp": "etp", "ep": "ep", "tp-ep": "tp_ep", "tp-ep-pp": "tp_ep_pp", "dp": "expert_dp"}
 
@@ -59,6 +62,9 @@ class ProcessGroups:
     expert_dp_group: object = None
     # tied embeddings: first and last pipeline stage
     embedding_group: object = None
+    # hierarchical CP: this rank's a2a group and p2p ring inside its CP group (None without a2a+p2p)
+    hcp_a2a_group: object = None
+    hcp_p2p_group: object = None
     members: dict[str, tuple[int, ...]]
     """kind (one of :data:`GROUP_KINDS`) -> global ranks of this rank's group of that kind, in
     group order; empty for ``embedding`` on a rank outside it. Read it with :meth:`ranks`."""
@@ -96,8 +102,17 @@ def world_timeout() -> timedelta | None:
         return None
 
 
+def hierarchical_cp_groups(cp_groups: list[list[int]], a2a: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Inside each CP group (global ranks in CP-rank order): its a2a groups, ``a2a`` consecutive CP ranks
+    each, and its p2p rings, the CP ranks with the same place in their a2a group."""
+    inner = [g[i:i + a2a] for g in cp_groups for i in range(0, len(g), a2a)]
+    outer = [g[j::a2a] for g in cp_groups for j in range(a2a)]
+    return inner, outer
+
+
 def build_process_groups(grid: ParallelGrid, rank: int, *, backend: str | None = None,
-                         timeout: timedelta | None = None) -> ProcessGroups:
+                         timeout: timedelta | None = None, hierarchical_cp: tuple[int, ...] | None = None
+                         ) -> ProcessGroups:
     """Create every group of ``grid`` (collectively) and return this rank's handles.
 
     Args:
@@ -106,12 +121,15 @@ def build_process_groups(grid: ParallelGrid, rank: int, *, backend: str | None =
         backend: default the world group's.
         timeout: every group's collective timeout; default the world group's (the job's
             ``fault_tolerance.collective_timeout_s``).
+        hierarchical_cp: ``(a2a, p2p)`` sizes of hierarchical CP (``cp_comm_type: a2a+p2p``), or None.
     """
     from workers.parallel import comm
 
     plan: list[tuple[str, list[list[int]]]] = [(k.replace("-", "_"), grid.groups(k)) for k in DECODER_KINDS]
     plan += [(name, grid.groups(k, expert=True)) for k, name in _EXPERT_NAMES.items()]
     plan.append(("embedding", grid.embedding_groups()))
+    if hierarchical_cp:
+        plan += list(zip(HCP_GROUPS, hierarchical_cp_groups(grid.groups("cp"), hierarchical_cp[0])))
     single = grid.world_size == 1
     if not single:
         import torch.distributed as dist
@@ -132,7 +150,7 @@ def build_process_groups(grid: ParallelGrid, rank: int, *, backend: str | None =
                 cache[key] = handle
                 # One communicator serves every kind with the same ranks; it keeps the first
                 # (most specific) name, e.g. "tp" rather than "tp-ep-pp", in the byte counters.
-                comm.label_group(handle, name.replace("_", "-"))
+                comm.label_group(handle, "cp" if name in HCP_GROUPS else name.replace("_", "-"))
             if rank in group:
                 members[name], handles[f"{name}_group"] = key, handle
     return ProcessGroups(grid=grid, rank=rank, members=members, **handles)

@@ -80,7 +80,9 @@ class Trainer:
         self.device = device or torch.device("cpu")
         pin_mmap_threshold()
         self.grid = ParallelGrid.from_config(job.parallel, world_size)
-        self.groups: ProcessGroups = build_process_groups(self.grid, rank)
+        self.groups: ProcessGroups = build_process_groups(
+            self.grid, rank, hierarchical_cp=job.parallel.hierarchical_context_parallel_sizes
+            if job.parallel.cp_comm_type == "a2a+p2p" else None)
         self.coords = self.grid.coords(rank)
         g, c, p = self.grid, self.coords, job.parallel
         t = job.training
@@ -92,6 +94,8 @@ class Trainer:
             tp_group=pg.tp_group, cp_group=pg.cp_group, tp_cp_group=pg.tp_cp_group, cp_ranks=tuple(pg.ranks("cp")),
             ep_group=pg.ep_group, etp_group=pg.etp_group, sequence_parallel=p.sequence_parallel,
             cp_comm_type=p.cp_comm_type, seed=t.seed,
+            hcp_groups=(pg.hcp_a2a_group, pg.hcp_p2p_group, tuple(pg.ranks("hcp_p2p")))
+            if p.cp_comm_type == "a2a+p2p" else None,
         )
         positions = local_positions(job.model, self.ctx, c["cp"])
         layers = partition_layers(job.model.num_layers, g.pp, p.virtual_pipeline_model_parallel_size)[self.stage]

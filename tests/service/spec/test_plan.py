@@ -98,13 +98,15 @@ def test_the_plan_gives_one_memory_answer_per_rank():
     (2, {"context_parallel_size": 2}),  # 2 K/V heads split over cp 2
     (4, {"context_parallel_size": 4}),  # K/V repeated to one per query head
     (4, {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True}),
-], ids=["cp2", "cp4", "cp2-tp2-sp"])
+    (4, {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [2, 2]}),
+    (8, {"context_parallel_size": 8, "cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [4, 2]}),
+], ids=["cp2", "cp4", "cp2-tp2-sp", "cp4-2x2", "cp8-4x2"])
 def test_a2a_context_traffic_is_the_measured_minimum(world, parallel):
     """The plan's all-to-all CP bytes, summed over ranks, equal the minimum the communication benchmark
     derives on its own (and measures: tests/test_bench_smoke.py)."""
     from bench.comm_bench import analytic_bytes
 
-    spec = spec_of(world=world, parallel={**parallel, "cp_comm_type": "a2a"})
+    spec = spec_of(world=world, parallel={"cp_comm_type": "a2a", **parallel})
     job = to_job_config(spec)
     assert plan_job(spec)["traffic"]["cp"]["in_node"] == sum(analytic_bytes(job, r)["cp"] for r in range(world)) > 0
 

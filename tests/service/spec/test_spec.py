@@ -99,6 +99,13 @@ def test_unknown_field_is_refused_with_its_path():
     (dict(parallel={"pipeline_model_parallel_size": 1, "context_parallel_size": 4, "cp_comm_type": "a2a"}),
      ["parallel.cp_comm_type a2a", "num_attention_heads 4 / tensor_model_parallel_size 2 = 2",
       "not divisible by context_parallel_size 4"]),
+    (dict(parallel={"pipeline_model_parallel_size": 1, "context_parallel_size": 4, "cp_comm_type": "a2a+p2p"}),
+     ["a2a+p2p needs parallel.hierarchical_context_parallel_sizes", "context_parallel_size 4, got None", "[2, 2]"]),
+    (dict(parallel={"pipeline_model_parallel_size": 1, "context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
+                    "hierarchical_context_parallel_sizes": [4, 1]}),
+     ["= 2 is not divisible by hierarchical_context_parallel_sizes[0] 4"]),
+    (dict(parallel={"hierarchical_context_parallel_sizes": [2, 1]}),
+     ["hierarchical_context_parallel_sizes [2, 1] goes with cp_comm_type a2a+p2p"]),
     (dict(parallel={"overlap_param_gather": True}), ["parallel.overlap_param_gather needs parallel.use_distributed_optimizer"]),
     (dict(training={"micro_batch_size": 0}), ["training.micro_batch_size", "greater than or equal to 1"]),
 ])

@@ -26,6 +26,8 @@ LAYOUTS = {
                                             "tensor_model_parallel_size": 2, "sequence_parallel": True}, NO_Q_LORA),
     # All-to-all CP: every head's q, latent-expanded k and padded v to the rank that owns the head.
     "cp2-a2a": (2, {"context_parallel_size": 2, "cp_comm_type": "a2a"}),
+    "cp4-a2a+p2p-2x2": (4, {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
+                            "hierarchical_context_parallel_sizes": [2, 2]}),
 }
 
 
