@@ -192,6 +192,10 @@ class CheckpointConfig:
     dir: str | None = None
     """Where this job's checkpoints live (a path or a pyarrow URI); the caller fills the default."""
     keep_last: int = 2
+    keep_best: int = 0
+    """Besides the newest keep_last, the checkpoints with the lowest best_metric are never pruned."""
+    best_metric: str = "val_loss"
+    """val_loss (the evaluation at the checkpoint's iteration) or lm_loss (its training loss)."""
     async_save: bool = False
     load: str | None = None
     """A raytron checkpoint (dir or root) or ``hf:DIR`` to start from when ``dir`` holds none."""

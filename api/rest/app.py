@@ -19,7 +19,7 @@ from api.rest.deps import require_job_access, require_token
 from api.rest.limits import RateLimiter
 from api.rest.errors import error_response
 from api.rest.job_cache import JobCache
-from api.rest.routes import cluster as cluster_routes, console, health, jobs, plan, streams, users
+from api.rest.routes import checkpoints, cluster as cluster_routes, console, health, jobs, plan, streams, users
 from service.server.accounts import Accounts, load_or_create_secret
 from service.server.runners import JobRunners
 from service.server.scheduler import ClusterView, Scheduler
@@ -128,8 +128,8 @@ def create_app(settings: Settings, *, store: JobStore, runners: JobRunners, clus
     app.state.jobs = JobCache(store, lambda row: jobs.job_views(store, row))
     errors.install(app)
     openapi.install(app)
-    api = [jobs.router, jobs.states_router, streams.router, plan.router, cluster_routes.router, users.router,
-           users.admin_router]
+    api = [jobs.router, jobs.states_router, checkpoints.router, streams.router, plan.router, cluster_routes.router,
+           users.router, users.admin_router]
     for router in api:
         # require_job_access: every route with a {job_id}, present and future, answers 404 for another's job
         app.include_router(router, prefix=API_PREFIX, dependencies=[Depends(require_token),

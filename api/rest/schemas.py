@@ -124,6 +124,26 @@ class PlacementPublic(BaseModel):
     ranks: list[RankPlacement]
 
 
+class CheckpointEntry(BaseModel):
+    iteration: int
+    location: str = Field(description="the checkpoint's directory or URI")
+    format: str | None = None
+    metrics: dict[str, float] = Field(description="what was saved with it: val_loss (an evaluation at its "
+                                                  "iteration), lm_loss")
+    size_bytes: int
+    kept_because: str | None = Field(None, description="last, best val_loss 2.31, ...: the retention rule that "
+                                                       "keeps it (None: the next commit prunes it)")
+
+
+class CheckpointList(BaseModel):
+    job_id: str
+    root: str = Field(description="where the job saves (checkpoint.dir, or under the server's data dir)")
+    keep_last: int
+    keep_best: int
+    best_metric: str
+    checkpoints: list[CheckpointEntry] = Field(description="complete checkpoints, oldest first")
+
+
 class JobStates(BaseModel):
     states: list[str] = Field(description="every job state, in the order a job goes through them")
     terminal: list[str] = Field(description="the final ones: a job in one never changes again")

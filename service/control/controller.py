@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 
 from service.control.calls import CallSizer
 from service.control.errors import InsufficientResources, JobCancelled, JobError, NonFiniteMetric
-from service.control.events import JobEvent, JobState
+from service.control.events import JobEvent, JobState, retention_message
 from service.spec.placement import check_tp_in_node
 from service.control.relayout import ElasticRelayout
 from service.control.trials import layout_message
@@ -232,9 +232,12 @@ class JobController:
             self.calls.measured(n, time.monotonic() - t0)
             for metrics in per_rank[0]:  # global metrics: every rank returns the same numbers
                 self.iteration += 1
+                retention = metrics.pop("checkpoint_retention", None)  # rank 0's, after a commit
                 self._check_finite(self.iteration, metrics)
                 self.metrics.append(metrics)
                 self._emit(JobEvent.now("iteration", self.state, "", metrics))
+                if retention is not None:
+                    self._emit(JobEvent.now("checkpoint", self.state, retention_message(retention), retention))
             if self.iteration < total and self.sizer.should_grow(self.current, self.iteration):
                 self._shutdown_group()
                 self._transition(JobState.RESTARTING, f"nodes returned: growing back to {self.job.num_nodes} "

@@ -78,3 +78,10 @@ class JobEvent:
     def from_dict(cls, d: dict) -> "JobEvent":
         """The inverse of :meth:`to_dict` (a stored event read back)."""
         return cls(d["time"], d["kind"], JobState(d["state"]), d.get("message", ""), d.get("data") or {})
+
+
+def retention_message(retention: dict) -> str:
+    """One line for a ``checkpoint`` event: the committed checkpoint, what is kept and why, what went."""
+    kept = ", ".join(f"{k['iteration']} ({k['why']})" for k in retention["kept"])
+    pruned = f"; pruned {', '.join(retention['pruned'])}" if retention["pruned"] else ""
+    return f"checkpoint of iteration {retention['iteration']} committed; kept {kept}{pruned}"

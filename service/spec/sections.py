@@ -243,6 +243,11 @@ class CheckpointSpec(BaseModel):
     dir: str | None = Field(None, min_length=1, description="default: under the service's data dir (raytron run: "
                             "./raytron-checkpoints/JOB_ID); a shared path or an s3:// gs:// file:// URI")
     keep_last: int = Field(2, ge=1, description="complete checkpoints kept (older ones are pruned)")
+    keep_best: int = Field(0, ge=0, description="besides keep_last, the checkpoints with the lowest best_metric "
+                           "are never pruned")
+    best_metric: Literal["val_loss", "lm_loss"] = Field(
+        "val_loss", description="what keep_best ranks by: val_loss (an evaluation at the checkpoint's iteration: "
+        "training.eval_interval dividing save_interval) or lm_loss (the iteration's training loss)")
     async_save: bool = Field(False, description="overlap the write with training")
     load: str | None = Field(None, min_length=1, description="start from a raytron checkpoint (dir or root) or "
                              "hf:DIR when checkpoint.dir holds none")

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from service.spec.auto import PARALLEL_AUTO, auto_fields, resolve, search_once
 from service.spec.errors import field_errors, format_validation_error, yaml_loader  # noqa: F401 (field_errors: interface)
+from service.spec.checkpoint import retention_problems
 from service.spec.context import cp_problems
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.mla import mla_problems
@@ -195,6 +196,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
     out.extend(recompute_problems(m, pp))
     out.extend(mla_problems(m))
     out.extend(training_problems(t))
+    out.extend(retention_problems(spec.checkpoint, t))
     out.extend(resources_problems(res))
     if res.min_nodes is not None and res.min_nodes > res.num_nodes:
         out.append(f"resources.min_nodes {res.min_nodes} > resources.num_nodes {res.num_nodes}: the elastic floor "

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import random
 import threading
 import time
@@ -42,8 +43,8 @@ import numpy as np
 import torch
 
 from workers.checkpoint.layout import ParamView, buffer_views, param_views
-from workers.checkpoint.storage import (FORMAT, MANIFEST, VERSION, Storage, checkpoint_name, crc32, prune,
-                                        wait_for_files)
+from workers.checkpoint.storage import (FORMAT, MANIFEST, VERSION, Storage, checkpoint_name, crc32,
+                                        list_checkpoints, prune, retained, wait_for_files)
 from workers.grid import COORDS
 
 
@@ -156,15 +157,18 @@ class Checkpointer:
     Args:
         uri: the checkpoint root (``checkpoint.dir``): a path or a pyarrow URI.
         keep_last: complete checkpoints to keep (older ones are pruned after each commit).
+        keep_best: besides those, the checkpoints with the lowest ``best_metric`` to keep.
+        best_metric: ``val_loss`` or ``lm_loss``, as given to :meth:`save` with each checkpoint.
         async_save: write in a background thread (see the module docstring).
         timeout_s: how long rank 0 waits for the other ranks' files before giving up.
     """
 
-    def __init__(self, uri: str, *, keep_last: int = 2, async_save: bool = False, timeout_s: float = 600.0):
+    def __init__(self, uri: str, *, keep_last: int = 2, keep_best: int = 0, best_metric: str = "val_loss",
+                 async_save: bool = False, timeout_s: float = 600.0):
         if keep_last < 1:
             raise ValueError(f"checkpoint.keep_last {keep_last} must be >= 1 (the checkpoint to restart from)")
         self.root = Storage.from_uri(uri)
-        self.keep_last = keep_last
+        self.keep_last, self.keep_best, self.best_metric = keep_last, keep_best, best_metric
         self.rank, self.world_size = 0, 1
         self.async_save, self.timeout_s = async_save, timeout_s
         self._owned: set[Piece] | None = None
@@ -173,10 +177,12 @@ class Checkpointer:
         self._error: BaseException | None = None
         self.last_committed: str | None = None  # rank 0: where the last checkpoint was committed
         self.last_stats: dict = {}
+        self._retention: dict | None = None  # rank 0: what the last commit kept and pruned, until taken
 
-    def save(self, trainer) -> None:
+    def save(self, trainer, metrics: dict | None = None) -> None:
         """Save ``trainer`` now; every rank calls it at the same iteration (it is collective
-        the first time, to agree who writes what, and each time, for a fresh nonce)."""
+        the first time, to agree who writes what, and each time, for a fresh nonce). ``metrics``:
+        the iteration's ``val_loss`` and ``lm_loss``, kept in the manifest for ``keep_best``."""
         self.wait()
         t0 = time.perf_counter()
         pieces = local_pieces(trainer)
@@ -193,7 +199,9 @@ class Checkpointer:
                 "layout": {**{k: getattr(trainer.grid, k) for k in COORDS},
                            "etp": trainer.grid.etp, "vpp": trainer.vpp, "world_size": self.world_size,
                            "use_distributed_optimizer": trainer.job.parallel.use_distributed_optimizer},
-                "trainer_state": trainer.state_for_checkpoint(), "rng": rng_state()}
+                "trainer_state": trainer.state_for_checkpoint(), "rng": rng_state(),
+                "metrics": {k: float(v) for k, v in (metrics or {}).items()
+                            if k in ("val_loss", "lm_loss") and isinstance(v, (int, float)) and math.isfinite(v)}}
         tmp = f".{checkpoint_name(trainer.iteration)}.tmp-{self._nonce()}"
         self.last_stats = {"snapshot_s": time.perf_counter() - t0}
         if self.async_save:
@@ -215,6 +223,12 @@ class Checkpointer:
             raise error
 
     close = wait
+
+    def take_retention(self) -> dict | None:
+        """Rank 0, once per commit: ``{"iteration", "kept": [{"iteration", "why"}], "pruned": [names]}``
+        of the last committed save (None when nothing was committed since the last call)."""
+        retention, self._retention = self._retention, None
+        return retention
 
     def _plan(self, pieces) -> set[Piece]:
         sized = [(piece, data.numel() * data.element_size()) for piece, data in pieces]
@@ -278,7 +292,11 @@ class Checkpointer:
         self.root.write_json(f"{directory}/{MANIFEST}", manifest)  # the commit point
         final = self.root.rename_dir(directory, self.root.join(checkpoint_name(meta["iteration"])))
         self.last_committed = final
-        prune(self.root, self.keep_last, meta["iteration"])
+        pruned = prune(self.root, self.keep_last, meta["iteration"], keep_best=self.keep_best,
+                       best_metric=self.best_metric)
+        kept = retained(list_checkpoints(self.root), self.keep_last, self.keep_best, self.best_metric)
+        self._retention = {"iteration": meta["iteration"], "pruned": pruned,
+                           "kept": [{"iteration": it, "why": why} for it, why in kept.items()]}
 
 
 __all__ = ["Checkpointer", "Piece", "ParamView", "local_pieces", "set_rng_state"]

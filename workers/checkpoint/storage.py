@@ -19,6 +19,7 @@ earlier checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -200,15 +201,37 @@ def latest_checkpoint(root: Storage) -> CheckpointInfo | None:
     return found[-1] if found else None
 
 
-def prune(root: Storage, keep_last: int, committed: int) -> list[str]:
-    """Delete complete checkpoints beyond the newest ``keep_last`` and the leftovers of saves
-    that never finished (temporary directories of iterations up to ``committed``).
+def metric_of(info: CheckpointInfo, name: str) -> float | None:
+    """The checkpoint's value of metric ``name`` (``val_loss``, ``lm_loss``) as saved with it; None if
+    it has none (no evaluation at that iteration) or it is not finite."""
+    value = (info.manifest.get("metrics") or {}).get(name)
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def retained(complete: list[CheckpointInfo], keep_last: int, keep_best: int = 0,
+             best_metric: str = "val_loss") -> dict[int, str]:
+    """Which of ``complete`` (oldest first) a root keeps, and why: the newest ``keep_last`` ("last"),
+    and the ``keep_best`` with the lowest ``best_metric`` ("best val_loss 2.3412"), by iteration."""
+    why = {c.iteration: ["last"] for c in complete[max(0, len(complete) - keep_last):]}
+    scored = sorted((m, c.iteration) for c in complete if (m := metric_of(c, best_metric)) is not None)
+    for value, iteration in scored[:keep_best]:
+        why.setdefault(iteration, []).append(f"best {best_metric} {value:.6g}")
+    return {iteration: " and ".join(reasons) for iteration, reasons in sorted(why.items())}
+
+
+def prune(root: Storage, keep_last: int, committed: int, *, keep_best: int = 0,
+          best_metric: str = "val_loss") -> list[str]:
+    """Delete the complete checkpoints :func:`retained` does not keep and the leftovers of saves that
+    never finished (temporary directories of iterations up to ``committed``).
 
     Returns the deleted directory names.
     """
     deleted = []
     complete = list_checkpoints(root)
-    for info in complete[: max(0, len(complete) - keep_last)]:
+    keep = retained(complete, keep_last, keep_best, best_metric)
+    for info in complete:
+        if info.iteration in keep:
+            continue
         root.delete_dir(info.storage.root)
         deleted.append(os.path.basename(info.storage.root))
     kept = {c.storage.root for c in complete}

@@ -60,7 +60,8 @@ class RankRunner:
         if ckpt.save_interval and ckpt.dir:
             from workers.checkpoint.checkpointer import Checkpointer
 
-            self.checkpointer = Checkpointer(ckpt.dir, keep_last=ckpt.keep_last, async_save=ckpt.async_save,
+            self.checkpointer = Checkpointer(ckpt.dir, keep_last=ckpt.keep_last, keep_best=ckpt.keep_best,
+                                             best_metric=ckpt.best_metric, async_save=ckpt.async_save,
                                              timeout_s=max(60.0, 2 * job.collective_timeout_s))
 
     def placement(self, **where) -> PlacementRecord:
@@ -103,11 +104,14 @@ class RankRunner:
             if fault is not None:
                 crash_in_save(self.checkpointer)
             t0 = time.perf_counter()
-            self.checkpointer.save(self.trainer)
+            self.checkpointer.save(self.trainer, {"val_loss": metrics.get("val_loss"), "lm_loss": metrics.get("loss")})
             metrics["checkpoint_save_s"] = round(time.perf_counter() - t0, 4)
             metrics["checkpoint_bytes"] = int(self.checkpointer.last_stats.get("bytes", 0))
         if it >= self.job.training.train_iters:
             self.checkpointer.wait()
+        retention = self.checkpointer.take_retention()  # rank 0, after a commit (an async one: later)
+        if retention is not None:
+            metrics["checkpoint_retention"] = retention
 
     def close(self) -> None:
         """Finish a pending async save, release the trainer (see :meth:`Trainer.close`)."""

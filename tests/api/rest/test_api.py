@@ -302,6 +302,33 @@ def test_whole_cluster_jobs_run_one_after_the_other_in_priority_order(api):
     assert spans[first][1] <= spans[high][0] and spans[high][1] <= spans[low][0]
 
 
+def test_keep_best_keeps_the_lowest_val_loss_checkpoints_and_lists_them(server, api):
+    """checkpoint.keep_best 2 with keep_last 1 on the serve path: what stays on disk is the last
+    checkpoint and the two with the lowest val_loss of the job's own curve; the checkpoints endpoint lists
+    them with their metric and why, and each commit's ``checkpoint`` event says what it kept."""
+    spec = tiny("best", world=1, iters=6)
+    spec["training"].update({"eval_interval": 1, "eval_iters": 1, "lr": 3e-2})
+    spec["checkpoint"] = {"save_interval": 1, "keep_last": 1, "keep_best": 2}
+    job_id = api.post("/jobs", json=spec).json()["id"]
+    job = wait_for(api, job_id, ("SUCCEEDED", "FAILED"))
+    assert job["state"] == "SUCCEEDED", job
+    val = dict(zip(*(api.get(f"/jobs/{job_id}/metrics", params={"names": "val_loss"}).json()[k]
+                     for k in ("iterations", "val_loss"))))
+    best = sorted(val, key=val.get)[:2]
+    listed = api.get(f"/jobs/{job_id}/checkpoints").json()
+    assert [c["iteration"] for c in listed["checkpoints"]] == sorted({6, *best}), (val, listed)
+    for c in listed["checkpoints"]:
+        assert c["metrics"]["val_loss"] == pytest.approx(val[c["iteration"]], rel=1e-6)
+        assert ("last" in c["kept_because"]) == (c["iteration"] == 6)
+        assert ("best val_loss" in c["kept_because"]) == (c["iteration"] in best)
+        assert os.path.isdir(c["location"]) and c["size_bytes"] > 0
+    assert sorted(os.listdir(listed["root"])) == [f"iter_{i:07d}" for i in sorted({6, *best})]
+    events = api.get(f"/jobs/{job_id}/events", params={"kind": "checkpoint"}).json()["events"]
+    assert [e["data"]["iteration"] for e in events] == list(range(1, 7))
+    assert [k["iteration"] for k in events[-1]["data"]["kept"]] == sorted({6, *best})
+    assert "committed; kept" in events[-1]["message"]
+
+
 def test_the_openapi_types_what_the_server_checks(server):
     """The document schemathesis is run against (tests/api/rest/test_api_fuzz.py): the spec typed, the bearer
     scheme, each operation's error statuses with the one error body, typed parameters."""

@@ -175,3 +175,29 @@ def test_a_checkpointer_serves_one_layout(tmp_path):
     ck.save(trainer())
     with pytest.raises(ValueError, match="one Checkpointer per Trainer"):
         ck.save(trainer(parallel={"use_distributed_optimizer": True}))
+
+
+def test_keep_best_keeps_the_lowest_metric_beside_the_last(tmp_path):
+    """keep_last 1, keep_best 2 by val_loss: the newest checkpoint and the two with the lowest val_loss
+    survive every commit; a checkpoint saved without the metric is never a best one."""
+    from workers.checkpoint.storage import Storage, list_checkpoints
+
+    ck = checkpointer(tmp_path, keep_last=1, keep_best=2, best_metric="val_loss")
+    t = trainer()
+    val = {1: 3.0, 2: 1.0, 3: 2.5, 4: None, 5: 0.5, 6: 4.0}
+    reports = []
+    for it, v in val.items():
+        t.train_step()
+        ck.save(t, {"val_loss": v, "lm_loss": 10.0 - it})
+        reports.append(ck.take_retention())
+    assert iterations(tmp_path) == [2, 5, 6]  # mutation: best ones pruned like the rest -> [6]
+    assert ck.take_retention() is None  # once per commit
+    assert reports[2] == {"iteration": 3, "pruned": ["iter_0000001"], "kept": [
+        {"iteration": 2, "why": "best val_loss 1"}, {"iteration": 3, "why": "last and best val_loss 2.5"}]}
+    assert reports[4]["pruned"] == ["iter_0000003", "iter_0000004"]  # 4 has no val_loss: never a best one
+    assert reports[-1] == {"iteration": 6, "pruned": [], "kept": [
+        {"iteration": 2, "why": "best val_loss 1"}, {"iteration": 5, "why": "best val_loss 0.5"},
+        {"iteration": 6, "why": "last"}]}
+    saved = {c.iteration: c.manifest["metrics"] for c in list_checkpoints(Storage.from_uri(str(tmp_path)))}
+    assert saved == {2: {"val_loss": 1.0, "lm_loss": 8.0}, 5: {"val_loss": 0.5, "lm_loss": 5.0},
+                     6: {"val_loss": 4.0, "lm_loss": 4.0}}
