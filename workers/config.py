@@ -197,6 +197,9 @@ class CheckpointConfig:
     best_metric: str = "val_loss"
     """val_loss (the evaluation at the checkpoint's iteration) or lm_loss (its training loss)."""
     async_save: bool = False
+    save_hf: bool = False
+    """Also write an HF model directory of every save_hf_interval-th checkpoint and of the last, under dir/hf/."""
+    save_hf_interval: int = 1
     load: str | None = None
     """A raytron checkpoint (dir or root) or ``hf:DIR`` to start from when ``dir`` holds none."""
     resume_from: str | None = None

@@ -233,11 +233,15 @@ class JobController:
             for metrics in per_rank[0]:  # global metrics: every rank returns the same numbers
                 self.iteration += 1
                 retention = metrics.pop("checkpoint_retention", None)  # rank 0's, after a commit
+                hf_copies = metrics.pop("checkpoint_hf", [])  # rank 0's, once written
                 self._check_finite(self.iteration, metrics)
                 self.metrics.append(metrics)
                 self._emit(JobEvent.now("iteration", self.state, "", metrics))
                 if retention is not None:
                     self._emit(JobEvent.now("checkpoint", self.state, retention_message(retention), retention))
+                for copy in hf_copies:
+                    self._emit(JobEvent.now("checkpoint", self.state, f"Hugging Face copy of iteration "
+                                            f"{copy['iteration']} written to {copy['path']}", {"hf": copy}))
             if self.iteration < total and self.sizer.should_grow(self.current, self.iteration):
                 self._shutdown_group()
                 self._transition(JobState.RESTARTING, f"nodes returned: growing back to {self.job.num_nodes} "

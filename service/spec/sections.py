@@ -249,6 +249,10 @@ class CheckpointSpec(BaseModel):
         "val_loss", description="what keep_best ranks by: val_loss (an evaluation at the checkpoint's iteration: "
         "training.eval_interval dividing save_interval) or lm_loss (the iteration's training loss)")
     async_save: bool = Field(False, description="overlap the write with training")
+    save_hf: bool = Field(False, description="also write a Hugging Face model directory (config.json, "
+                          "model.safetensors) of every save_hf_interval-th checkpoint and of the last one, under "
+                          "DIR/hf/iter_N, in the background")
+    save_hf_interval: int = Field(1, ge=1, description="with save_hf: every this many checkpoints (and the last)")
     load: str | None = Field(None, min_length=1, description="start from a raytron checkpoint (dir or root) or "
                              "hf:DIR when checkpoint.dir holds none")
 

@@ -63,6 +63,12 @@ class RankRunner:
             self.checkpointer = Checkpointer(ckpt.dir, keep_last=ckpt.keep_last, keep_best=ckpt.keep_best,
                                              best_metric=ckpt.best_metric, async_save=ckpt.async_save,
                                              timeout_s=max(60.0, 2 * job.collective_timeout_s))
+        self.hf_copies = None
+        if self.checkpointer is not None and ckpt.save_hf and rank == 0:
+            from workers.rank.hf_copies import HFCopies
+
+            total = job.training.train_iters
+            self.hf_copies = HFCopies(ckpt.dir, ckpt.save_hf_interval, total - total % ckpt.save_interval)
 
     def placement(self, **where) -> PlacementRecord:
         """This rank's placement record: this process (host, pid, device), its grid coordinates
@@ -103,6 +109,8 @@ class RankRunner:
             fault = self.save_faults.pop(it, None)
             if fault is not None:
                 crash_in_save(self.checkpointer)
+            if self.hf_copies is not None:
+                self.hf_copies.wait()  # nothing it reads may be pruned by this save's commit
             t0 = time.perf_counter()
             self.checkpointer.save(self.trainer, {"val_loss": metrics.get("val_loss"), "lm_loss": metrics.get("loss")})
             metrics["checkpoint_save_s"] = round(time.perf_counter() - t0, 4)
@@ -112,12 +120,21 @@ class RankRunner:
         retention = self.checkpointer.take_retention()  # rank 0, after a commit (an async one: later)
         if retention is not None:
             metrics["checkpoint_retention"] = retention
+            if self.hf_copies is not None:
+                self.hf_copies.committed(retention["iteration"])
+        if self.hf_copies is not None:
+            if it >= self.job.training.train_iters:
+                self.hf_copies.wait()  # the job ends with its last copy written
+            if done := self.hf_copies.take_done():
+                metrics["checkpoint_hf"] = done
 
     def close(self) -> None:
         """Finish a pending async save, release the trainer (see :meth:`Trainer.close`)."""
         try:
             if self.checkpointer is not None:
                 self.checkpointer.wait()
+            if self.hf_copies is not None:
+                self.hf_copies.wait()
         finally:
             self.trainer.close()
 

@@ -144,3 +144,33 @@ def test_hf_import_into_tp2_sp_pp2_gives_the_single_process_loss(llama_dir):
               {"num_layers": 2, **LLAMA3ISH}, load=f"hf:{path}", until=2)
     for a, b in zip(out[0]["losses"], want):
         assert abs(a - b) <= 1e-5 * abs(b), (out[0]["losses"], want)
+
+
+@pytest.mark.procs
+def test_save_hf_writes_a_transformers_model_of_each_due_checkpoint(tmp_path):
+    """checkpoint.save_hf on `raytron run` at tp2: every save_hf_interval-th checkpoint and the last get an
+    HF directory under DIR/hf while the job trains, each with the logits of raytron's model at that
+    iteration (the checkpoint loaded into one process) in transformers."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from workers.checkpoint.reader import load_checkpoint
+
+    spec = tiny_spec(world=2, model={"num_layers": 2}, parallel={"tensor_model_parallel_size": 2},
+                     training={"train_iters": 5})
+    spec["checkpoint"] = {"save_interval": 1, "dir": str(tmp_path / "ck"), "keep_last": 5, "save_hf": True,
+                          "save_hf_interval": 2}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    p = subprocess.run([os.path.join(os.path.dirname(sys.executable), "raytron"), "run", str(tmp_path / "job.yaml"),
+                        "--launcher", "processes", "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert sorted(os.listdir(tmp_path / "ck" / "hf")) == ["iter_0000002", "iter_0000004", "iter_0000005"]
+    for it in (2, 5):
+        t = trainer()
+        load_checkpoint(t, str(tmp_path / "ck" / f"iter_{it:07d}"))
+        name, got = hf_logits(tmp_path / "ck" / "hf" / f"iter_{it:07d}", tokens())
+        assert name == "LlamaForCausalLM"
+        assert_close(got, raytron_logits(t, tokens()))
