@@ -101,12 +101,21 @@ def pytest_collection_modifyitems(session, config, items):
     _session["tiers"].update({item.nodeid: tier_of(item) for item in items})
 
 
+def _guarded(item):
+    fast = _session["tiers"].get(item.nodeid, tier_of(item)) == "fast"
+    return no_processes(item.nodeid) if fast else contextlib.nullcontext()
+
+
+# Setup and call only: a session fixture (a PostgreSQL server, say) ends in whichever test runs last.
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    if _session["tiers"].get(item.nodeid, tier_of(item)) != "fast":
+def pytest_runtest_setup(item):
+    with _guarded(item):
         yield
-        return
-    with no_processes(item.nodeid):
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _guarded(item):
         yield
 
 

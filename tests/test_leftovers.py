@@ -16,7 +16,9 @@ from tests.helpers.paths import ROOT
 
 def _session(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
     (tmp_path / "conftest.py").write_text("from tests.conftest import *  # noqa: F401,F403\n")
-    (tmp_path / "test_inner.py").write_text("import subprocess\n\n\ndef test_inner():\n" + body)
+    # procs: the inner test starts a process, which a test without a tier marker may not
+    (tmp_path / "test_inner.py").write_text("import subprocess\n\nimport pytest\n\npytestmark = pytest.mark.procs\n\n\n"
+                                            "def test_inner():\n" + body)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "RAYTRON_LEFTOVER_WAIT_S": "1"})
