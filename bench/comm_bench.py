@@ -132,6 +132,10 @@ LAYOUTS = [
     Layout("cp2-p2p", {"context_parallel_size": 2, "cp_comm_type": "p2p"}),
     Layout("cp2-allgather", {"context_parallel_size": 2, "cp_comm_type": "all_gather"}),
     Layout("cp2-a2a", {"context_parallel_size": 2, "cp_comm_type": "a2a"}),
+    # the four ways at cp 4 side by side (a2a: the 2 K/V heads travel repeated to 4)
+    Layout("cp4-p2p", {"context_parallel_size": 4, "cp_comm_type": "p2p"}),
+    Layout("cp4-allgather", {"context_parallel_size": 4, "cp_comm_type": "all_gather"}),
+    Layout("cp4-a2a", {"context_parallel_size": 4, "cp_comm_type": "a2a"}),
     Layout("cp4-a2a+p2p", {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
                            "hierarchical_context_parallel_sizes": [2, 2]}),
     Layout("ep2-moe", {"expert_model_parallel_size": 2}, moe=True),
@@ -141,7 +145,8 @@ LAYOUTS = [
                                     "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1}, moe=True),
 ]
 WORLD = {"tp2": 2, "tp2+sp": 2, "pp2": 2, "pp2+vpp2": 2, "dp2": 2, "dp2+distopt": 2, "tp2xpp2xdp2+sp": 8,
-         "cp2-p2p": 2, "cp2-allgather": 2, "ep2-moe": 2, "tp2+sp+ep2-moe(etp2)": 4, "tp2+sp+ep2-moe(etp1)": 4}
+         "cp2-p2p": 2, "cp2-allgather": 2, "cp2-a2a": 2, "cp4-p2p": 4, "cp4-allgather": 4, "cp4-a2a": 4,
+         "cp4-a2a+p2p": 4, "ep2-moe": 2, "tp2+sp+ep2-moe(etp2)": 4, "tp2+sp+ep2-moe(etp1)": 4}
 
 SMALL_MODEL = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
                "ffn_hidden_size": 128, "vocab_size": 256, "seq_length": 32}
