@@ -34,7 +34,6 @@ import base64
 import json
 import math
 import random
-import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -42,6 +41,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from workers.checkpoint.background import Background
 from workers.checkpoint.layout import ParamView, buffer_views, param_views
 from workers.checkpoint.storage import (FORMAT, MANIFEST, VERSION, Storage, checkpoint_name, crc32,
                                         list_checkpoints, prune, retained, wait_for_files)
@@ -173,8 +173,7 @@ class Checkpointer:
         self.async_save, self.timeout_s = async_save, timeout_s
         self._owned: set[Piece] | None = None
         self._pieces: tuple[Piece, ...] | None = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._background = Background()
         self.last_committed: str | None = None  # rank 0: where the last checkpoint was committed
         self.last_stats: dict = {}
         self._retention: dict | None = None  # rank 0: what the last commit kept and pruned, until taken
@@ -205,22 +204,15 @@ class Checkpointer:
         tmp = f".{checkpoint_name(trainer.iteration)}.tmp-{self._nonce()}"
         self.last_stats = {"snapshot_s": time.perf_counter() - t0}
         if self.async_save:
-            self._thread = threading.Thread(target=self._run, args=(tmp, mine, meta), daemon=True)
-            self._thread.start()
+            self._background.start(self._run, tmp, mine, meta)
         else:
             self._run(tmp, mine, meta)
-            self.wait()
             if self.world_size > 1 and torch.distributed.is_initialized():
                 torch.distributed.barrier()  # a synchronous save returns once it is committed
 
     def wait(self) -> None:
         """Block until the pending save is written (and, on rank 0, committed); re-raises its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        self._background.wait()
 
     close = wait
 
@@ -246,18 +238,15 @@ class Checkpointer:
         return nonce[0]
 
     def _run(self, tmp: str, mine, meta: dict) -> None:
-        try:
-            t0 = time.perf_counter()
-            directory = self.root.join(tmp)
-            self.root.makedirs(directory)
-            self._write_rank(directory, mine, meta)
-            self.last_stats.update(write_s=time.perf_counter() - t0,
-                                   bytes=sum(d.numel() * d.element_size() for _, d in mine))
-            if self.rank == 0:
-                self._commit(tmp, meta)
-                self.last_stats["commit_s"] = time.perf_counter() - t0
-        except BaseException as e:  # noqa: BLE001 - surfaced by wait()
-            self._error = e
+        t0 = time.perf_counter()
+        directory = self.root.join(tmp)
+        self.root.makedirs(directory)
+        self._write_rank(directory, mine, meta)
+        self.last_stats.update(write_s=time.perf_counter() - t0,
+                               bytes=sum(d.numel() * d.element_size() for _, d in mine))
+        if self.rank == 0:
+            self._commit(tmp, meta)
+            self.last_stats["commit_s"] = time.perf_counter() - t0
 
     def _write_rank(self, directory: str, mine, meta: dict) -> None:
         entries, offset = [], 0

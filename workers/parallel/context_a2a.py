@@ -38,26 +38,24 @@ def heads_to_seq(y: torch.Tensor, group) -> torch.Tensor:
     return back.reshape(cp, rows // cp, b, hc, d).permute(1, 2, 0, 3, 4).reshape(rows // cp, b, cp * hc, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return seq_to_heads(x, group)
+def _exchange(forward, backward) -> type[torch.autograd.Function]:
+    """An autograd Function whose forward is one all-to-all and whose backward is its inverse."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return heads_to_seq(grad, ctx.group), None
+    class Exchange(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(grad, ctx.group), None
+
+    return Exchange
 
 
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return heads_to_seq(y, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_heads(grad, ctx.group), None
+_SeqToHeads = _exchange(seq_to_heads, heads_to_seq)
+_HeadsToSeq = _exchange(heads_to_seq, seq_to_heads)
 
 
 def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, positions: torch.Tensor,

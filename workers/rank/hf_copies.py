@@ -10,8 +10,8 @@ checkpoint is pruned while it is being read. The copies are not pruned with the 
 from __future__ import annotations
 
 import os
-import threading
 
+from workers.checkpoint.background import Background
 from workers.checkpoint.storage import checkpoint_name
 
 
@@ -27,37 +27,25 @@ class HFCopies:
     def __init__(self, root: str, interval: int, last_iteration: int):
         self.root, self.interval, self.last_iteration = root, interval, last_iteration
         self._commits = 0
-        self._thread: threading.Thread | None = None
+        self._background = Background()
         self._done: list[dict] = []
-        self._error: BaseException | None = None
 
     def committed(self, iteration: int) -> None:
         """A checkpoint of ``iteration`` was committed: copy it if it is due."""
         self._commits += 1
         if self._commits % self.interval and iteration != self.last_iteration:
             return
-        self.wait()
-        self._thread = threading.Thread(target=self._copy, args=(iteration,), daemon=True)
-        self._thread.start()
+        self._background.start(self._copy, iteration)
 
     def _copy(self, iteration: int) -> None:
         from workers.hf.export import export_hf
 
         name = checkpoint_name(iteration)
-        try:
-            out = export_hf(os.path.join(self.root, name), os.path.join(self.root, "hf", name))
-            self._done.append(out)
-        except BaseException as e:  # noqa: BLE001 - surfaced by wait()
-            self._error = e
+        self._done.append(export_hf(os.path.join(self.root, name), os.path.join(self.root, "hf", name)))
 
     def wait(self) -> None:
         """Block until the copy in progress is written; re-raises its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        self._background.wait()
 
     def take_done(self) -> list[dict]:
         """The copies written since the last call: ``export_hf``'s ``{"iteration", "architecture", "bytes", "path"}``."""
