@@ -184,12 +184,14 @@ def count_traffic(s: Shapes, spec, grid: ParallelGrid, node_of: list[int]) -> _T
         head = s.mla.ring_width // 2 if s.mla else s.head_dim
         kv_heads = s.heads if s.mla or (s.groups // grid.tp) % a2a else s.groups
         width = (2 * s.heads + 2 * kv_heads) * head
+        exchanged = mbs * layers * 2 * tokens * width * BYTES // grid.tp
+        kv = tokens * 2 * kv_heads * head * BYTES // grid.tp  # a ring member's block: a2a x tokens x kv/a2a
         for g in grid.groups("cp"):
             for i in range(0, grid.cp, a2a):
-                tr.all_to_all("cp", g[i:i + a2a], mbs * layers * 2 * tokens * width * BYTES // grid.tp)
-            for j in range(a2a):
-                kv = tokens * 2 * kv_heads * head * BYTES // grid.tp  # a ring member's block: a2a x tokens x kv/a2a
-                tr.ring("cp", g[j::a2a], mbs * layers * 3 * (grid.cp // a2a - 1) * kv)
+                tr.all_to_all("cp", g[i:i + a2a], exchanged)
+            if grid.cp > a2a:  # a2a+p2p: the rings across the a2a groups
+                for j in range(a2a):
+                    tr.ring("cp", g[j::a2a], mbs * layers * 3 * (grid.cp // a2a - 1) * kv)
     elif grid.cp > 1:
         width = s.heads * s.mla.ring_width if s.mla else 2 * s.groups * s.head_dim
         kv = tokens * width * BYTES // grid.tp
