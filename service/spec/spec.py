@@ -194,6 +194,9 @@ def spec_problems(spec: JobSpec) -> list[str]:
     if grid is not None and (problem := batch_problem(t.global_batch_size, t.micro_batch_size, grid)):
         out.append(problem)
     out.extend(recompute_problems(m, pp))
+    if m.mtp_num_layers and m.mtp_num_layers >= m.seq_length - 1:
+        out.append(f"model.mtp_num_layers {m.mtp_num_layers} leaves no token with a target in a sequence of "
+                   f"model.seq_length {m.seq_length}; use at most {max(m.seq_length - 2, 1)} MTP layers")
     out.extend(mla_problems(m))
     out.extend(training_problems(t))
     out.extend(retention_problems(spec.checkpoint, t))
