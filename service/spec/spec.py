@@ -28,6 +28,7 @@ from service.spec.context import cp_problems
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.mla import mla_problems
 from service.spec.moe import moe_problems
+from service.spec.tracking import TrackingSpec
 from service.spec.sections import (  # noqa: F401 (the sections are part of this module's interface)
     STRICT, Auto, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
     from_hf_problems, resources_problems, training_problems)
@@ -48,6 +49,8 @@ class JobSpec(BaseModel):
     checkpoint: CheckpointSpec = CheckpointSpec()
     resources: ResourcesSpec = ResourcesSpec()
     fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
+    tracking: TrackingSpec = Field(TrackingSpec(), description="an experiment tracker (MLflow) for the "
+                                   "job's curves, parameters and events")
 
     @property
     def world_size(self) -> int:
@@ -237,6 +240,15 @@ def recompute_problems(m: ModelSpec, pp: int) -> list[str]:
 
 def load_spec(path: str | Path) -> JobSpec:
     """Read and validate a YAML or JSON spec file. Raises ValueError with readable reasons."""
+    data = read_spec_file(path)
+    try:
+        return parse_spec(data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def read_spec_file(path: str | Path):
+    """A YAML or JSON spec file as read, not validated. Raises ValueError naming the file."""
     import yaml
 
     path = Path(path)
@@ -249,10 +261,7 @@ def load_spec(path: str | Path) -> JobSpec:
     except (ValueError, yaml.YAMLError) as e:
         first = " ".join(str(e).split())
         raise ValueError(f"spec {str(path)!r} is not valid YAML/JSON: {first}") from None
-    try:
-        return parse_spec(data)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    return data
 
 
 def parse_spec(data) -> JobSpec:

@@ -368,6 +368,14 @@ async function showJob(jobId, signal) {
       ? ` (rank ${e.data.rank})` : "";
     li.lastChild.textContent = e.kind === "state" ? `${e.state}${e.message ? `: ${e.message}` : ""}`
       : `${e.kind}: ${e.message || ""}${rank}`;
+    if (e.kind === "tracking" && /^https?:\/\//.test(e.data?.url || "")) {  // the job's tracker run
+      const a = document.createElement("a");
+      a.href = e.data.url;
+      a.target = "_blank";
+      a.rel = "noopener";
+      a.textContent = " open the run";
+      li.append(a);
+    }
     $("#events").append(li);
   };
 
