@@ -163,11 +163,12 @@ class Tracking:
             d.start()
 
     @classmethod
-    def of(cls, spec: dict, job_id: str, record: Callable[[JobEvent], None],
-           state: str = JobState.QUEUED.value) -> "Tracking | Callable[[JobEvent], None]":
+    def of(cls, spec: dict, job_id: str, record: Callable[[JobEvent], None], state: str = JobState.QUEUED.value,
+           history: list[JobEvent] | None = None) -> "Tracking | Callable[[JobEvent], None]":
         """``record`` itself for a spec (a validated spec's dict) without trackers, else a
-        :class:`Tracking` over it (``state``: the job's recorded state, for a runner that goes on
-        from a record)."""
+        :class:`Tracking` over it. A runner that goes on from a job's record passes its ``state``
+        and ``history``: the recorded events are delivered first, so what a lost runner recorded
+        but had not delivered yet reaches the run (a step already logged is skipped)."""
         from service.spec.tracking import TrackingSpec
 
         t = TrackingSpec.model_validate(spec.get("tracking") or {})
@@ -175,7 +176,12 @@ class Tracking:
         if t.mlflow is not None:
             params = flat_params({k: v for k, v in spec.items() if k != "tracking"})
             runs.append(MLflowRun(t.mlflow.tracking_uri, t.mlflow.experiment, job_id, spec.get("name", "job"), params))
-        return cls(record, runs, state) if runs else record
+        if not runs:
+            return record
+        tracking = cls(record, runs, state)
+        for event in history or ():
+            tracking.deliver(event)
+        return tracking
 
     def _emit(self, message: str, data: dict) -> None:
         with self.lock:
@@ -186,6 +192,10 @@ class Tracking:
             self.record(event)
             if event.kind == "state":
                 self.state = event.state
+        self.deliver(event)
+
+    def deliver(self, event: JobEvent) -> None:
+        """Queue an event for the trackers without recording it (a recorded one: see :meth:`of`)."""
         if event.kind == "iteration":
             step, values = event.data.get("iteration"), _numbers(event.data)
             item = ("metrics", step, values) if isinstance(step, int) and values else None

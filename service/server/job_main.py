@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         if history:
             log.info("job %s was %s under an earlier runner: going on from its %d recorded events",
                      args.job_id, row["state"], len(history))
-        on_event = Tracking.of(spec.model_dump(mode="json"), args.job_id, recorder, row["state"])  # MLflow: service/control/tracking.py
+        # MLflow (service/control/tracking.py): the recorded events first, then the new ones
+        on_event = Tracking.of(spec.model_dump(mode="json"), args.job_id, recorder, row["state"], history)
         final = run_training(args.job_id, job, on_event, launcher=args.launcher, cancel_requested=cancel_requested,
                              checkpoint_root=os.path.join(args.data_dir, "checkpoints"), faults=faults,
                              history=history, on_ray_lost=ray_lost_handler(store, args.job_id))
