@@ -365,5 +365,5 @@ class JobController:
             found = list_checkpoints(Storage.from_uri(ckpt.dir))
             held = [c for c in found if c.iteration <= len(self.metrics)] if self.metrics else []
             if found:
-                return (held or found)[-1].storage.root
+                return (held or found)[-1].storage.uri  # a URI on an object store, not its bare path
         return ckpt.load

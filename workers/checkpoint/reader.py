@@ -149,7 +149,7 @@ def load_checkpoint(trainer, source) -> dict:
     if isinstance(source, str):
         source = CheckpointReader.open(source)
     where = getattr(source, "storage", None)
-    where = where.root if where is not None else str(getattr(source, "path", "the source"))
+    where = where.uri if where is not None else str(getattr(source, "path", "the source"))
     check_model(source, trainer.job.model, where)
     views = param_views(trainer)
     for v in views:

@@ -51,6 +51,15 @@ class Storage:
 
     fs: pafs.FileSystem
     root: str
+    scheme: str = ""
+    """The URI's ``scheme://`` and ``?query`` (e.g. ``endpoint_override``), kept so that :attr:`uri`
+    opens the same place again; empty for a local path."""
+    query: str = ""
+
+    @property
+    def uri(self) -> str:
+        """What :meth:`from_uri` opens as this storage: the path, or ``scheme://root?query``."""
+        return f"{self.scheme}{self.root}{self.query}" if self.scheme else self.root
 
     @classmethod
     def from_uri(cls, uri: str) -> "Storage":
@@ -61,7 +70,11 @@ class Storage:
             fs, path = pafs.FileSystem.from_uri(uri)
         except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid is a ValueError
             raise ValueError(f"checkpoint location {uri!r} is not a path or a URI pyarrow can open: {e}") from None
-        return cls(fs, path.rstrip("/") or "/")
+        scheme = uri.split("://", 1)[0] + "://"
+        query = "?" + uri.split("?", 1)[1] if "?" in uri else ""
+        if isinstance(fs, pafs.LocalFileSystem):
+            scheme = query = ""  # file://: a plain path from here on
+        return cls(fs, path.rstrip("/") or "/", scheme, query)
 
     @property
     def is_local(self) -> bool:
@@ -71,7 +84,7 @@ class Storage:
         return "/".join([self.root.rstrip("/"), *parts])
 
     def sub(self, *parts: str) -> "Storage":
-        return Storage(self.fs, self.join(*parts))
+        return Storage(self.fs, self.join(*parts), self.scheme, self.query)
 
     def makedirs(self, path: str) -> None:
         self.fs.create_dir(path, recursive=True)

@@ -36,7 +36,7 @@ def list_job_checkpoints(row: dict, data_dir) -> dict:
     why = retained(found, c.keep_last, c.keep_best, c.best_metric)
     return {"job_id": row["id"], "root": root, "keep_last": c.keep_last, "keep_best": c.keep_best,
             "best_metric": c.best_metric,
-            "checkpoints": [{"iteration": info.iteration, "location": info.storage.root,
+            "checkpoints": [{"iteration": info.iteration, "location": info.storage.uri,
                              "format": info.manifest.get("format"),
                              "metrics": {k: v for k in ("val_loss", "lm_loss") if (v := metric_of(info, k)) is not None},
                              "size_bytes": sum(f["size"] for f in info.manifest.get("files", {}).values()),
