@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from workers.parallel import comm
 from workers.parallel.attention_kernel import BlockAttention
-from workers.parallel.context_layout import attention_blocks, check_split, cp_positions  # noqa: F401 (re-exported)
+from workers.parallel.context_layout import check_split, cp_positions, document_blocks  # noqa: F401 (re-exported)
 from workers.parallel.context_a2a import a2a_attention
 from workers.parallel.context_ring import RingAttention, ring_plans
 
@@ -126,6 +126,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_
     return out.permute(2, 0, 1, 3).reshape(sq, b, h, d)
 
 
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+                       docs: tuple | None = None):
+    """:func:`causal_attention` of whole sequences, within each packed document when ``docs``
+    (every row's ``cu_seqlens``) is given: one fused-kernel call per document (rows with the same
+    documents together), never an ``[s, s]`` mask."""
+    if docs is None:
+        return causal_attention(q, k, v, softmax_scale)
+    _check_qkv(q, k, v)
+    pos = torch.arange(q.shape[0])
+    return BlockAttention.apply(q, k, v, document_blocks(pos, pos, docs), _scale(q, softmax_scale))
+
+
 class _GatherKV(torch.autograd.Function):
     """All-gather K/V over CP into global sequence order; backward reduce-scatters dK/dV."""
 
@@ -152,6 +164,7 @@ def context_parallel_attention(
     softmax_scale: float | None = None,
     comm_type: str = "p2p",
     hierarchy: tuple | None = None,
+    docs: tuple | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole CP-split sequence.
 
@@ -166,6 +179,8 @@ def context_parallel_attention(
         softmax_scale: ``None`` means ``1 / sqrt(head_dim)``.
         comm_type: ``"p2p"`` (ring attention), ``"all_gather"``, ``"a2a"`` or ``"a2a+p2p"``.
         hierarchy: with ``"a2a+p2p"``: (a2a group, p2p group, the p2p ring's global ranks).
+        docs: packed documents, each batch row's ``cu_seqlens`` over the whole sequence: no query
+            attends across a document boundary (every comm type); None: one document per row.
 
     Returns:
         ``[s_local, b, num_heads, head_dim]``.
@@ -175,7 +190,7 @@ def context_parallel_attention(
         raise ValueError(f"cp_comm_type {comm_type!r} is not one of {COMM_TYPES}")
     cp = comm.world_size(group)
     if cp == 1:
-        return causal_attention(q, k, v, softmax_scale)
+        return document_attention(q, k, v, softmax_scale, docs)
     ranks = tuple(int(r) for r in (ranks or ()))
     cp_rank = comm.rank(group)
     if len(ranks) != cp or ranks[cp_rank] != dist.get_rank():
@@ -191,11 +206,11 @@ def context_parallel_attention(
     seq_len = q.shape[0] * cp
     scale = _scale(q, softmax_scale)
     if comm_type == "p2p":
-        return RingAttention.apply(q, k, v, scale, ring_plans(seq_len, cp, cp_rank), cp_rank, ranks, group)
+        return RingAttention.apply(q, k, v, scale, ring_plans(seq_len, cp, cp_rank, docs), cp_rank, ranks, group)
     positions = torch.cat([cp_positions(seq_len, cp, r, device=q.device) for r in range(cp)])
     if comm_type == "a2a":
         return a2a_attention(q, k, v, group=group, positions=positions,
-                             attention=lambda q, k, v: causal_attention(q, k, v, scale))
+                             attention=lambda q, k, v: document_attention(q, k, v, scale, docs))
     if comm_type == "a2a+p2p":
         inner, outer, outer_ranks = hierarchy
         a2a, p2p = comm.world_size(inner), len(outer_ranks)
@@ -203,32 +218,32 @@ def context_parallel_attention(
         mine = positions[first * q.shape[0]:(first + a2a) * q.shape[0]]
         if p2p == 1:
             return a2a_attention(q, k, v, group=inner, positions=mine,
-                                 attention=lambda q, k, v: causal_attention(q, k, v, scale))
-        plans = hierarchical_ring_plans(seq_len, cp, a2a, cp_rank // a2a)
+                                 attention=lambda q, k, v: document_attention(q, k, v, scale, docs))
+        plans = hierarchical_ring_plans(seq_len, cp, a2a, cp_rank // a2a, docs)
         return a2a_attention(q, k, v, group=inner, positions=mine, ordered=False,
                              attention=lambda q, k, v: RingAttention.apply(q, k, v, scale, plans, cp_rank // a2a,
                                                                            outer_ranks, outer))
     d = k.shape[-1]
     kv = _GatherKV.apply(torch.cat([k, v], dim=-1), group, positions)
     k_full, v_full = kv.split(d, dim=-1)
-    return BlockAttention.apply(q, k_full, v_full, gather_plan(seq_len, cp, cp_rank), scale)
+    return BlockAttention.apply(q, k_full, v_full, gather_plan(seq_len, cp, cp_rank, docs), scale)
 
 
 @functools.lru_cache(maxsize=64)
-def hierarchical_ring_plans(seq_len: int, cp: int, a2a: int, ring_rank: int) -> tuple:
+def hierarchical_ring_plans(seq_len: int, cp: int, a2a: int, ring_rank: int, docs: tuple | None = None) -> tuple:
     """The ring's blocks under hierarchical CP: each ring member holds the tokens of one a2a group
     (its ``a2a`` consecutive CP ranks' chunks); step ``j`` pairs ours with ring member ``ring_rank - j``'s."""
     p2p = cp // a2a
     held = [torch.cat([cp_positions(seq_len, cp, g * a2a + i) for i in range(a2a)]) for g in range(p2p)]
-    return tuple(attention_blocks(held[ring_rank], held[(ring_rank - step) % p2p]) for step in range(p2p))
+    return tuple(document_blocks(held[ring_rank], held[(ring_rank - step) % p2p], docs) for step in range(p2p))
 
 
 @functools.lru_cache(maxsize=64)
-def gather_plan(seq_len: int, cp: int, cp_rank: int) -> tuple:
+def gather_plan(seq_len: int, cp: int, cp_rank: int, docs: tuple | None = None) -> tuple:
     """The mask-free blocks of ``cp_rank``'s queries against the whole gathered sequence.
 
     Each of the two query chunks sees the keys before it fully and its own chunk causally:
     four kernel calls at most, fewer where pieces merge (CP rank 0's first chunk has nothing
     before it; the last CP rank's two chunks are adjacent, so they are one causal block).
     """
-    return attention_blocks(cp_positions(seq_len, cp, cp_rank), torch.arange(seq_len))
+    return document_blocks(cp_positions(seq_len, cp, cp_rank), torch.arange(seq_len), docs)

@@ -1,0 +1,130 @@
+"""Packed documents in one process (workers/data/packing.py, the ``packing`` of ModelChunk.forward):
+a packed micro-batch's loss is the token-weighted mean of its documents' losses, each document run
+alone through an unpacked model of its own length, and so are the gradients; the attention runs as
+per-document fused-kernel blocks, and the sampler's masks follow Megatron's switches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers.hf import MLA
+from workers.config import ModelConfig
+from workers.data.packing import DocumentRules, pack_window, position_ids
+from workers.model.decoder import ModelChunk, ShardContext
+from workers.parallel.context import document_attention
+from workers.parallel.context_layout import document_blocks
+
+SEQ = 24
+# Row 0: four documents of uneven length; row 1: two (different rows, different blocks).
+DOCS = ((0, 5, 6, 15, 24), (0, 11, 24))
+DENSE = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+                    vocab_size=64, seq_length=SEQ)
+MLA_CFG = dataclasses.replace(DENSE, **{k: v for k, v in MLA.items() if k != "num_query_groups"},
+                              num_query_groups=4)
+
+
+def _chunk(cfg: ModelConfig, seq: int) -> ModelChunk:
+    cfg = dataclasses.replace(cfg, seq_length=seq)
+    return ModelChunk(cfg, ShardContext(seed=3), list(range(cfg.num_layers)), pre_process=True,
+                      post_process=True, positions=torch.arange(seq)).double().float()
+
+
+def _grads(chunk) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in chunk.named_parameters()}
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MLA_CFG], ids=["gqa", "mla"])
+def test_packed_loss_and_grads_are_the_documents_run_alone(cfg):
+    torch.manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, SEQ))
+    # Labels inside each document; the last token of a document predicts nothing (mask 0).
+    labels, mask = torch.zeros_like(tokens), torch.ones(2, SEQ)
+    for r, cu in enumerate(DOCS):
+        for a, b in zip(cu, cu[1:]):
+            labels[r, a:b - 1] = tokens[r, a + 1:b]
+            mask[r, b - 1] = 0.0
+    count = mask.sum()
+    packed = _chunk(cfg, SEQ)
+    pos = torch.from_numpy(position_ids(DOCS, SEQ))
+    logits = packed(tokens.t().contiguous(), packing=(pos.t().contiguous(), DOCS))
+    losses = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), labels.t().reshape(-1), reduction="none")
+    loss = (losses * mask.t().reshape(-1)).sum() / count
+    loss.backward()
+
+    want, want_grads = 0.0, None
+    for r, cu in enumerate(DOCS):
+        for a, b in zip(cu, cu[1:]):
+            if b - a < 2:
+                continue  # a one-token document has no loss token
+            alone = _chunk(cfg, b - a)  # the same weights (a pure function of seed and name)
+            out = alone(tokens[r, a:b].reshape(-1, 1))
+            doc_loss = F.cross_entropy(out[:-1, 0], tokens[r, a + 1:b], reduction="sum") / count
+            doc_loss.backward()
+            want += doc_loss.item()
+            g = _grads(alone)
+            want_grads = g if want_grads is None else {n: want_grads[n] + g[n] for n in g}
+    assert abs(loss.item() - want) <= 1e-5 * abs(want)
+    for name, g in _grads(packed).items():
+        err = (g - want_grads[name]).abs().max() / want_grads[name].abs().max()
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+
+
+def test_document_attention_runs_fused_blocks_inside_documents():
+    """One fused-kernel block per document (rows with different documents apart), none across a
+    boundary; the result is dense masked attention's."""
+    pos = torch.arange(SEQ)
+    blocks = document_blocks(pos, pos, DOCS)
+    assert len(blocks) == 6 and all(b.causal for b in blocks)
+    assert [(b.q.start, b.q.stop, b.b.start) for b in blocks] == [
+        (0, 5, 0), (5, 6, 0), (6, 15, 0), (15, 24, 0), (0, 11, 1), (11, 24, 1)]
+    torch.manual_seed(1)
+    q = torch.randn(SEQ, 2, 4, 8, requires_grad=True)
+    k, v = (torch.randn(SEQ, 2, 2, 8, requires_grad=True) for _ in range(2))
+    out = document_attention(q, k, v, docs=DOCS)
+    doc = torch.tensor([[np.searchsorted(cu, i, side="right") for i in range(SEQ)] for cu in DOCS])
+    allowed = (doc[:, :, None] == doc[:, None, :]) & torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+    dense = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
+                                           attn_mask=allowed[:, None], enable_gqa=True).permute(2, 0, 1, 3)
+    assert (out - dense).abs().max() < 1e-6
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    want = torch.autograd.grad(dense.square().sum(), (q, k, v))
+    assert all((a - b).abs().max() < 1e-5 for a, b in zip(grads, want))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_blocks_cover_each_document_causally_and_nothing_else(cp):
+    """Every CP rank's gather plan covers exactly the (query, key) pairs of one document, key <= query."""
+    from workers.parallel.context import gather_plan, cp_positions
+
+    seq = 32
+    docs = ((0, 3, 13, 14, 32), (0, 29, 32))
+    for r in range(cp):
+        qpos = cp_positions(seq, cp, r)
+        for row, cu in enumerate(docs):
+            seen = torch.zeros(len(qpos), seq, dtype=torch.int64)
+            for blk in gather_plan(seq, cp, r, docs):
+                if blk.b.start not in (None, row):
+                    continue
+                piece = seen[blk.q, blk.k]
+                piece += torch.ones_like(piece).tril() if blk.causal else 1
+            doc = np.searchsorted(cu, np.arange(seq), side="right")
+            want = torch.tensor([[int(doc[k] == doc[q] and k <= q) for k in range(seq)] for q in qpos.tolist()])
+            assert torch.equal(seen, want), (r, row)
+
+
+def test_pack_window_follows_megatrons_switches():
+    window = np.array([5, 7, 0, 9, 9, 4, 0, 3, 8])  # EOD = 0; an indexed boundary at 8
+    rules = DocumentRules(True, True, True, 0)
+    tokens, labels, mask, pos, docs = pack_window(window, [8], rules)
+    assert docs == (0, 3, 7, 8)
+    assert pos.tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
+    # no loss across a boundary (positions 2, 6, 7) and none at an EOD input (2, 6)
+    assert mask.tolist() == [1, 1, 0, 1, 1, 1, 0, 0]
+    assert labels.tolist() == window[1:].tolist()
+    plain = pack_window(window, [8], DocumentRules(eod_mask_loss=True, eod_token_id=0))
+    assert plain[4] == (0, 8) and plain[3].tolist() == list(range(8)) and plain[2].tolist() == [1, 1, 0, 1, 1, 1, 0, 1]
