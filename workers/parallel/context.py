@@ -134,8 +134,14 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softma
     if docs is None:
         return causal_attention(q, k, v, softmax_scale)
     _check_qkv(q, k, v)
-    pos = torch.arange(q.shape[0])
-    return BlockAttention.apply(q, k, v, document_blocks(pos, pos, docs), _scale(q, softmax_scale))
+    return BlockAttention.apply(q, k, v, document_plan(q.shape[0], docs), _scale(q, softmax_scale))
+
+
+@functools.lru_cache(maxsize=64)
+def document_plan(seq_len: int, docs: tuple) -> tuple:
+    """The blocks of whole packed sequences, worked out once per microbatch (every layer reuses them)."""
+    pos = torch.arange(seq_len)
+    return document_blocks(pos, pos, docs)
 
 
 class _GatherKV(torch.autograd.Function):

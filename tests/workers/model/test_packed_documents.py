@@ -128,3 +128,59 @@ def test_pack_window_follows_megatrons_switches():
     assert labels.tolist() == window[1:].tolist()
     plain = pack_window(window, [8], DocumentRules(eod_mask_loss=True, eod_token_id=0))
     assert plain[4] == (0, 8) and plain[3].tolist() == list(range(8)) and plain[2].tolist() == [1, 1, 0, 1, 1, 1, 0, 1]
+
+
+@pytest.mark.parametrize("cfg", [DENSE, MLA_CFG], ids=["gqa", "mla"])
+def test_position_ids_reach_rope_per_row(cfg):
+    """Without reset_attention_mask RoPE is not translation-invariant across documents: each row's
+    output is that of an unpacked model whose positions are the row's position ids."""
+    torch.manual_seed(2)
+    tokens = torch.randint(0, cfg.vocab_size, (SEQ, 2))
+    pos = torch.from_numpy(position_ids(DOCS, SEQ)).t().contiguous()
+    whole = ((0, SEQ), (0, SEQ))
+    got = _chunk(cfg, SEQ)(tokens, packing=(pos, whole))
+    for r in range(2):
+        plain = ModelChunk(cfg, ShardContext(seed=3), list(range(cfg.num_layers)), pre_process=True,
+                           post_process=True, positions=pos[:, r])
+        assert (got[:, r] - plain(tokens[:, r:r + 1])[:, 0]).abs().max() < 1e-5
+
+
+def test_sampler_packs_at_the_indexed_datasets_boundaries(tmp_path):
+    """An indexed dataset's sequences are the documents: each window is cut where one starts."""
+    from workers.data.dataset import GlobalSampler
+    from workers.data.indexed import write_indexed_dataset
+
+    lengths = [7, 3, 12, 5, 9, 20, 4, 11, 6, 15]
+    stream = np.arange(sum(lengths)) + 1  # unique ids: a window names its offset
+    ends = np.cumsum(lengths)
+    write_indexed_dataset(tmp_path / "docs", np.split(stream, ends[:-1]))
+    rules = DocumentRules(reset_position_ids=True, reset_attention_mask=True)
+    sampler = GlobalSampler(str(tmp_path / "docs"), 16, 5, 4, split=None, rules=rules)
+    batch = sampler.batch(0)
+    for r in range(4):
+        offset = int(np.flatnonzero(stream == int(batch.tokens[r, 0]))[0])
+        inner = tuple(int(e - offset) for e in ends if offset < e < offset + 16)
+        assert batch.cu_seqlens[r] == (0, *inner, 16)
+        assert torch.equal(batch.position_ids[r], torch.from_numpy(position_ids((batch.cu_seqlens[r],), 16)[0]))
+        cut = [e - offset - 1 for e in ends if offset < e <= offset + 16]
+        assert batch.loss_mask[r].nonzero().flatten().tolist() == [i for i in range(16) if i not in cut]
+
+
+@pytest.mark.parametrize("training, needle", [
+    ({"reset_attention_mask": True, "eod_token_id": 10},
+     "training.reset_attention_mask masks tokens out of the loss, which needs training.calculate_per_token_loss: true"),
+    ({"eod_mask_loss": True, "calculate_per_token_loss": True},
+     "training.eod_mask_loss needs training.eod_token_id"),
+    ({"reset_position_ids": True},
+     "find documents by training.eod_token_id in builtin:tiny (it has no document index); set eod_token_id"),
+])
+def test_bad_packing_switches_are_refused_naming_the_fields(training, needle):
+    from service.spec.spec import parse_spec
+
+    spec = {"name": "packed", "training": {"global_batch_size": 4, "micro_batch_size": 1, **training},
+            "resources": {"num_nodes": 1, "gpus_per_node": 1}}
+    with pytest.raises(ValueError, match="training") as e:
+        parse_spec(spec)
+    assert needle in str(e.value)
+    ok = {**training, "eod_token_id": 10, "calculate_per_token_loss": True}
+    parse_spec({**spec, "training": {"global_batch_size": 4, "micro_batch_size": 1, **ok}})
