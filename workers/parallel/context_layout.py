@@ -1,13 +1,14 @@
 """Where each CP rank's tokens sit in the full sequence (Megatron's load-balanced split).
 
 CP rank ``i`` of ``cp`` holds chunks ``i`` and ``2 cp - 1 - i`` of the sequence cut into
-``2 cp`` equal chunks. Pure position math, shared by the split itself
+``2 cp`` equal chunks; with packed documents, of every document (:func:`document_split`). Pure position math, shared by the split itself
 (:mod:`workers.parallel.context`), the ring's block plans (:mod:`workers.parallel.context_ring`)
 and rotary embeddings (:mod:`workers.model.decoder`).
 """
 
 from __future__ import annotations
 
+import functools
 from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -123,15 +124,52 @@ def attention_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, starts: Sequence[
     return tuple(Block(slice(q0, q1), slice(k0, k1), causal) for q0, q1, k0, k1, causal in blocks)
 
 
-def document_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, docs: tuple | None) -> tuple[Block, ...]:
-    """:func:`attention_blocks` per batch row of packed sequences.
+def document_split(seq_len: int, cp_size: int, cu_seqlens: tuple) -> tuple[torch.Tensor, ...]:
+    """Every CP rank's positions of one packed row, each document split for load balance (Megatron's
+    THD split): a document is cut into ``2 cp`` chunks and CP rank ``i`` holds chunks ``i`` and
+    ``2 cp - 1 - i`` of every document, its positions in increasing order.
+
+    Documents need not be multiples of ``2 cp`` long: chunk sizes differ by at most one, the extra
+    tokens going to the chunk indices in turn across the row's documents, so every chunk index holds
+    ``seq_len / (2 cp)`` tokens of the row and every rank ``seq_len / cp`` (the sequence length is a
+    multiple of ``2 cp``, :func:`check_split`). One document is exactly :func:`cp_positions`.
+    """
+    check_split(seq_len, cp_size, 0)
+    n = 2 * cp_size
+    chunks: list[list[int]] = [[] for _ in range(n)]
+    turn = 0
+    for a, b in zip(cu_seqlens, cu_seqlens[1:]):
+        base, rem = divmod(b - a, n)
+        start = a
+        for j in range(n):
+            size = base + ((j - turn) % n < rem)
+            chunks[j].extend(range(start, start + size))
+            start += size
+        turn = (turn + rem) % n
+    return tuple(torch.tensor(sorted(chunks[i] + chunks[n - 1 - i]), dtype=torch.long) for i in range(cp_size))
+
+
+def rank_positions(seq_len: int, cp_size: int, cp_rank: int, cu_seqlens: tuple | None = None) -> torch.Tensor:
+    """The positions CP rank ``cp_rank`` holds of a row: :func:`cp_positions`, or with packed
+    documents (the row's ``cu_seqlens``) its :func:`document_split` share."""
+    if cu_seqlens is None or cp_size == 1:
+        return cp_positions(seq_len, cp_size, cp_rank)
+    return _document_split(seq_len, cp_size, tuple(cu_seqlens))[cp_rank]
+
+
+_document_split = functools.lru_cache(maxsize=256)(document_split)
+
+
+def row_blocks(docs: tuple | None, q_of, k_of) -> tuple[Block, ...]:
+    """:func:`attention_blocks` of every batch row of packed sequences.
 
     ``docs`` is each row's ``cu_seqlens`` (``(0, ..., seq_len)``, see :mod:`workers.data.packing`),
-    or None: one causal sequence per row. Rows with the same documents share their blocks.
+    or None: one causal sequence per row. ``q_of(cu)`` and ``k_of(cu)`` give a row's query and key
+    positions (``cu`` None without documents). Rows with the same documents share their blocks.
     """
     if docs is None:
-        return attention_blocks(q_pos, k_pos)
+        return attention_blocks(q_of(None), k_of(None))
     if len(set(docs)) == 1:
-        return attention_blocks(q_pos, k_pos, docs[0][1:-1])
+        return attention_blocks(q_of(docs[0]), k_of(docs[0]), docs[0][1:-1])
     return tuple(replace(blk, b=slice(r, r + 1)) for r, cu in enumerate(docs)
-                 for blk in attention_blocks(q_pos, k_pos, cu[1:-1]))
+                 for blk in attention_blocks(q_of(cu), k_of(cu), cu[1:-1]))

@@ -21,7 +21,7 @@ import torch
 
 from workers.data.packing import PackedBatch
 from workers.parallel import comm
-from workers.parallel.context import cp_split
+from workers.parallel.context import document_cp_split
 
 
 class LocalBatch(NamedTuple):
@@ -36,11 +36,12 @@ class LocalBatch(NamedTuple):
 
 
 def local_batch(batch: PackedBatch, cp: int, cp_rank: int, to_device) -> LocalBatch:
-    """``batch`` transposed to ``[s, b]``, split over CP (Megatron's load-balanced chunks) and moved."""
+    """``batch`` transposed to ``[s, b]``, split over CP (each document's load-balanced chunks, as
+    Megatron's THD split) and moved."""
 
     def local(x: torch.Tensor) -> torch.Tensor:
         x = x.t()
-        return to_device(cp_split(x, cp, cp_rank) if cp > 1 else x)
+        return to_device(document_cp_split(x, cp, cp_rank, batch.cu_seqlens) if cp > 1 else x)
 
     return LocalBatch(local(batch.tokens), local(batch.labels), local(batch.loss_mask),
                       local(batch.position_ids), batch.cu_seqlens)

@@ -17,7 +17,7 @@ from workers.config import ModelConfig
 from workers.data.packing import DocumentRules, pack_window, position_ids
 from workers.model.decoder import ModelChunk, ShardContext
 from workers.parallel.context import document_attention
-from workers.parallel.context_layout import document_blocks
+from workers.parallel.context_layout import document_split, row_blocks
 
 SEQ = 24
 # Row 0: four documents of uneven length; row 1: two (different rows, different blocks).
@@ -78,7 +78,7 @@ def test_document_attention_runs_fused_blocks_inside_documents():
     """One fused-kernel block per document (rows with different documents apart), none across a
     boundary; the result is dense masked attention's."""
     pos = torch.arange(SEQ)
-    blocks = document_blocks(pos, pos, DOCS)
+    blocks = row_blocks(DOCS, lambda cu: pos, lambda cu: pos)
     assert len(blocks) == 6 and all(b.causal for b in blocks)
     assert [(b.q.start, b.q.stop, b.b.start) for b in blocks] == [
         (0, 5, 0), (5, 6, 0), (6, 15, 0), (15, 24, 0), (0, 11, 1), (11, 24, 1)]
@@ -99,22 +99,43 @@ def test_document_attention_runs_fused_blocks_inside_documents():
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_blocks_cover_each_document_causally_and_nothing_else(cp):
     """Every CP rank's gather plan covers exactly the (query, key) pairs of one document, key <= query."""
-    from workers.parallel.context import gather_plan, cp_positions
+    from workers.parallel.context import gather_plan
 
     seq = 32
     docs = ((0, 3, 13, 14, 32), (0, 29, 32))
-    for r in range(cp):
-        qpos = cp_positions(seq, cp, r)
-        for row, cu in enumerate(docs):
-            seen = torch.zeros(len(qpos), seq, dtype=torch.int64)
+    for row, cu in enumerate(docs):
+        held = document_split(seq, cp, cu)
+        kpos = torch.cat(held)  # the gathered keys: rank-major
+        for r in range(cp):
+            seen = torch.zeros(len(held[r]), seq, dtype=torch.int64)
             for blk in gather_plan(seq, cp, r, docs):
                 if blk.b.start not in (None, row):
                     continue
                 piece = seen[blk.q, blk.k]
                 piece += torch.ones_like(piece).tril() if blk.causal else 1
             doc = np.searchsorted(cu, np.arange(seq), side="right")
-            want = torch.tensor([[int(doc[k] == doc[q] and k <= q) for k in range(seq)] for q in qpos.tolist()])
+            want = torch.tensor([[int(doc[k] == doc[q] and k <= q) for k in kpos.tolist()] for q in held[r].tolist()])
             assert torch.equal(seen, want), (r, row)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_document_split_gives_every_rank_both_ends_of_every_document(cp):
+    """Megatron's THD split: each rank holds chunks i and 2cp-1-i of every document, all ranks the
+    same number of tokens, even where documents are not multiples of 2 cp; one document is cp_positions."""
+    from workers.parallel.context import cp_positions
+
+    cu = (0, 3, 13, 14, 40, 64)
+    held = document_split(64, cp, cu)
+    assert sorted(torch.cat(held).tolist()) == list(range(64))
+    assert all(len(h) == 64 // cp for h in held)
+    for a, b in zip(cu, cu[1:]):
+        sizes = [sum(a <= p < b for p in h.tolist()) for h in held]
+        assert max(sizes) - min(sizes) <= 2
+        if b - a >= 2 * cp:
+            first, last = [min(p for p in h.tolist() if a <= p < b) for h in held], [
+                max(p for p in h.tolist() if a <= p < b) for h in held]
+            assert first == sorted(first) and last == sorted(last, reverse=True)  # rank 0: both ends
+    assert all(torch.equal(h, cp_positions(64, cp, r)) for r, h in enumerate(document_split(64, cp, (0, 64))))
 
 
 def test_pack_window_follows_megatrons_switches():
