@@ -205,3 +205,26 @@ def test_bad_packing_switches_are_refused_naming_the_fields(training, needle):
     assert needle in str(e.value)
     ok = {**training, "eod_token_id": 10, "calculate_per_token_loss": True}
     parse_spec({**spec, "training": {"global_batch_size": 4, "micro_batch_size": 1, **ok}})
+
+
+def test_trainer_loss_is_the_mean_over_the_global_batchs_loss_tokens():
+    """One process, two microbatches of two rows: the reported loss is sum(mask x token loss) over the
+    global batch / its loss tokens (not a mean of microbatch means), the model run on each packed row."""
+    from tests.helpers.parity import job_of, tiny_spec
+    from workers.train.trainer import Trainer
+
+    training = {"reset_position_ids": True, "reset_attention_mask": True, "eod_mask_loss": True, "eod_token_id": 32,
+                "calculate_per_token_loss": True, "global_batch_size": 4, "micro_batch_size": 2, "eval_interval": None}
+    trainer = Trainer(job_of(tiny_spec(training=training)), 0, 1)
+    batch = trainer.sampler.batch(0)
+    with torch.no_grad():
+        logits = trainer.chunks[0](batch.tokens.t().contiguous(),
+                                   packing=(batch.position_ids.t().contiguous(), batch.cu_seqlens))
+    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.labels.t().reshape(-1), reduction="none")
+    mask = batch.loss_mask.t().reshape(-1)
+    want = float((losses * mask).sum() / mask.sum())
+    firsts = [float((losses * mask).view(-1, 4)[:, rows].sum() / mask.view(-1, 4)[:, rows].sum())
+              for rows in (slice(0, 2), slice(2, 4))]
+    assert abs(sum(firsts) / 2 - want) > 1e-4  # the microbatches' loss tokens differ: the two means differ
+    assert 0 < mask.sum() < mask.numel()
+    assert abs(trainer.train_step()["loss"] - want) <= 1e-6 * want
