@@ -4,9 +4,10 @@ An iteration: the global batch of iteration i is cut into ``dp`` contiguous slic
 rank's slice into microbatches; the pipeline schedule (1F1B, interleaved, or plain gradient
 accumulation when pp = 1) runs forwards and backwards; gradients are reduced once (dense over
 dp-cp, sequence-parallel weights over tp-dp-cp, experts over expert-dp); AdamW steps. Each
-microbatch's loss is ``sum(token losses) / tokens_in_global_batch``, so the gradients summed
-over all ranks are exactly the single-process gradient of the global-batch mean loss, and the
-reported loss is the same number whatever the layout.
+microbatch's loss is ``sum(token losses) / tokens_in_global_batch`` (packed documents:
+``sum(loss_mask x token losses) / loss tokens of the global batch``, :mod:`workers.train.packed`),
+so the gradients summed over all ranks are exactly the single-process gradient of the global-batch
+mean loss, and the reported loss is the same number whatever the layout.
 
 Before the optimizer step the LR of this update is set from Megatron's schedule
 (:class:`workers.train.lr_schedule.LRSchedule`, indexed by successful updates so far, so a step
@@ -234,9 +235,9 @@ class Trainer:
         return metrics
 
     def run_microbatches(self, microbatch, *, loss_scale: float = 1.0, forward_only: bool = False):
-        """Run this stage's schedule over ``microbatch(mb) -> (tokens, labels)``; returns the
-        last stage's per-microbatch losses (each ``sum(token losses) / tokens_per_iteration``,
-        times ``loss_scale``)."""
+        """Run this stage's schedule over ``microbatch(mb) -> (tokens, labels)`` (or a packed
+        :class:`~workers.train.packed.LocalBatch`); returns the last stage's per-microbatch losses
+        (each ``sum(token losses) / tokens_per_iteration``, or over the loss tokens, times ``loss_scale``)."""
         from workers.parallel.pipeline import schedule_forward_only
 
         vpp_cfg = self.job.parallel.virtual_pipeline_model_parallel_size
