@@ -29,6 +29,10 @@ LAYOUTS = {
     "pp2": (2, {"pipeline_model_parallel_size": 2}),
     "pp2-vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
     "dp2-distopt": (2, {"use_distributed_optimizer": True}),
+    # Recomputation reruns the layers (full) or the attention core (selective) with the documents.
+    "pp2-full-recompute": (2, {"pipeline_model_parallel_size": 2},
+                           {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+    "cp2-p2p-selective-recompute": (2, {"context_parallel_size": 2}, {"recompute_granularity": "selective"}),
     "cp2-p2p": (2, {"context_parallel_size": 2}),
     "cp2-all-gather": (2, {"context_parallel_size": 2, "cp_comm_type": "all_gather"}),
     "moe-ep2": (2, {"expert_model_parallel_size": 2}, MOE),
