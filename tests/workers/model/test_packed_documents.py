@@ -228,3 +228,48 @@ def test_trainer_loss_is_the_mean_over_the_global_batchs_loss_tokens():
     assert abs(sum(firsts) / 2 - want) > 1e-4  # the microbatches' loss tokens differ: the two means differ
     assert 0 < mask.sum() < mask.numel()
     assert abs(trainer.train_step()["loss"] - want) <= 1e-6 * want
+
+
+def test_packed_loss_and_grads_match_transformers_llama_per_document():
+    """The same packed micro-batch against transformers' LlamaForCausalLM (tiny, the weights copied
+    by name) run on each document alone: loss and every gradient."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workers.hf.families import hf_config
+    from workers.hf.interop import to_hf
+
+    m = dataclasses.asdict(DENSE)
+
+    def hub(named) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in named:
+            out.update(to_hf(name, t.view(2, -1, t.shape[-1]) if name.endswith("gate_up.weight") else t, m))
+        return out
+
+    ours = _chunk(DENSE, SEQ)
+    theirs = LlamaForCausalLM(LlamaConfig(**hf_config(m))).float()
+    theirs.load_state_dict(hub((n, p.detach()) for n, p in ours.named_parameters()), strict=True)
+    torch.manual_seed(4)
+    tokens = torch.randint(0, DENSE.vocab_size, (2, SEQ))
+    labels, mask = torch.zeros_like(tokens), torch.ones(2, SEQ)
+    for r, cu in enumerate(DOCS):
+        for a, b in zip(cu, cu[1:]):
+            labels[r, a:b - 1], mask[r, b - 1] = tokens[r, a + 1:b], 0.0
+    count = mask.sum()
+    logits = ours(tokens.t().contiguous(), packing=(torch.from_numpy(position_ids(DOCS, SEQ)).t().contiguous(), DOCS))
+    losses = F.cross_entropy(logits.reshape(-1, DENSE.vocab_size), labels.t().reshape(-1), reduction="none")
+    loss = (losses * mask.t().reshape(-1)).sum() / count
+    loss.backward()
+    want = 0.0
+    for r, cu in enumerate(DOCS):
+        for a, b in zip(cu, cu[1:]):
+            if b - a > 1:
+                out = theirs(input_ids=tokens[r:r + 1, a:b]).logits[0]
+                doc_loss = F.cross_entropy(out[:-1], tokens[r, a + 1:b], reduction="sum") / count
+                doc_loss.backward()
+                want += doc_loss.item()
+    assert abs(loss.item() - want) <= 1e-5 * want
+    got = hub((n, p.grad) for n, p in ours.named_parameters())
+    for name, p in theirs.named_parameters():
+        err = (got[name] - p.grad).abs().max() / p.grad.abs().max()
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
