@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 
-def document_problems(t) -> list[str]:
+def document_problems(t, vocab_size: int) -> list[str]:
     """Packed-document switches that do not go together, each naming the fields and the fix."""
     out = []
+    if t.eod_token_id is not None and t.eod_token_id >= vocab_size:
+        out.append(f"training.eod_token_id {t.eod_token_id} is not a token id of model.vocab_size {vocab_size}; "
+                   f"use the tokenizer's end-of-document id")
     masked = [name for name in ("reset_attention_mask", "eod_mask_loss") if getattr(t, name)]
     if masked and not t.calculate_per_token_loss:
         out.append(f"training.{masked[0]} masks tokens out of the loss, which needs "

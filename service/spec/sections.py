@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from workers.data.blend import parse_split
 from workers.hf.families import model_from_hf_config, read_hf_config
 from workers.data.dataset import data_form_problem
-from service.spec.documents import document_problems
 from workers.train.lr_schedule import LRSchedule
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -223,7 +222,6 @@ def training_problems(t: TrainingSpec) -> list[str]:
     problem = data_form_problem(t.data)
     if problem:
         out.append(problem)
-    out += document_problems(t)
     try:
         shares = parse_split(t.split)
     except ValueError as e:

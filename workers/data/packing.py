@@ -45,6 +45,11 @@ class DocumentRules:
     def needs_documents(self) -> bool:
         return self.reset_position_ids or self.reset_attention_mask
 
+    @property
+    def packed(self) -> bool:
+        """Whether batches differ from plain windows (documents or a loss mask)."""
+        return self.needs_documents or self.eod_mask_loss
+
 
 @dataclass
 class PackedBatch:

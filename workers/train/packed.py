@@ -78,3 +78,11 @@ class PackedMicrobatches:
 
             calls.append(forward)
         return calls
+
+
+def packed_iteration(read, num_microbatches: int, chunks, actions, group, *, last_stage: bool):
+    """What a packed iteration runs on: ``(microbatch getter, chunk callables, loss denominator)``;
+    the denominator (the global batch's loss tokens, a collective over ``group``) on the last stage only."""
+    batches = PackedMicrobatches(read, num_microbatches)
+    return (batches.get, batches.chunk_callables(chunks, actions),
+            batches.loss_tokens(group) if last_stage else 1)

@@ -63,7 +63,7 @@ from workers.parallel.pipeline_exec import run_pipeline
 from workers.parallel.router import update_expert_biases
 from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
 from workers.data.packing import DocumentRules, PackedBatch
-from workers.train.packed import PackedMicrobatches, local_batch
+from workers.train.packed import local_batch, packed_iteration
 from workers.train.tensorboard import EventWriter
 from workers.train.reduce import global_aux_loss, global_loss_tensor, param_groups
 
@@ -124,10 +124,9 @@ class Trainer:
         self.num_skipped = 0
         # Megatron's rule: the last rank (it holds the loss) writes TensorBoard.
         self.tensorboard = EventWriter(t.tensorboard_dir) if t.tensorboard_dir and rank == g.world_size - 1 else None
-        rules = DocumentRules.of(t)
-        self.packed = t.calculate_per_token_loss or rules.needs_documents or t.eod_mask_loss
+        self.packed = DocumentRules.of(t).packed or t.calculate_per_token_loss  # workers.train.packed
         self.sampler = GlobalSampler(t.data, job.model.seq_length, t.seed, t.global_batch_size, split=t.split,
-                                     rules=rules if self.packed else None)
+                                     rules=DocumentRules.of(t) if self.packed else None)
         self.tokens_per_iteration = t.global_batch_size * job.model.seq_length
         s_local = job.model.seq_length // g.cp // (g.tp if p.sequence_parallel else 1)
         self.activation_shape = (s_local, t.micro_batch_size, job.model.hidden_size)
@@ -246,10 +245,9 @@ class Trainer:
         labels: dict[int, torch.Tensor] = {}
         chunks, denominator = self.chunks, self.tokens_per_iteration
         if self.packed:
-            batches = PackedMicrobatches(microbatch, self.num_microbatches)
-            chunks = batches.chunk_callables(self.chunks, actions)
-            denominator = batches.loss_tokens(self.groups.dp_cp_group) if self.stage == self.grid.pp - 1 else 1
-            microbatch = batches.get
+            microbatch, chunks, denominator = packed_iteration(
+                microbatch, self.num_microbatches, self.chunks, actions, self.groups.dp_cp_group,
+                last_stage=self.stage == self.grid.pp - 1)
 
         def get_input(mb: int) -> torch.Tensor:
             tokens, labels[mb] = microbatch(mb)[:2]

@@ -194,6 +194,8 @@ def test_sampler_packs_at_the_indexed_datasets_boundaries(tmp_path):
      "training.eod_mask_loss needs training.eod_token_id"),
     ({"reset_position_ids": True},
      "find documents by training.eod_token_id in builtin:tiny (it has no document index); set eod_token_id"),
+    ({"reset_position_ids": True, "eod_token_id": 256}, "training.eod_token_id 256 is not a token id of "
+                                                        "model.vocab_size 256"),
 ])
 def test_bad_packing_switches_are_refused_naming_the_fields(training, needle):
     from service.spec.spec import parse_spec
@@ -203,7 +205,7 @@ def test_bad_packing_switches_are_refused_naming_the_fields(training, needle):
     with pytest.raises(ValueError, match="training") as e:
         parse_spec(spec)
     assert needle in str(e.value)
-    ok = {**training, "eod_token_id": 10, "calculate_per_token_loss": True}
+    ok = {**training, "eod_token_id": 255, "calculate_per_token_loss": True}
     parse_spec({**spec, "training": {"global_batch_size": 4, "micro_batch_size": 1, **ok}})
 
 
