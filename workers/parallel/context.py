@@ -22,6 +22,10 @@ ways to provide it (Megatron's ``cp_comm_type``):
 * ``"a2a+p2p"``: the all-to-all inside groups of consecutive CP ranks (a node), then the ring
   across those groups for the heads each rank got (Megatron's hierarchical CP).
 
+Packed documents (``docs``: each row's ``cu_seqlens``) are honoured by every comm type: each
+document is split over the ranks (:func:`workers.parallel.context_layout.document_split`, Megatron's
+THD split) and the blocks are planned on each row's positions, cut at every document start.
+
 Both keep q/k/v in the compute dtype, on the wire and in the kernel
 (:mod:`workers.parallel.attention_kernel`); only the merged output and log-sum-exp are fp32.
 
@@ -226,11 +230,12 @@ def context_parallel_attention(
         # Packed rows hold their own split (document_split): the gathered rows stay in rank-major
         # order and the blocks are planned on each row's positions.
         positions = torch.arange(seq_len, device=q.device)
-    if comm_type in ("a2a", "a2a+p2p") and (comm_type == "a2a" or len(hierarchy[2]) == 1):
+    if comm_type in ("a2a", "a2a+p2p"):
         inner = group if comm_type == "a2a" else hierarchy[0]
         a2a = comm.world_size(inner)
         first = cp_rank - cp_rank % a2a  # this rank's a2a group: CP ranks first .. first + a2a - 1
         mine = positions[first * q.shape[0]:(first + a2a) * q.shape[0]]
+    if comm_type == "a2a" or comm_type == "a2a+p2p" and a2a == cp:
         if docs is None:
             return a2a_attention(q, k, v, group=inner, positions=mine,
                                  attention=lambda q, k, v: causal_attention(q, k, v, scale))
@@ -238,10 +243,7 @@ def context_parallel_attention(
         return a2a_attention(q, k, v, group=inner, positions=mine, ordered=False,
                              attention=lambda q, k, v: BlockAttention.apply(q, k, v, plan, scale))
     if comm_type == "a2a+p2p":
-        inner, outer, outer_ranks = hierarchy
-        a2a = comm.world_size(inner)
-        first = cp_rank - cp_rank % a2a
-        mine = positions[first * q.shape[0]:(first + a2a) * q.shape[0]]
+        _, outer, outer_ranks = hierarchy
         plans = hierarchical_ring_plans(seq_len, cp, a2a, cp_rank // a2a, docs)
         return a2a_attention(q, k, v, group=inner, positions=mine, ordered=False,
                              attention=lambda q, k, v: RingAttention.apply(q, k, v, scale, plans, cp_rank // a2a,
