@@ -42,6 +42,7 @@ LAYOUTS = {
     "seq1024-cp4-a2a": (4, {"context_parallel_size": 4, "cp_comm_type": "a2a"}, LONG_MODEL, LONG),
     "seq1024-cp4-a2a+p2p-2x2": (4, {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
                                     "hierarchical_context_parallel_sizes": [2, 2]}, LONG_MODEL, LONG),
+    "mla-seq1024-cp4-a2a": (4, {"context_parallel_size": 4, "cp_comm_type": "a2a"}, {**MLA, **LONG_MODEL}, LONG),
     "mla-seq1024-cp4-a2a+p2p-2x2": (4, {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
                                         "hierarchical_context_parallel_sizes": [2, 2]}, {**MLA, **LONG_MODEL}, LONG),
     "mla-cp2-all-gather-tp2-sp": (4, {"context_parallel_size": 2, "cp_comm_type": "all_gather",
