@@ -186,6 +186,16 @@ class TrainingConfig:
     """fp16: the dynamic loss scaler's first scale (Megatron's --initial-loss-scale)."""
     tensorboard_dir: str | None = None
     """Write TensorBoard scalars here (the last rank that holds the loss writes)."""
+    reset_position_ids: bool = False
+    """Packed documents: RoPE positions restart at every document (workers.data.packing)."""
+    reset_attention_mask: bool = False
+    """Packed documents: attention and the loss never cross a document boundary."""
+    eod_mask_loss: bool = False
+    """No loss where the input token is the EOD token (eod_token_id)."""
+    eod_token_id: int | None = None
+    """The end-of-document token: a document starts after each (indexed datasets' boundaries count too)."""
+    calculate_per_token_loss: bool = False
+    """The loss is the mean over the global batch's loss tokens (Megatron's), whatever the layout."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -208,6 +208,14 @@ class TrainingSpec(BaseModel):
     fp16: bool = Field(False, description="fp16 compute with a dynamic loss scaler")
     initial_loss_scale: float = Field(2.0**32, gt=0, description="fp16: the loss scaler's first scale")
     tensorboard_dir: str | None = Field(None, description="write TensorBoard scalars here")
+    reset_position_ids: bool = Field(False, description="packed documents: RoPE positions restart at each document")
+    reset_attention_mask: bool = Field(False, description="packed documents: attention and the loss never cross "
+                                       "a document boundary (indexed-dataset boundaries and eod_token_id)")
+    eod_mask_loss: bool = Field(False, description="no loss where the input token is eod_token_id")
+    eod_token_id: int | None = Field(None, ge=0, description="the end-of-document token id; a document starts "
+                                     "after each")
+    calculate_per_token_loss: bool = Field(False, description="the loss is the mean over the global batch's loss "
+                                           "tokens (Megatron's); required by reset_attention_mask and eod_mask_loss")
 
 
 def training_problems(t: TrainingSpec) -> list[str]:

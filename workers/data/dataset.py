@@ -38,6 +38,7 @@ import numpy as np
 from workers.config import stable_seed
 from workers.data.blend import blending_indices, parse_blend, split_bookends
 from workers.data.indexed import IndexedDataset, is_indexed_dataset
+from workers.data.packing import DocumentRules, pack_rows, pack_window
 
 BUILTIN = {"builtin:tiny": "tiny.txt"}
 SPLITS = ("train", "valid", "test")
@@ -140,6 +141,9 @@ class _Corpus:
         self.tokens = load_tokens(data)
         indexed = _open_indexed(data)
         num_elements = len(indexed) if indexed is not None else len(self.tokens)
+        # Where each indexed sequence (a document) starts in the token stream; a flat file has none.
+        self.doc_starts = (np.cumsum(indexed.sequence_lengths, dtype=np.int64) if indexed is not None
+                           else np.zeros(0, dtype=np.int64))
         self.ranges = {}
         for name, bookend in zip(SPLITS, split_bookends(split)):
             if bookend is None:
@@ -163,9 +167,12 @@ class GlobalSampler:
         seed: ``training.seed``.
         global_batch_size: samples per iteration.
         split: ``training.split``; None uses every token for training (no validation data).
+        rules: packed documents (:class:`workers.data.packing.DocumentRules`): :meth:`batch` returns
+            a :class:`workers.data.packing.PackedBatch`; None: ``(tokens, labels)``.
     """
 
-    def __init__(self, data, seq_length: int, seed: int, global_batch_size: int, *, split: str | None = None):
+    def __init__(self, data, seq_length: int, seed: int, global_batch_size: int, *, split: str | None = None,
+                 rules: DocumentRules | None = None):
         if isinstance(data, (list, tuple)):
             prefixes, weights = parse_blend(data)
             self._blend = True
@@ -176,6 +183,7 @@ class GlobalSampler:
         self.seed = seed
         self.global_batch_size = global_batch_size
         self.split = split
+        self.rules = rules
         self.iteration = 0
         self._weights = {}
         for name in SPLITS:
@@ -211,6 +219,12 @@ class GlobalSampler:
         """Global sample ``index`` of ``split`` as a ``[seq_length + 1]`` int64 tensor."""
         import torch  # not at module level: the driver validates corpora without torch
 
+        return torch.from_numpy(self._window(index, split)[0])
+
+    def _window(self, index: int, split: str) -> tuple[np.ndarray, np.ndarray]:
+        """Sample ``index``'s tokens and the window indices where an indexed corpus's documents start."""
+        import torch
+
         d, k = self._locate(index, split)
         corpus = self.corpora[d]
         start, stop = corpus.ranges[split]
@@ -219,16 +233,22 @@ class GlobalSampler:
         g = torch.Generator().manual_seed(stable_seed(self.seed, key))
         offset = start + int(torch.randint(0, stop - start - self.seq_length, (1,), generator=g))
         window = np.asarray(corpus.tokens[offset : offset + self.seq_length + 1], dtype=np.int64)
-        return torch.from_numpy(window)
+        starts = corpus.doc_starts
+        inside = starts[np.searchsorted(starts, offset, side="right"):np.searchsorted(starts, offset + self.seq_length,
+                                                                                     side="right")]
+        return window, inside - offset
 
     def batch(self, iteration: int, start: int = 0, count: int | None = None, split: str = "train"):
-        """Samples ``[start, start+count)`` of iteration's global batch as (tokens, labels), each [count, seq]."""
+        """Samples ``[start, start+count)`` of iteration's global batch as (tokens, labels), each
+        [count, seq], or with ``rules`` as a :class:`~workers.data.packing.PackedBatch`."""
         import torch
 
         if split != "train":
             self._check(split)
         count = self.global_batch_size - start if count is None else count
         base = iteration * self.global_batch_size + start
+        if self.rules is not None:
+            return pack_rows([pack_window(*self._window(base + j, split), self.rules) for j in range(count)])
         rows = torch.stack([self.sample(base + j, split) for j in range(count)])
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 

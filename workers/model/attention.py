@@ -6,6 +6,8 @@ with a fused column-parallel QKV (per query group: its q heads, k, v), optionall
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -34,13 +36,42 @@ class RMSNorm(nn.Module):
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, base: float) -> torch.Tensor:
-    """cos and sin of every (position, frequency), ``[2, s, 1, 1, head_dim / 2]``.
+    """cos and sin of every (position, frequency), ``[2, s, 1, 1, head_dim / 2]``; for per-token
+    positions ``[s, b]`` (packed documents) ``[2, s, b, 1, head_dim / 2]``.
 
-    Positions are fixed per rank (its CP chunks), so a chunk computes this once, not per layer.
+    Positions are fixed per rank (its CP chunks), so a chunk computes this once, not per layer;
+    packed documents' positions restart per document, so those tables are made per microbatch.
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    return torch.stack([angles.cos(), angles.sin()])[:, :, None, None, :]
+    angles = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
+    return table_dims(torch.stack([angles.cos(), angles.sin()]))
+
+
+def table_dims(table: torch.Tensor) -> torch.Tensor:
+    """``[2, s, f]`` -> ``[2, s, 1, 1, f]``, ``[2, s, b, f]`` -> ``[2, s, b, 1, f]``: broadcastable over heads."""
+    return table[:, :, None, None, :] if table.dim() == 3 else table[:, :, :, None, :]
+
+
+@dataclass
+class PackedRotary:
+    """What the layers of a packed microbatch get instead of the chunk's rotary buffer: the rotary
+    tables of its position ids (restarting at every document) and its documents (each batch row's
+    ``cu_seqlens``), which the attention core honours (:func:`workers.parallel.context.context_parallel_attention`)."""
+
+    tables: torch.Tensor
+    docs: tuple
+    _qkv: dict = field(default_factory=dict)
+
+    def qkv_tables(self, slots: int):
+        """:func:`rotary_qkv_tables` of ``tables``, made once per microbatch (every layer shares them)."""
+        if slots not in self._qkv:
+            self._qkv[slots] = rotary_qkv_tables(self.tables, slots)
+        return self._qkv[slots]
+
+
+def rotary_and_docs(rotary) -> tuple[torch.Tensor, tuple | None]:
+    """``(rotary tables, documents)`` of a layer's ``rotary`` argument (a tensor or :class:`PackedRotary`)."""
+    return (rotary.tables, rotary.docs) if isinstance(rotary, PackedRotary) else (rotary, None)
 
 
 def _fused_qkv(cfg: ModelConfig, seed: int, prefix: str) -> Cat:
@@ -115,13 +146,16 @@ class Attention(nn.Module):
             qkv = torch.cat([self.q_norm(qkv[:, :, :, :per_group]), self.k_norm(qkv[:, :, :, per_group:per_group + 1]),
                              qkv[:, :, :, per_group + 1:]], dim=3)
         # RoPE on q and k and the split, as one autograd node (workers.model.fused).
-        q, k, v = rotary_qkv(qkv, self._rope_tables(rotary, per_group + 2))
+        packed = isinstance(rotary, PackedRotary)
+        tables = rotary.qkv_tables(per_group + 2) if packed else self._rope_tables(rotary, per_group + 2)
+        q, k, v = rotary_qkv(qkv, tables)
+        docs = rotary.docs if packed else None
         if self.cfg.recompute_granularity == "selective":
-            out = checkpointed(self._core, q, k, v)  # Megatron's selective: the attention core
+            out = checkpointed(self._core, q, k, v, docs)  # Megatron's selective: the attention core
         else:
-            out = self._core(q, k, v)
+            out = self._core(q, k, v, docs)
         return self.proj(out.reshape(s, b, -1), residual)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: tuple | None = None) -> torch.Tensor:
         return context_parallel_attention(q, k, v, group=self.ctx.cp_group, ranks=self.ctx.cp_ranks,
-                                          comm_type=self.ctx.cp_comm_type, hierarchy=self.ctx.hcp_groups)
+                                          comm_type=self.ctx.cp_comm_type, hierarchy=self.ctx.hcp_groups, docs=docs)

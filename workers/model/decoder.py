@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from workers.config import ModelConfig
-from workers.model.attention import Attention, RMSNorm, rotary_tables  # noqa: F401 (rotary_tables: re-exported)
+from workers.model.attention import Attention, PackedRotary, RMSNorm, rotary_tables
 from workers.model.fused import swiglu
 from workers.model.mla import MLAttention
 from workers.model.mtp import MultiTokenPrediction
@@ -190,9 +190,7 @@ class ModelChunk(nn.Module):
         super().__init__()
         self.cfg, self.ctx = cfg, ctx
         self.pre_process, self.post_process = pre_process, post_process
-        rotary = (mla_rotary_tables(positions, cfg) if cfg.multi_latent_attention
-                  else rotary_tables(positions, cfg.head_dim, cfg.rotary_base))
-        self.register_buffer("rotary", rotary, persistent=False)
+        self.register_buffer("rotary", self.rotary_of(positions), persistent=False)
         vocab = padded_vocab(cfg.vocab_size, ctx.tp_size)
         if pre_process:
             emb = _padded_table(ctx.seed, "embedding", cfg, vocab)
@@ -229,13 +227,29 @@ class ModelChunk(nn.Module):
             self.register_buffer("vocab_pad_mask", pad, persistent=False)
             self.has_vocab_pad = bool(pad.any())  # known at build time: no per-step check
 
-    def forward(self, x: torch.Tensor):
-        """Tokens (first virtual stage) or hidden states in; hidden states out, or on the last
-        virtual stage the vocab-parallel logits (with MTP: ``(logits, last hidden state)``,
-        for :meth:`mtp_losses`)."""
+    def rotary_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rotary tables of ``positions`` (``[s]``, or per token ``[s, b]``)."""
+        cfg = self.cfg
+        return (mla_rotary_tables(positions, cfg) if cfg.multi_latent_attention
+                else rotary_tables(positions, cfg.head_dim, cfg.rotary_base))
+
+    def forward(self, x: torch.Tensor, packing: tuple | None = None):
+        """Run the chunk on ``x`` (tokens ``[s, b]`` on the first stage, else activations); the last
+        virtual stage returns the vocab-parallel logits (with MTP: ``(logits, last hidden state)``,
+        for :meth:`mtp_losses`).
+
+        ``packing``: ``(position_ids [s, b], docs)`` of a packed microbatch (this rank's position
+        ids, each row's ``cu_seqlens`` over the whole sequence, :mod:`workers.data.packing`): RoPE
+        sees each document from 0 and attention stays inside documents. None: one causal sequence
+        per row at the chunk's own positions.
+        """
+        rotary = self.rotary
+        if packing is not None:
+            positions, docs = packing
+            rotary = PackedRotary(self.rotary_of(positions).to(self.rotary.dtype), docs)
         if self.pre_process:
             x = self.embedding(x)
-        x = run_layers(self.layers, x, self.rotary, self.cfg)
+        x = run_layers(self.layers, x, rotary, self.cfg)
         if self.post_process:
             logits = self.head(self.final_norm(x))
             return (logits, x) if self.mtp is not None else logits

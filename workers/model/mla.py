@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.config import ModelConfig
+from workers.model.attention import rotary_and_docs
 from workers.parallel.context import context_parallel_attention
 from workers.parallel.initializer import NormalInit, materialize
 from workers.parallel.sequence import gather_from_sequence_parallel_region, mark_sequence_parallel
@@ -102,6 +103,7 @@ class MLAttention(nn.Module):
         if given. ``rotary``: :func:`workers.model.yarn.mla_rotary_tables` of this rank's positions."""
         cfg = self.cfg
         nope, rope = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim
+        rotary, docs = rotary_and_docs(rotary)
         if cfg.q_lora_rank is None:
             q = self.q_proj(x)
         else:
@@ -116,9 +118,9 @@ class MLAttention(nn.Module):
         q = torch.cat([q_nope, apply_interleaved_rope(q_pe, rotary)], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(s, b, heads, rope)], dim=-1)
         if cfg.recompute_granularity == "selective":
-            out = checkpointed(self._core, q, k, v)
+            out = checkpointed(self._core, q, k, v, docs)
         else:
-            out = self._core(q, k, v)
+            out = self._core(q, k, v, docs)
         return self.o_proj(out.reshape(s, b, -1), residual)
 
     def _whole_sequence(self, k_pe: torch.Tensor) -> torch.Tensor:
@@ -127,11 +129,11 @@ class MLAttention(nn.Module):
             return gather_from_sequence_parallel_region(k_pe, self.ctx.tp_group, tensor_parallel_output_grad=True)
         return copy_to_tensor_parallel_region(k_pe, self.ctx.tp_group)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: tuple | None = None) -> torch.Tensor:
         dv = v.shape[-1]
         d = max(q.shape[-1], dv)
         q, k, v = (t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
         out = context_parallel_attention(q, k, v, group=self.ctx.cp_group, ranks=self.ctx.cp_ranks,
                                          softmax_scale=self.softmax_scale, comm_type=self.ctx.cp_comm_type,
-                                         hierarchy=self.ctx.hcp_groups)
+                                         hierarchy=self.ctx.hcp_groups, docs=docs)
         return out if dv == d else out[..., :dv]

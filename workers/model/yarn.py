@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from workers.model.attention import table_dims
+
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature factor ``0.1 mscale ln(scale) + 1`` (1 when not scaling)."""
@@ -70,10 +72,10 @@ def mla_softmax_scale(cfg) -> float:
 
 def mla_rotary_tables(positions: torch.Tensor, cfg) -> torch.Tensor:
     """cos and sin (times the attention factor) of every (position, frequency),
-    ``[2, s, 1, 1, qk_pos_emb_head_dim / 2]``: the layout of :func:`workers.model.decoder.rotary_tables`."""
-    angles = positions.to(torch.float32)[:, None] * yarn_inv_freq(cfg)[None, :]
+    ``[2, s, 1, 1, qk_pos_emb_head_dim / 2]`` (per-token positions ``[s, b]``: ``[2, s, b, 1, ...]``): the layout of :func:`workers.model.decoder.rotary_tables`."""
+    angles = positions.to(torch.float32)[..., None] * yarn_inv_freq(cfg).to(positions.device)
     factor = rotary_attention_factor(cfg)
-    return torch.stack([angles.cos() * factor, angles.sin() * factor])[:, :, None, None, :]
+    return table_dims(torch.stack([angles.cos() * factor, angles.sin() * factor]))
 
 
 def apply_interleaved_rope(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:

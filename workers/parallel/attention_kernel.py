@@ -118,9 +118,9 @@ def forward_blocks(q, k, v, blocks: Sequence[Block], scale: float, acc, lse) -> 
     """Attend ``q [s_q, b, heads, d]`` to ``k, v [s_k, b, kv_heads, d]`` over ``blocks``, merging
     into ``acc [s_q, b, heads, d]`` and ``lse [b, heads, s_q]`` (both fp32)."""
     for blk in blocks:
-        out, blk_lse = attention_forward(_bhsd(q[blk.q]), _bhsd(k[blk.k]), _bhsd(v[blk.k]),
-                                         causal=blk.causal, scale=scale)
-        merge_block(acc[blk.q], lse[..., blk.q], out, blk_lse)
+        qi, ki = (blk.q, blk.b), (blk.k, blk.b)
+        out, blk_lse = attention_forward(_bhsd(q[qi]), _bhsd(k[ki]), _bhsd(v[ki]), causal=blk.causal, scale=scale)
+        merge_block(acc[qi], lse[blk.b, :, blk.q], out, blk_lse)
 
 
 def backward_blocks(dout, q, k, v, out, lse, blocks: Sequence[Block], scale: float, dq, dk, dv) -> None:
@@ -129,12 +129,13 @@ def backward_blocks(dout, q, k, v, out, lse, blocks: Sequence[Block], scale: flo
     ``out`` and ``lse`` are the final merged output (compute dtype) and log-sum-exp (fp32).
     """
     for blk in blocks:
+        qi, ki = (blk.q, blk.b), (blk.k, blk.b)
         gq, gk, gv = attention_backward(
-            _bhsd(dout[blk.q]), _bhsd(q[blk.q]), _bhsd(k[blk.k]), _bhsd(v[blk.k]), _bhsd(out[blk.q]),
-            lse[..., blk.q], causal=blk.causal, scale=scale)
-        dq[blk.q] += gq.permute(2, 0, 1, 3)
-        dk[blk.k] += gk.permute(2, 0, 1, 3)
-        dv[blk.k] += gv.permute(2, 0, 1, 3)
+            _bhsd(dout[qi]), _bhsd(q[qi]), _bhsd(k[ki]), _bhsd(v[ki]), _bhsd(out[qi]),
+            lse[blk.b, :, blk.q], causal=blk.causal, scale=scale)
+        dq[qi] += gq.permute(2, 0, 1, 3)
+        dk[ki] += gk.permute(2, 0, 1, 3)
+        dv[ki] += gv.permute(2, 0, 1, 3)
 
 
 class BlockAttention(torch.autograd.Function):

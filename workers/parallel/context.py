@@ -22,6 +22,10 @@ ways to provide it (Megatron's ``cp_comm_type``):
 * ``"a2a+p2p"``: the all-to-all inside groups of consecutive CP ranks (a node), then the ring
   across those groups for the heads each rank got (Megatron's hierarchical CP).
 
+Packed documents (``docs``: each row's ``cu_seqlens``) are honoured by every comm type: each
+document is split over the ranks (:func:`workers.parallel.context_layout.document_split`, Megatron's
+THD split) and the blocks are planned on each row's positions, cut at every document start.
+
 Both keep q/k/v in the compute dtype, on the wire and in the kernel
 (:mod:`workers.parallel.attention_kernel`); only the merged output and log-sum-exp are fp32.
 
@@ -42,7 +46,7 @@ import torch.distributed as dist
 
 from workers.parallel import comm
 from workers.parallel.attention_kernel import BlockAttention
-from workers.parallel.context_layout import attention_blocks, check_split, cp_positions  # noqa: F401 (re-exported)
+from workers.parallel.context_layout import check_split, cp_positions, rank_positions, row_blocks  # noqa: F401
 from workers.parallel.context_a2a import a2a_attention
 from workers.parallel.context_ring import RingAttention, ring_plans
 
@@ -68,6 +72,14 @@ def cp_split(x: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int = 0) -> t
     c = check_split(x.shape[seq_dim], cp_size, cp_rank)
     late = 2 * cp_size - 1 - cp_rank
     return torch.cat([x.narrow(seq_dim, cp_rank * c, c), x.narrow(seq_dim, late * c, c)], dim=seq_dim)
+
+
+def document_cp_split(x: torch.Tensor, cp_size: int, cp_rank: int, docs: tuple) -> torch.Tensor:
+    """:func:`cp_split` of packed rows ``x [s, b]``: row ``r`` keeps this rank's share of each of its
+    documents (:func:`workers.parallel.context_layout.document_split` of ``docs[r]``), in order."""
+    s = x.shape[0]
+    index = torch.stack([rank_positions(s, cp_size, cp_rank, cu) for cu in docs], dim=1)
+    return torch.gather(x, 0, index.to(x.device))
 
 
 def cp_unsplit(parts: Sequence[torch.Tensor], seq_dim: int = 0) -> torch.Tensor:
@@ -126,6 +138,24 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_
     return out.permute(2, 0, 1, 3).reshape(sq, b, h, d)
 
 
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+                       docs: tuple | None = None):
+    """:func:`causal_attention` of whole sequences, within each packed document when ``docs``
+    (every row's ``cu_seqlens``) is given: one fused-kernel call per document (rows with the same
+    documents together), never an ``[s, s]`` mask."""
+    if docs is None:
+        return causal_attention(q, k, v, softmax_scale)
+    _check_qkv(q, k, v)
+    return BlockAttention.apply(q, k, v, document_plan(q.shape[0], docs), _scale(q, softmax_scale))
+
+
+@functools.lru_cache(maxsize=64)
+def document_plan(seq_len: int, docs: tuple) -> tuple:
+    """The blocks of whole packed sequences, worked out once per microbatch (every layer reuses them)."""
+    pos = torch.arange(seq_len)
+    return row_blocks(docs, lambda cu: pos, lambda cu: pos)
+
+
 class _GatherKV(torch.autograd.Function):
     """All-gather K/V over CP into global sequence order; backward reduce-scatters dK/dV."""
 
@@ -152,6 +182,7 @@ def context_parallel_attention(
     softmax_scale: float | None = None,
     comm_type: str = "p2p",
     hierarchy: tuple | None = None,
+    docs: tuple | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole CP-split sequence.
 
@@ -166,6 +197,8 @@ def context_parallel_attention(
         softmax_scale: ``None`` means ``1 / sqrt(head_dim)``.
         comm_type: ``"p2p"`` (ring attention), ``"all_gather"``, ``"a2a"`` or ``"a2a+p2p"``.
         hierarchy: with ``"a2a+p2p"``: (a2a group, p2p group, the p2p ring's global ranks).
+        docs: packed documents, each batch row's ``cu_seqlens`` over the whole sequence: no query
+            attends across a document boundary (every comm type); None: one document per row.
 
     Returns:
         ``[s_local, b, num_heads, head_dim]``.
@@ -175,7 +208,7 @@ def context_parallel_attention(
         raise ValueError(f"cp_comm_type {comm_type!r} is not one of {COMM_TYPES}")
     cp = comm.world_size(group)
     if cp == 1:
-        return causal_attention(q, k, v, softmax_scale)
+        return document_attention(q, k, v, softmax_scale, docs)
     ranks = tuple(int(r) for r in (ranks or ()))
     cp_rank = comm.rank(group)
     if len(ranks) != cp or ranks[cp_rank] != dist.get_rank():
@@ -191,44 +224,68 @@ def context_parallel_attention(
     seq_len = q.shape[0] * cp
     scale = _scale(q, softmax_scale)
     if comm_type == "p2p":
-        return RingAttention.apply(q, k, v, scale, ring_plans(seq_len, cp, cp_rank), cp_rank, ranks, group)
+        return RingAttention.apply(q, k, v, scale, ring_plans(seq_len, cp, cp_rank, docs), cp_rank, ranks, group)
     positions = torch.cat([cp_positions(seq_len, cp, r, device=q.device) for r in range(cp)])
-    if comm_type == "a2a":
-        return a2a_attention(q, k, v, group=group, positions=positions,
-                             attention=lambda q, k, v: causal_attention(q, k, v, scale))
-    if comm_type == "a2a+p2p":
-        inner, outer, outer_ranks = hierarchy
-        a2a, p2p = comm.world_size(inner), len(outer_ranks)
+    if docs is not None:
+        # Packed rows hold their own split (document_split): the gathered rows stay in rank-major
+        # order and the blocks are planned on each row's positions.
+        positions = torch.arange(seq_len, device=q.device)
+    if comm_type in ("a2a", "a2a+p2p"):
+        inner = group if comm_type == "a2a" else hierarchy[0]
+        a2a = comm.world_size(inner)
         first = cp_rank - cp_rank % a2a  # this rank's a2a group: CP ranks first .. first + a2a - 1
         mine = positions[first * q.shape[0]:(first + a2a) * q.shape[0]]
-        if p2p == 1:
+    if comm_type == "a2a" or comm_type == "a2a+p2p" and a2a == cp:
+        if docs is None:
             return a2a_attention(q, k, v, group=inner, positions=mine,
                                  attention=lambda q, k, v: causal_attention(q, k, v, scale))
-        plans = hierarchical_ring_plans(seq_len, cp, a2a, cp_rank // a2a)
+        plan = group_plan(seq_len, cp, tuple(range(first, first + a2a)), docs)
+        return a2a_attention(q, k, v, group=inner, positions=mine, ordered=False,
+                             attention=lambda q, k, v: BlockAttention.apply(q, k, v, plan, scale))
+    if comm_type == "a2a+p2p":
+        _, outer, outer_ranks = hierarchy
+        plans = hierarchical_ring_plans(seq_len, cp, a2a, cp_rank // a2a, docs)
         return a2a_attention(q, k, v, group=inner, positions=mine, ordered=False,
                              attention=lambda q, k, v: RingAttention.apply(q, k, v, scale, plans, cp_rank // a2a,
                                                                            outer_ranks, outer))
     d = k.shape[-1]
     kv = _GatherKV.apply(torch.cat([k, v], dim=-1), group, positions)
     k_full, v_full = kv.split(d, dim=-1)
-    return BlockAttention.apply(q, k_full, v_full, gather_plan(seq_len, cp, cp_rank), scale)
+    return BlockAttention.apply(q, k_full, v_full, gather_plan(seq_len, cp, cp_rank, docs), scale)
 
 
 @functools.lru_cache(maxsize=64)
-def hierarchical_ring_plans(seq_len: int, cp: int, a2a: int, ring_rank: int) -> tuple:
+def hierarchical_ring_plans(seq_len: int, cp: int, a2a: int, ring_rank: int, docs: tuple | None = None) -> tuple:
     """The ring's blocks under hierarchical CP: each ring member holds the tokens of one a2a group
     (its ``a2a`` consecutive CP ranks' chunks); step ``j`` pairs ours with ring member ``ring_rank - j``'s."""
     p2p = cp // a2a
-    held = [torch.cat([cp_positions(seq_len, cp, g * a2a + i) for i in range(a2a)]) for g in range(p2p)]
-    return tuple(attention_blocks(held[ring_rank], held[(ring_rank - step) % p2p]) for step in range(p2p))
+
+    def held(g):
+        return lambda cu: torch.cat([rank_positions(seq_len, cp, g * a2a + i, cu) for i in range(a2a)])
+
+    return tuple(row_blocks(docs, held(ring_rank), held((ring_rank - step) % p2p)) for step in range(p2p))
 
 
 @functools.lru_cache(maxsize=64)
-def gather_plan(seq_len: int, cp: int, cp_rank: int) -> tuple:
+def group_plan(seq_len: int, cp: int, members: tuple, docs: tuple) -> tuple:
+    """The blocks of the rows the all-to-all gathers from CP ranks ``members`` (in member order),
+    against themselves: packed rows whose documents are split over the ranks."""
+    def held(cu):
+        return torch.cat([rank_positions(seq_len, cp, r, cu) for r in members])
+
+    return row_blocks(docs, held, held)
+
+
+@functools.lru_cache(maxsize=64)
+def gather_plan(seq_len: int, cp: int, cp_rank: int, docs: tuple | None = None) -> tuple:
     """The mask-free blocks of ``cp_rank``'s queries against the whole gathered sequence.
 
     Each of the two query chunks sees the keys before it fully and its own chunk causally:
     four kernel calls at most, fewer where pieces merge (CP rank 0's first chunk has nothing
-    before it; the last CP rank's two chunks are adjacent, so they are one causal block).
+    before it; the last CP rank's two chunks are adjacent, so they are one causal block). Packed
+    rows (``docs``) keep the gathered keys in rank-major order, each row its own split.
     """
-    return attention_blocks(cp_positions(seq_len, cp, cp_rank), torch.arange(seq_len))
+    if docs is None:
+        return row_blocks(None, lambda cu: cp_positions(seq_len, cp, cp_rank), lambda cu: torch.arange(seq_len))
+    return row_blocks(docs, lambda cu: rank_positions(seq_len, cp, cp_rank, cu),
+                      lambda cu: torch.cat([rank_positions(seq_len, cp, r, cu) for r in range(cp)]))

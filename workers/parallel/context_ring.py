@@ -33,19 +33,22 @@ import torch
 
 from workers.parallel import comm
 from workers.parallel.attention_kernel import backward_blocks, forward_blocks
-from workers.parallel.context_layout import attention_blocks, cp_positions
+from workers.parallel.context_layout import rank_positions, row_blocks
 
 
 @functools.lru_cache(maxsize=64)
-def ring_plans(seq_len: int, cp: int, cp_rank: int) -> tuple:
+def ring_plans(seq_len: int, cp: int, cp_rank: int, docs: tuple | None = None) -> tuple:
     """The :func:`attention_blocks` of every ring step of ``cp_rank``, worked out once per layout.
 
     Positions are static, so the plans are too, and the ring needs no host syncs. Step ``j``
     pairs this rank's queries with the K/V block that started at CP rank ``cp_rank - j``; an
-    empty step (nothing visible) is skipped.
+    empty step (nothing visible) is skipped. ``docs``: packed documents, each split over the ranks
+    (:func:`workers.parallel.context_layout.document_split`).
     """
-    positions = [cp_positions(seq_len, cp, r) for r in range(cp)]
-    return tuple(attention_blocks(positions[cp_rank], positions[(cp_rank - step) % cp]) for step in range(cp))
+    def held(r):
+        return lambda cu: rank_positions(seq_len, cp, r, cu)
+
+    return tuple(row_blocks(docs, held(cp_rank), held((cp_rank - step) % cp)) for step in range(cp))
 
 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group):

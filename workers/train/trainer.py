@@ -4,9 +4,10 @@ An iteration: the global batch of iteration i is cut into ``dp`` contiguous slic
 rank's slice into microbatches; the pipeline schedule (1F1B, interleaved, or plain gradient
 accumulation when pp = 1) runs forwards and backwards; gradients are reduced once (dense over
 dp-cp, sequence-parallel weights over tp-dp-cp, experts over expert-dp); AdamW steps. Each
-microbatch's loss is ``sum(token losses) / tokens_in_global_batch``, so the gradients summed
-over all ranks are exactly the single-process gradient of the global-batch mean loss, and the
-reported loss is the same number whatever the layout.
+microbatch's loss is ``sum(token losses) / tokens_in_global_batch`` (packed documents:
+``sum(loss_mask x token losses) / loss tokens of the global batch``, :mod:`workers.train.packed`),
+so the gradients summed over all ranks are exactly the single-process gradient of the global-batch
+mean loss, and the reported loss is the same number whatever the layout.
 
 Before the optimizer step the LR of this update is set from Megatron's schedule
 (:class:`workers.train.lr_schedule.LRSchedule`, indexed by successful updates so far, so a step
@@ -62,6 +63,8 @@ from workers.parallel.pipeline import partition_layers, schedule
 from workers.parallel.pipeline_exec import run_pipeline
 from workers.parallel.router import update_expert_biases
 from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
+from workers.data.packing import DocumentRules, PackedBatch
+from workers.train.packed import local_batch, packed_iteration
 from workers.train.tensorboard import EventWriter
 from workers.train.reduce import global_aux_loss, global_loss_tensor, param_groups
 
@@ -123,7 +126,9 @@ class Trainer:
         self.mtp_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # see _mtp_objective
         # Megatron's rule: the last rank (it holds the loss) writes TensorBoard.
         self.tensorboard = EventWriter(t.tensorboard_dir) if t.tensorboard_dir and rank == g.world_size - 1 else None
-        self.sampler = GlobalSampler(t.data, job.model.seq_length, t.seed, t.global_batch_size, split=t.split)
+        self.packed = DocumentRules.of(t).packed or t.calculate_per_token_loss  # workers.train.packed
+        self.sampler = GlobalSampler(t.data, job.model.seq_length, t.seed, t.global_batch_size, split=t.split,
+                                     rules=DocumentRules.of(t) if self.packed else None)
         self.tokens_per_iteration = t.global_batch_size * job.model.seq_length
         s_local = job.model.seq_length // g.cp // (g.tp if p.sequence_parallel else 1)
         self.activation_shape = (s_local, t.micro_batch_size, job.model.hidden_size)
@@ -154,32 +159,39 @@ class Trainer:
             self.optimizer.grads.finish()
             comm.all_reduce(self.optimizer.main_grads()[self.tied_buffer], self.groups.embedding_group)
 
-    def _microbatch(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (tokens, labels) of microbatch ``mb``, ``[s_local, micro_batch]`` each."""
+    def _microbatch(self, mb: int):
+        """This rank's (tokens, labels) of microbatch ``mb``, ``[s_local, micro_batch]`` each
+        (packed: a :class:`~workers.train.packed.LocalBatch`)."""
         return self.local_slice(lambda start, count: self.sampler.batch(self.iteration, start, count), mb)
 
     def local_slice(self, read, mb: int, *, mtp: bool = False):
         """This rank's part of microbatch ``mb`` of a global batch: ``read(start, count)`` gives
-        samples ``[start, start + count)`` as (tokens, labels) ``[count, seq]``; the dp cut, the
-        sequence-first transpose and the CP split are the training ones. With ``mtp``: those
-        samples' MTP targets (:class:`workers.model.mtp.MTPTargets`) instead."""
+        samples ``[start, start + count)`` as (tokens, labels) ``[count, seq]`` or a
+        :class:`~workers.data.packing.PackedBatch`; the dp cut, the sequence-first transpose and the
+        CP split are the training ones. With ``mtp``: those samples' MTP targets
+        (:class:`workers.model.mtp.MTPTargets`) instead."""
         t, g, c = self.job.training, self.grid, self.coords
         per_dp = t.global_batch_size // g.dp
         start = c["dp"] * per_dp + mb * t.micro_batch_size
-        tokens, labels = read(start, t.micro_batch_size)
+        batch = read(start, t.micro_batch_size)
+        if isinstance(batch, PackedBatch):
+            return local_batch(batch, g.cp, c["cp"], self._to_device)
+        tokens, labels = batch
         tokens, labels = tokens.t(), labels.t()  # [s, b]: Megatron's sequence-first layout
         if mtp:  # shifted on the full sequence, then split: no CP exchange (workers.model.mtp)
             targets = shifted_targets(tokens, labels, self.job.model.mtp_num_layers)
             return targets.map(lambda x: (cp_split(x, g.cp, c["cp"], seq_dim=1) if g.cp > 1 else x).to(self.device))
         if g.cp > 1:
             tokens, labels = cp_split(tokens, g.cp, c["cp"]), cp_split(labels, g.cp, c["cp"])
+        return self._to_device(tokens), self._to_device(labels)
+
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
             # Pinned, so the copies are async DMA that overlap the previous microbatch's
             # kernels instead of blocking the host on pageable memory (the caching host
             # allocator keeps the pinned buffer alive until its copy has run).
-            return (tokens.pin_memory().to(self.device, non_blocking=True),
-                    labels.pin_memory().to(self.device, non_blocking=True))
-        return tokens.to(self.device), labels.to(self.device)
+            return x.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device)
 
     def train_step(self) -> dict:
         """Run one iteration (and the evaluation due after it); returns its metrics (see the
@@ -231,18 +243,23 @@ class Trainer:
         return metrics
 
     def run_microbatches(self, microbatch, *, loss_scale: float = 1.0, forward_only: bool = False):
-        """Run this stage's schedule over ``microbatch(mb) -> (tokens, labels)``; returns the
-        last stage's per-microbatch losses (each ``sum(token losses) / tokens_per_iteration``,
-        times ``loss_scale``)."""
+        """Run this stage's schedule over ``microbatch(mb) -> (tokens, labels)`` (or a packed
+        :class:`~workers.train.packed.LocalBatch`); returns the last stage's per-microbatch losses
+        (each ``sum(token losses) / tokens_per_iteration``, or over the loss tokens, times ``loss_scale``)."""
         from workers.parallel.pipeline import schedule_forward_only
 
         vpp_cfg = self.job.parallel.virtual_pipeline_model_parallel_size
         make = schedule_forward_only if forward_only else schedule
         actions = make(self.num_microbatches, self.grid.pp, vpp_cfg, self.stage)
         labels: dict[int, torch.Tensor] = {}
+        chunks, denominator = self.chunks, self.tokens_per_iteration
+        if self.packed:
+            microbatch, chunks, denominator = packed_iteration(
+                microbatch, self.num_microbatches, self.chunks, actions, self.groups.dp_cp_group,
+                last_stage=self.stage == self.grid.pp - 1)
 
         def get_input(mb: int) -> torch.Tensor:
-            tokens, labels[mb] = microbatch(mb)
+            tokens, labels[mb] = microbatch(mb)[:2]
             return tokens
 
         def loss_fn(mb: int, out) -> torch.Tensor:
@@ -250,14 +267,16 @@ class Trainer:
             target = labels.pop(mb) if mb in labels else microbatch(mb)[1]
             # The cross-entropy runs in fp32 whatever the compute dtype (as Megatron's), inside.
             losses = vocab_parallel_cross_entropy(logits, target, self.groups.tp_group)
-            loss = losses.sum() / self.tokens_per_iteration
+            if self.packed:
+                losses = losses * microbatch(mb).loss_mask
+            loss = losses.sum() / denominator
             if hidden is not None and not forward_only:
                 loss = join_loss(loss, self._mtp_objective(mb, hidden))
             return loss * loss_scale if loss_scale != 1.0 else loss
 
         return run_pipeline(
             actions, stage=self.stage, pp=self.grid.pp, vpp=self.vpp, pp_ranks=self.groups.ranks("pp"),
-            chunks=self.chunks, num_microbatches=self.num_microbatches, get_input=get_input, loss_fn=loss_fn,
+            chunks=chunks, num_microbatches=self.num_microbatches, get_input=get_input, loss_fn=loss_fn,
             tensor_shape=self.activation_shape, dtype=self.dtype, group=self.groups.pp_group, device=self.device,
             before_last_backward=None if forward_only else (
                 lambda chunk: self.optimizer.grads.arm(self.chunks[chunk].parameters())),

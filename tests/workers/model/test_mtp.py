@@ -74,7 +74,9 @@ def test_the_scaling_factor_weighs_only_the_mtp_gradient():
     ({"mtp_num_layers": 15}, "model.mtp_num_layers 15 leaves no token with a target"),
     ({"mtp_num_layers": 0}, "mtp_num_layers"),
     ({"mtp_num_layers": 1, "mtp_loss_scaling_factor": -1}, "mtp_loss_scaling_factor"),
+    ({"mtp_num_layers": 1, "packed": True}, "model.mtp_num_layers with training.calculate_per_token_loss"),
 ])
 def test_bad_mtp_fields_are_refused_naming_the_field(model, needle):
+    packed = model.pop("packed", False)
     with pytest.raises(ValueError, match=needle):
-        parse_spec(tiny_spec(model=model))
+        parse_spec(tiny_spec(model=model, training={"calculate_per_token_loss": True} if packed else None))
