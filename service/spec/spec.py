@@ -28,6 +28,7 @@ from service.spec.context import cp_problems
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.mla import mla_problems
 from service.spec.moe import moe_problems
+from service.spec.pipeline import pipeline_problems
 from service.spec.sections import (  # noqa: F401 (the sections are part of this module's interface)
     STRICT, Auto, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
     from_hf_problems, resources_problems, training_problems)
@@ -194,6 +195,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
     if grid is not None and (problem := batch_problem(t.global_batch_size, t.micro_batch_size, grid)):
         out.append(problem)
     out.extend(recompute_problems(m, pp))
+    out.extend(pipeline_problems(p, m, t, grid.dp if grid is not None else None))
     out.extend(mla_problems(m))
     out.extend(training_problems(t))
     out.extend(retention_problems(spec.checkpoint, t))

@@ -1,8 +1,9 @@
 """One rank's training loop: build the shard, run iterations, report metrics.
 
 An iteration: the global batch of iteration i is cut into ``dp`` contiguous slices, each
-rank's slice into microbatches; the pipeline schedule (1F1B, interleaved, or plain gradient
-accumulation when pp = 1) runs forwards and backwards; gradients are reduced once (dense over
+rank's slice into microbatches; the pipeline schedule (``parallel.pipeline_schedule``: 1F1B,
+interleaved, ZB-H1 or the V-shaped ZBV, whose loss is on stage 0; plain gradient accumulation
+when pp = 1) runs forwards and backwards; gradients are reduced once (dense over
 dp-cp, sequence-parallel weights over tp-dp-cp, experts over expert-dp); AdamW steps. Each
 microbatch's loss is ``sum(token losses) / tokens_in_global_batch``, so the gradients summed
 over all ranks are exactly the single-process gradient of the global-batch mean loss, and the
@@ -57,8 +58,9 @@ from workers.model.decoder import ModelChunk, ShardContext, local_positions
 from workers.parallel import comm
 from workers.parallel.context import cp_split
 from workers.parallel.optimizer import build_optimizer
-from workers.parallel.pipeline import partition_layers, schedule
+from workers.parallel.pipeline import V_SHAPED, default_schedule, partition_layers, place, schedule, virtual_stage
 from workers.parallel.pipeline_exec import run_pipeline
+from workers.parallel.pipeline_p2p import plan_all
 from workers.parallel.router import update_expert_biases
 from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
 from workers.train.tensorboard import EventWriter
@@ -89,6 +91,10 @@ class Trainer:
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * g.dp)
         self.vpp = p.virtual_pipeline_model_parallel_size or 1
         self.stage = c["pp"]
+        self.pipeline_schedule = p.pipeline_schedule or default_schedule(p.virtual_pipeline_model_parallel_size)
+        self.v_shape = self.pipeline_schedule in V_SHAPED
+        # The stage that computes the loss: the last, or stage 0 in the V shape.
+        self.loss_stage = place(g.pp * self.vpp - 1, g.pp, self.v_shape)[0]
         pg = self.groups
         self.ctx = ShardContext(
             tp_group=pg.tp_group, cp_group=pg.cp_group, tp_cp_group=pg.tp_cp_group, cp_ranks=tuple(pg.ranks("cp")),
@@ -98,11 +104,12 @@ class Trainer:
             if p.cp_comm_type == "a2a+p2p" else None,
         )
         positions = local_positions(job.model, self.ctx, c["cp"])
-        layers = partition_layers(job.model.num_layers, g.pp, p.virtual_pipeline_model_parallel_size)[self.stage]
+        layers = partition_layers(job.model.num_layers, g.pp, p.virtual_pipeline_model_parallel_size,
+                                  v_shape=self.v_shape)[self.stage]
+        pieces = [virtual_stage(self.stage, chunk, g.pp, self.v_shape) for chunk in range(self.vpp)]
         self.chunks = [
-            ModelChunk(job.model, self.ctx, ids, positions=positions,
-                       pre_process=(chunk == 0 and self.stage == 0),
-                       post_process=(chunk == self.vpp - 1 and self.stage == g.pp - 1)).to(self.device)
+            ModelChunk(job.model, self.ctx, ids, positions=positions, pre_process=pieces[chunk] == 0,
+                       post_process=pieces[chunk] == g.pp * self.vpp - 1).to(self.device)
             for chunk, ids in enumerate(layers)
         ]
         self.dtype = compute_dtype(t)
@@ -229,7 +236,9 @@ class Trainer:
 
         vpp_cfg = self.job.parallel.virtual_pipeline_model_parallel_size
         make = schedule_forward_only if forward_only else schedule
-        actions = make(self.num_microbatches, self.grid.pp, vpp_cfg, self.stage)
+        tables = [make(self.num_microbatches, self.grid.pp, vpp_cfg, s, self.pipeline_schedule)
+                  for s in range(self.grid.pp)]
+        actions = tables[self.stage]
         labels: dict[int, torch.Tensor] = {}
 
         def get_input(mb: int) -> torch.Tensor:
@@ -249,7 +258,8 @@ class Trainer:
             tensor_shape=self.activation_shape, dtype=self.dtype, group=self.groups.pp_group, device=self.device,
             before_last_backward=None if forward_only else (
                 lambda chunk: self.optimizer.grads.arm(self.chunks[chunk].parameters())),
-            forward_only=forward_only,
+            forward_only=forward_only, v_shape=self.v_shape,
+            plan=plan_all(tables, self.vpp, self.v_shape)[self.stage] if self.v_shape else None,
         )
 
     def global_loss(self, mb_losses: list[torch.Tensor]) -> float:
@@ -259,7 +269,7 @@ class Trainer:
 
     def _global_loss_tensor(self, mb_losses: list[torch.Tensor]) -> torch.Tensor:
         """:meth:`global_loss` left on the device (:func:`workers.train.reduce.global_loss_tensor`)."""
-        return global_loss_tensor(mb_losses, last_stage=self.stage == self.grid.pp - 1, pg=self.groups,
+        return global_loss_tensor(mb_losses, last_stage=self.stage == self.loss_stage, pg=self.groups,
                                   device=self.device)
 
     def _global_aux_loss(self) -> float:
