@@ -22,7 +22,8 @@ Nothing here imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+
+from workers.parallel import pipeline_zb
 
 
 @dataclass(frozen=True)
@@ -197,9 +198,8 @@ def schedule(num_microbatches: int, pp: int, vpp: int | None, stage: int, name: 
     """
     name = name or default_schedule(vpp)
     if name in ("zb-h1", "zbv"):
-        from workers.parallel import pipeline_zb  # the zero-bubble tables build on this module
-
-        return pipeline_zb.schedule_zb(name, num_microbatches, pp, vpp, stage)
+        _check_sizes(num_microbatches, pp, stage, vpp or 1)
+        return [Action(*a) for a in pipeline_zb.schedule_zb(name, num_microbatches, pp, vpp, stage)]
     if name not in SCHEDULES:
         raise ValueError(f"pipeline_schedule {name!r} is not one of {', '.join(SCHEDULES)}")
     if (name == "interleaved") != (vpp is not None and vpp > 1):
@@ -233,8 +233,6 @@ def in_flight_bound(num_microbatches: int, pp: int, vpp: int | None, stage: int,
     """Most (microbatch, chunk) activations ``stage`` may hold at once under :func:`schedule`
     (for the zero-bubble tables: forwarded, weight gradient not yet run)."""
     if name in ("zb-h1", "zbv"):
-        from workers.parallel import pipeline_zb
-
         return pipeline_zb.in_flight_bound_zb(name, num_microbatches, pp, stage)
     if vpp is not None and vpp > 1:
         return interleaved_warmup(num_microbatches, pp, vpp, stage) + 1

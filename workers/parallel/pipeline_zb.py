@@ -17,46 +17,51 @@ activation memory is 1F1B's, and close to nothing for ZBV.
   stage ``s`` runs pieces ``s`` and ``2 pp - 1 - s``; stage 0 both embeds and computes the
   loss, and the turn at stage ``pp - 1`` is a local hand-over, no message.
 
-Nothing here imports torch.
+The tables are lists of ``(kind, microbatch, chunk)`` tuples: :func:`workers.parallel.pipeline.schedule`
+(which checks the sizes first) makes them :class:`workers.parallel.pipeline.Action` lists.
+Nothing here imports torch, or the rest of the pipeline.
 """
 
 from __future__ import annotations
 
-from workers.parallel.pipeline import Action, _check_sizes
+Entry = tuple[str, int, int]
+"""(kind, microbatch, chunk) of one step."""
 
 
-def schedule_zbh1(num_microbatches: int, pp: int, stage: int) -> list[Action]:
+def _a(kind: str, microbatch: int, chunk: int = 0) -> Entry:
+    return (kind, microbatch, chunk)
+
+
+def schedule_zbh1(num_microbatches: int, pp: int, stage: int) -> list[Entry]:
     """ZB-H1 for one stage: 1F1B whose stage ``s`` keeps up to ``s`` weight gradients pending."""
-    _check_sizes(num_microbatches, pp, stage)
     m = num_microbatches
     warmup = min(pp - stage - 1, m)
-    actions = [Action("F", i) for i in range(warmup)]
+    actions = [_a("F", i) for i in range(warmup)]
     w = 0
     for i in range(m):
         if warmup + i < m:
-            actions.append(Action("F", warmup + i))
-        actions.append(Action("B", i))
+            actions.append(_a("F", warmup + i))
+        actions.append(_a("B", i))
         if i + 1 - w > stage:  # more than `stage` weight gradients pending: run the oldest
-            actions.append(Action("W", w))
+            actions.append(_a("W", w))
             w += 1
-    return actions + [Action("W", i) for i in range(w, m)]
+    return actions + [_a("W", i) for i in range(w, m)]
 
 
-def schedule_zbv(num_microbatches: int, pp: int, stage: int) -> list[Action]:
+def schedule_zbv(num_microbatches: int, pp: int, stage: int) -> list[Entry]:
     """ZBV for one stage (torch.distributed.pipelining's ``ScheduleZBVZeroBubble`` table);
     chunk 0 is piece ``stage``, chunk 1 piece ``2 pp - 1 - stage``.
 
     Raises:
         ValueError: fewer than ``2 pp`` microbatches (:func:`check_zbv_microbatches`).
     """
-    _check_sizes(num_microbatches, pp, stage, 2)
     check_zbv_microbatches(num_microbatches, pp)
     m, s = num_microbatches, stage
-    acts: list[Action] = []
+    acts: list[Entry] = []
     f0 = f1 = b0 = b1 = 0
 
     def add(kind: str, mb: int, chunk: int) -> None:
-        acts.append(Action(kind, mb, chunk))
+        acts.append(_a(kind, mb, chunk))
 
     for _ in range(2 * (pp - s) - 1):  # warm-up: fill the way down
         add("F", f0, 0)
@@ -110,7 +115,7 @@ def check_zbv_microbatches(num_microbatches: int, pp: int) -> None:
             f"({2 * pp}): raise global_batch_size / lower micro_batch_size or use pipeline_schedule zb-h1")
 
 
-def schedule_zb(name: str, num_microbatches: int, pp: int, vpp: int | None, stage: int) -> list[Action]:
+def schedule_zb(name: str, num_microbatches: int, pp: int, vpp: int | None, stage: int) -> list[Entry]:
     """The zero-bubble table ``name`` (``zb-h1`` or ``zbv``) of ``stage``.
 
     Raises:
