@@ -235,7 +235,8 @@ def estimate(spec, grid: ParallelGrid, node_of: list[int], tr: _Traffic | None =
     act = cost.activation_bytes(s, tp=grid.tp, pp=grid.pp, cp=grid.cp, vpp=grid.vpp, sp=p.sequence_parallel,
                                 micro_batch_size=t.micro_batch_size, num_microbatches=num_microbatches,
                                 recompute=m.recompute_granularity, recompute_method=m.recompute_method,
-                                recompute_num_layers=m.recompute_num_layers, element_bytes=2 if mixed else 4)
+                                recompute_num_layers=m.recompute_num_layers, element_bytes=2 if mixed else 4,
+                                schedule=p.pipeline_schedule)
     tr = tr or count_traffic(s, spec, grid, node_of)
     act_scale = (2 if mixed else 4) / BYTES  # the traffic model counts fp32; DP gradients stay fp32
     if cluster.cores:  # ranks sharing a machine's cores: the machine's work (service/spec/cost_cpu.py)
@@ -245,7 +246,7 @@ def estimate(spec, grid: ParallelGrid, node_of: list[int], tr: _Traffic | None =
         step = cost.step_time(s, world=grid.world_size, pp=grid.pp, vpp=grid.vpp,
                               global_batch_size=t.global_batch_size, num_microbatches=num_microbatches,
                               recompute=m.recompute_granularity, comm=comm, cluster=cluster,
-                              distributed=p.use_distributed_optimizer)
+                              distributed=p.use_distributed_optimizer, schedule=p.pipeline_schedule)
     peak = state["total"] + act["total"] + cluster.process_bytes
     cross = sum(d["cross_node"] for d in tr.totals.values())
     return {"cluster": cluster.as_dict(), "state_bytes": state, "activation_bytes": act,
