@@ -58,12 +58,13 @@ def max_in_flight(actions: Sequence[Action]) -> int:
 
 
 def simulate(tables: Sequence[Sequence[Action]], vpp: int = 1, v_shape: bool = False,
-             cost: Mapping[str, float] | None = None) -> float:
+             cost: Mapping[str, float] | None = None, durations: Sequence[Sequence[float]] | None = None) -> float:
     """Run all stages' tables, each in its order, as early as their inputs allow; return the makespan.
 
     F of virtual stage ``v`` needs F of ``v - 1`` (same microbatch), B of ``v`` needs B of
     ``v + 1`` and its own F, W its own B. ``cost`` gives each kind's duration (default 1:
-    unit-time steps, where a table without W counts a whole backward as one). Sends never
+    unit-time steps, where a table without W counts a whole backward as one); ``durations``
+    instead gives each action its own (``durations[stage][i]``: e.g. measured). Sends never
     block, receives do: the dependency structure of the table alone (a buffering transport
     such as gloo). :func:`workers.parallel.pipeline_p2p.simulate_nccl` checks the executor's
     actual posting order under NCCL's stricter rules.
@@ -89,7 +90,8 @@ def simulate(tables: Sequence[Sequence[Action]], vpp: int = 1, v_shape: bool = F
                 if any(n not in finish for n in needs):
                     break
                 start = max([free[s]] + [finish[n] for n in needs])
-                free[s] = finish[(a.kind, a.microbatch, v)] = start + cost[a.kind]
+                took = cost[a.kind] if durations is None else durations[s][pos[s]]
+                free[s] = finish[(a.kind, a.microbatch, v)] = start + took
                 pos[s] += 1
                 progress = True
     if any(pos[s] < len(t) for s, t in enumerate(tables)):

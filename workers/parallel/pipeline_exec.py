@@ -107,7 +107,8 @@ def run_pipeline(
         v_shape: the chunks are placed in a V (:func:`workers.parallel.pipeline.place`).
         plan: the posting order, default ``p2p_plan(actions, ...)``; the V schedule needs
             :func:`workers.parallel.pipeline_p2p.plan_all`'s.
-        timeline: if given, ``(kind, microbatch, chunk, start, end)`` of every action is appended.
+        timeline: if given, ``(kind, microbatch, chunk, start, end, cpu)`` of every action is
+            appended: wall-clock start and end (``time.perf_counter``) and the thread's CPU seconds.
 
     Returns:
         On the stage of the last virtual stage (the last stage; stage 0 in the V shape), the
@@ -191,10 +192,10 @@ def run_pipeline(
     for step in plan if plan is not None else p2p_plan(actions, stage, pp, vpp, v_shape=v_shape):
         exchange(step.ops)
         for a in step.actions:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             run[a.kind](a)
             if timeline is not None:
-                timeline.append((a.kind, a.microbatch, a.chunk, start, time.perf_counter()))
+                timeline.append((a.kind, a.microbatch, a.chunk, start, time.perf_counter(), time.thread_time() - cpu))
     assert not saved and not outgoing and not received and not wgrads, f"schedule left work behind: {sorted(saved)}"
     return [losses[mb] for mb in range(num_microbatches)] if place(last, pp, v_shape)[0] == stage else []
 
