@@ -31,6 +31,7 @@ from service.spec.cost_cpu import spec_step_time
 from service.spec.mla import MLADims
 from service.spec.placement import plan_placement
 from workers.grid import ParallelGrid
+from workers.parallel.pipeline import V_SHAPED, place, virtual_stage
 
 BYTES = 4  # fp32 weights, gradients, activations
 
@@ -60,6 +61,9 @@ class Shapes:
     expert_ffn: int | None = None
     shared_ffn: int | None = None
     moe_layer_freq: int | tuple[int, ...] = 1
+    v_shape: bool = False
+    """``parallel.pipeline_schedule: zbv``: two chunks per stage placed in a V (the first and the last
+    piece, so the embedding and the output layer, on stage 0; :func:`workers.parallel.pipeline.place`)."""
 
     @classmethod
     def of(cls, spec) -> "Shapes":
@@ -70,7 +74,8 @@ class Shapes:
                    m.moe_router_topk, mla=MLADims.of(m), kv_channels=m.kv_channels,
                    tied=not m.untie_embeddings_and_output_weights, qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm,
                    expert_ffn=m.moe_ffn_hidden_size, shared_ffn=m.moe_shared_expert_intermediate_size,
-                   moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq)
+                   moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
+                   v_shape=spec.parallel.pipeline_schedule in V_SHAPED)
 
     def is_moe_layer(self, index: int) -> bool:
         if not self.experts:
@@ -97,7 +102,7 @@ def rank_parameters(s: Shapes, grid: ParallelGrid, rank: int) -> dict[str, int]:
     # This stage's layers (Megatron's interleaved assignment over pp x vpp chunks): dense MLP or MoE.
     chunks = grid.vpp or 1
     per = s.layers // (grid.pp * chunks)
-    ids = [v * per + i for v in range(c["pp"], grid.pp * chunks, grid.pp) for i in range(per)]
+    ids = [virtual_stage(c["pp"], k, grid.pp, s.v_shape) * per + i for k in range(chunks) for i in range(per)]
     moe = sum(s.is_moe_layer(i) for i in ids)
     dense = len(ids) * dense_layer + (len(ids) - moe) * 3 * s.ffn * h // tp  # gate, up (fused) and down
     expert_layer = 0
@@ -108,7 +113,7 @@ def rank_parameters(s: Shapes, grid: ParallelGrid, rank: int) -> dict[str, int]:
     padded = -(-s.vocab // tp) * tp
     if c["pp"] == 0:
         dense += padded // tp * h
-    if c["pp"] == grid.pp - 1:
+    if c["pp"] == place(grid.pp * chunks - 1, grid.pp, s.v_shape)[0]:  # the output layer's stage
         dense += (0 if s.tied and grid.pp == 1 else padded // tp * h) + h
     return {"dense": dense, "expert": moe * expert_layer}
 
@@ -206,8 +211,10 @@ def count_traffic(s: Shapes, spec, grid: ParallelGrid, node_of: list[int]) -> _T
         chunks = grid.pp * (p.virtual_pipeline_model_parallel_size or 1)
         boundary = mbs * act // (grid.tp if p.sequence_parallel else 1)
         for g in grid.groups("pp"):
-            for k in range(chunks - 1):  # virtual stage k lives on pp rank k % pp
-                src, dst = g[k % grid.pp], g[(k + 1) % grid.pp]
+            for k in range(chunks - 1):  # virtual stage k lives on pp rank k % pp (in the V: place)
+                src, dst = (g[place(v, grid.pp, s.v_shape)[0]] for v in (k, k + 1))
+                if src == dst:
+                    continue  # the V's turn: a hand-over inside one rank
                 tr.send("pp", src, dst, boundary)  # activations forward
                 tr.send("pp", dst, src, boundary)  # their gradients backward
     for g in grid.groups("dp-cp"):

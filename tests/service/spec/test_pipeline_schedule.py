@@ -67,3 +67,21 @@ def test_bubble_by_schedule():
     one, zb = ({**_spec(pipeline_model_parallel_size=2, **extra), **gpu} for extra in ({}, {"pipeline_schedule": "zb-h1"}))
     b1, bz = (plan_job(parse_spec(s))["cost"]["step_seconds"]["bubble"] for s in (one, zb))
     assert bz == pytest.approx(b1 / 3)
+
+
+def test_plan_places_the_v():
+    """ZBV: the output layer counts on stage 0 with the embedding, and the turn at the last stage
+    sends nothing (2 pp - 2 boundaries on the wire, not 2 pp - 1)."""
+    from service.spec.plan import Shapes, count_traffic, rank_parameters
+    from service.spec.spec import grid_of
+
+    par = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}
+    inter, zbv = (parse_spec(_spec(**par, **extra)) for extra in ({}, {"pipeline_schedule": "zbv"}))
+    counts = {}
+    for name, spec in (("inter", inter), ("zbv", zbv)):
+        grid, s = grid_of(spec), Shapes.of(spec)
+        counts[name] = [rank_parameters(s, grid, r)["dense"] for r in range(2)]
+        counts[name + "-pp"] = count_traffic(s, spec, grid, [0, 0]).totals["pp"]["in_node"]
+    assert sum(counts["inter"]) == sum(counts["zbv"])
+    assert counts["zbv"][0] > counts["zbv"][1] and counts["inter"][0] < counts["inter"][1]
+    assert counts["zbv-pp"] * 3 == counts["inter-pp"] * 2
