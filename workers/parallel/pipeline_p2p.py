@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from workers.parallel.pipeline import (V_SHAPED, Action, interleaved_warmup, place, schedule, schedule_forward_only,
                                       virtual_stage)
@@ -161,7 +161,7 @@ class Deadlock(ValueError):
         self.steps, self.unmatched = steps, unmatched
 
 
-def simulate_nccl(plans: Sequence[Sequence[Step]]) -> int:
+def simulate_nccl(plans: Sequence[Sequence[Step]], repair: Callable[[Deadlock], set[int]] | None = None) -> int:
     """Run every stage's plan under NCCL's semantics; return the number of rounds.
 
     Each stage posts its current batch; an operation completes when its counterpart on the
@@ -169,6 +169,10 @@ def simulate_nccl(plans: Sequence[Sequence[Step]]) -> int:
     k-th send of a (sender, receiver) pair with that pair's k-th receive; a stage moves to
     its next batch once every operation of the current one completed. A matched pair must
     carry the same message: nothing (no tag) could tell two messages apart.
+
+    ``repair`` (:func:`plan_all`'s): called at a deadlock, it may rewrite the plans from the
+    stuck batches on and returns the stages whose current batch it changed; those are posted
+    again and the run goes on (what ran before is unchanged). Nothing changed: the deadlock stands.
 
     Raises:
         ValueError: a deadlock (naming every stuck stage's pending operations), or a send
@@ -209,8 +213,17 @@ def simulate_nccl(plans: Sequence[Sequence[Step]]) -> int:
             stuck = {s: [(k, p, sends[p][i] if k == "send" else recvs[p][i]) for k, p, i in slots[s]]
                      for s in range(pp) if pos[s] < len(plans[s])}
             unmatched = {s: [j for j, slot in enumerate(slots[s]) if not matched(*slot)] for s in stuck}
-            raise Deadlock(f"deadlock after {rounds} rounds under NCCL semantics: stages wait on {stuck}",
-                           {s: pos[s] for s in stuck}, unmatched)
+            error = Deadlock(f"deadlock after {rounds} rounds under NCCL semantics: stages wait on {stuck}",
+                             {s: pos[s] for s in stuck}, unmatched)
+            changed = repair(error) if repair is not None else set()
+            if not changed:
+                raise error
+            for s in changed:  # un-post the stage's current batch (the tails of its pairs' queues), post anew
+                for kind, pair, index in slots[s]:
+                    queue = (sends if kind == "send" else recvs)[pair]
+                    del queue[index:]
+                post(s)
+            continue
         for s in done:  # complete together, then post: a round is one step of every ready stage
             pos[s] += 1
         for s in done:
@@ -224,31 +237,30 @@ def plan_all(tables: Sequence[Sequence[Action]], vpp: int = 1, v_shape: bool = F
 
     A send blocks until the peer posts the matching receive; when two stages each send what
     the other receives only later (ZBV's gradients cross at stage pairs), neither gets there.
-    Each such unmatched send (with the later sends of its batch to the same peer: a pair's
-    order stays) moves to the front of the stage's next batch, to be posted with that step's
-    receives (Megatron's ``send_backward_recv_forward``), until :func:`simulate_nccl` runs the
-    plans through; the 1F1B, interleaved and ZB-H1 plans never need it.
+    Each such unmatched send (with the later sends to the same peer up to there: a pair's order
+    stays) moves to the front of the stage's next batch that receives from that peer, to be
+    posted with it (Megatron's ``send_backward_recv_forward``), while :func:`simulate_nccl` runs
+    the plans (it resumes after each repair); the 1F1B, interleaved and ZB-H1 plans never need it.
 
     Raises:
         ValueError: a deadlock no holding back resolves, or messages mixed up.
     """
     pp = len(tables)
     plans = [p2p_plan(t, s, pp, vpp, v_shape=v_shape, tables=tables) for s, t in enumerate(tables)]
-    while True:
-        try:
-            simulate_nccl(plans)
-            return plans
-        except Deadlock as e:
-            moved = False
-            for s, i in e.steps.items():
-                plan, ops = plans[s], plans[s][i].ops
-                for peer in sorted({ops[j].peer for j in e.unmatched[s] if ops[j].kind == "send"}):
-                    first = min(j for j in e.unmatched[s] if ops[j].kind == "send" and ops[j].peer == peer)
-                    _hold(plan, i, first, peer)
-                    ops = plan[i].ops
-                    moved = True
-            if not moved:
-                raise
+
+    def repair(e: Deadlock) -> set[int]:
+        changed = set()
+        for s, i in e.steps.items():
+            ops = plans[s][i].ops
+            late = [ops[j] for j in e.unmatched[s] if ops[j].kind == "send"]
+            for peer in sorted({op.peer for op in late}):
+                first = next(op for op in late if op.peer == peer)
+                _hold(plans[s], i, plans[s][i].ops.index(first), peer)
+                changed.add(s)
+        return changed
+
+    simulate_nccl(plans, repair)
+    return plans
 
 
 def _hold(plan: list[Step], i: int, first: int, peer: int) -> None:
