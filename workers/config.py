@@ -95,6 +95,11 @@ class ModelConfig:
     """aux_loss (over each microbatch) | seq_aux_loss (per sequence, averaged) | none."""
     moe_layer_freq: int | tuple[int, ...] = 1
     """N: layers 0, N, 2N, ... are MoE; a tuple: 1 (MoE) or 0 (dense) per layer."""
+    # -- Multi-token prediction (DeepSeek-V3; workers/model/mtp.py)
+    mtp_num_layers: int | None = None
+    """None: no MTP; D: D chained MTP modules after the last layer, each predicting one token further."""
+    mtp_loss_scaling_factor: float = 0.1
+    """The MTP losses' weight: the objective adds factor / D * the sum of the D depths' losses."""
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether global layer ``index`` has a mixture of experts (else the dense MLP)."""

@@ -42,4 +42,7 @@ def run(args) -> int:
     else:
         print(f"exported iteration {result['iteration']} as {result['architecture']} to {result['path']} "
               f"({result['bytes'] / 2**20:.1f} MiB)")
+        if result.get("mtp_layers_left_out"):
+            print(f"left out the {result['mtp_layers_left_out']} MTP module(s): {result['architecture']} has no MTP "
+                  f"weights (DeepSeek-V3 does)")
     return 0

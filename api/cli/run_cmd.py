@@ -19,7 +19,9 @@ from service.control.errors import JobError
 from service.control.jobs import new_job_id, prepare, start_job
 from service.spec.placement import plan_placement
 from service.control.result import result_object
+from service.control.tracking import Tracking
 from service.control.trials import layout_record
+from service.spec.spec import read_spec_file
 from service.ranks.launcher import open_launcher
 from workers.rank.faults import Fault, check_ranks
 
@@ -91,13 +93,16 @@ def cmd_run(args) -> int:
                 if found is not None and args.trial and signals.received is None:
                     found, job, grid = _trials(args, found, launcher)
                 if signals.received is None:
-                    controller = start_job(job, launcher=launcher, on_event=view, job_id=job_id, faults=faults,
+                    on_event = Tracking.of(read_spec_file(args.spec), job_id, view)  # service/control/tracking.py
+                    controller = start_job(job, launcher=launcher, on_event=on_event, job_id=job_id, faults=faults,
                                            layout=None if found is None else layout_record(found))
                     signals.controller = controller
                     if signals.received is not None:  # arrived between the two lines above
                         controller.cancel(f"cancelled by {signals.received.name}")
                     while (result := controller.wait(0.2)) is None:
                         pass
+                    if isinstance(on_event, Tracking):
+                        on_event.close(result["state"])
     except JobError as e:  # the cluster could not be reached or started: one line, no job ran
         print(f"raytron run: error: {e}", file=sys.stderr)
         if args.json:

@@ -44,6 +44,7 @@ from typing import Callable
 
 from service.control.controller import JobEvent, JobState
 from service.control.jobs import start_job
+from service.control.tracking import Tracking
 from service.ranks.launcher import LAUNCHERS, open_launcher
 from service.spec.spec import parse_spec, to_job_config
 from service.server.store import TERMINAL_STATES, JobStore
@@ -182,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         recorder = StoreRecorder(store, args.job_id)
         try:
-            job = to_job_config(parse_spec(row["spec"]))
+            spec = parse_spec(row["spec"])
+            job = to_job_config(spec)
             grid = ParallelGrid.from_config(job.parallel, job.world_size)
         except ValueError as e:  # the server validated it; a spec written by another version may not be
             recorder(JobEvent.now("state", JobState.FAILED, f"invalid spec: {e}",
@@ -199,9 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         if history:
             log.info("job %s was %s under an earlier runner: going on from its %d recorded events",
                      args.job_id, row["state"], len(history))
-        final = run_training(args.job_id, job, recorder, launcher=args.launcher, cancel_requested=cancel_requested,
+        # MLflow (service/control/tracking.py): the recorded events first, then the new ones
+        on_event = Tracking.of(spec.model_dump(mode="json"), args.job_id, recorder, row["state"], history)
+        final = run_training(args.job_id, job, on_event, launcher=args.launcher, cancel_requested=cancel_requested,
                              checkpoint_root=os.path.join(args.data_dir, "checkpoints"), faults=faults,
                              history=history, on_ray_lost=ray_lost_handler(store, args.job_id))
+        if isinstance(on_event, Tracking):
+            on_event.close(final)
         log.info("job %s %s", args.job_id, final)
         return 0 if final == JobState.SUCCEEDED.value else 1
     finally:

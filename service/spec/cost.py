@@ -267,9 +267,11 @@ def megatron_flops(s, batch: int, *, recompute: str | None = None) -> float:
     moe_ffn = (s.expert_ffn or s.ffn) * s.topk + (s.shared_ffn or 0)
     mlp = ((L - moe) * s.ffn + moe * moe_ffn) / L / h * 1.5
     logits = s.vocab / (2 * L * h)
-    total = 12 * batch * s.seq * L * h * h * (attention + mlp + logits)
+    # MTP (getattr: shapes without the field): D more layers, D more logits, a [h, 2h] projection each
+    mtp = getattr(s, "mtp", 0)
+    total = 12 * batch * s.seq * h * h * ((L + mtp) * (attention + mlp) + (1 + mtp) * L * logits + mtp)
     if recompute == "full":
-        total += total * (attention + mlp) / (attention + mlp + logits) / 3
+        total += 12 * batch * s.seq * h * h * L * (attention + mlp) / 3
     return total
 
 

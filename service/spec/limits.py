@@ -44,7 +44,8 @@ def rank_params(job: JobConfig) -> int:
         mlp = 3 * h * f // tp
     per_layer = attention + mlp + 2 * h
     layers = -(-m.num_layers // pp)
-    return layers * per_layer + 2 * m.vocab_size * h // tp + h
+    mtp = (m.mtp_num_layers or 0) * (per_layer + 2 * h * h // tp)  # on the last stage with the output layer
+    return layers * per_layer + mtp + 2 * m.vocab_size * h // tp + h
 
 
 def check_memory(job: JobConfig) -> None:

@@ -32,6 +32,10 @@ def pipeline_problems(p, m, t, dp: int | None) -> list[str]:
             out.append("parallel.pipeline_schedule zbv puts the embedding and the output layer on stage 0 as two "
                        "chunks, which cannot share a tied weight: set model.untie_embeddings_and_output_weights: "
                        "true, or use pipeline_schedule zb-h1")
+        if getattr(m, "mtp_num_layers", None):
+            out.append(f"parallel.pipeline_schedule zbv puts the MTP modules (model.mtp_num_layers "
+                       f"{m.mtp_num_layers}) and the embedding their copy shares on stage 0 as two chunks: unset "
+                       "mtp_num_layers, or use pipeline_schedule zb-h1")
         mbs = t.micro_batch_size
         if dp and isinstance(mbs, int) and t.global_batch_size // (mbs * dp) < 2 * pp:
             n = t.global_batch_size // (mbs * dp)

@@ -61,6 +61,8 @@ class Shapes:
     expert_ffn: int | None = None
     shared_ffn: int | None = None
     moe_layer_freq: int | tuple[int, ...] = 1
+    mtp: int = 0
+    """Multi-token prediction modules on the last stage (a layer, a [h, 2h] projection, 3 norms each)."""
     v_shape: bool = False
     """``parallel.pipeline_schedule: zbv``: two chunks per stage placed in a V (the first and the last
     piece, so the embedding and the output layer, on stage 0; :func:`workers.parallel.pipeline.place`)."""
@@ -74,7 +76,7 @@ class Shapes:
                    m.moe_router_topk, mla=MLADims.of(m), kv_channels=m.kv_channels,
                    tied=not m.untie_embeddings_and_output_weights, qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm,
                    expert_ffn=m.moe_ffn_hidden_size, shared_ffn=m.moe_shared_expert_intermediate_size,
-                   moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq,
+                   moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq, mtp=m.mtp_num_layers or 0,
                    v_shape=spec.parallel.pipeline_schedule in V_SHAPED)
 
     def is_moe_layer(self, index: int) -> bool:
@@ -115,6 +117,12 @@ def rank_parameters(s: Shapes, grid: ParallelGrid, rank: int) -> dict[str, int]:
         dense += padded // tp * h
     if c["pp"] == place(grid.pp * chunks - 1, grid.pp, s.v_shape)[0]:  # the output layer's stage
         dense += (0 if s.tied and grid.pp == 1 else padded // tp * h) + h
+        if s.mtp:  # layers of the last layer's kind, eh_proj, 3 norms; the embedding's copy (pp > 1, untied)
+            last_moe = s.is_moe_layer(s.layers - 1)
+            mlp = s.experts * h + 3 * (s.shared_ffn or 0) * h // tp if last_moe else 3 * s.ffn * h // tp
+            dense += s.mtp * (dense_layer + mlp + 2 * h * h // tp + 3 * h)
+            dense += padded // tp * h if grid.pp > 1 and not s.tied else 0
+            moe += s.mtp if last_moe else 0
     return {"dense": dense, "expert": moe * expert_layer}
 
 

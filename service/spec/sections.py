@@ -87,6 +87,10 @@ class ModelSpec(BaseModel):
     qk_layernorm: bool = Field(False, description="RMSNorm on each head's q and k before RoPE (Qwen3)")
     kv_channels: int | None = Field(None, ge=2, description="head dimension; default hidden_size / "
                                     "num_attention_heads (Qwen3: 128)")
+    mtp_num_layers: int | None = Field(None, ge=1, description="multi-token prediction (DeepSeek-V3): D chained "
+                                       "modules after the last layer, each predicting one token further; null = none")
+    mtp_loss_scaling_factor: float = Field(0.1, ge=0.0, description="MTP: the objective adds factor / D x the sum "
+                                           "of the D depths' losses (the reported loss stays the LM loss)")
     untie_embeddings_and_output_weights: bool = Field(True, description="false: the output layer shares the "
                                                       "embedding's weight (small Qwen models)")
     from_hf: str | None = Field(None, description="a Hugging Face model directory whose config.json fills every "

@@ -29,6 +29,7 @@ from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.mla import mla_problems
 from service.spec.moe import moe_problems
 from service.spec.pipeline import pipeline_problems
+from service.spec.tracking import TrackingSpec
 from service.spec.sections import (  # noqa: F401 (the sections are part of this module's interface)
     STRICT, Auto, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
     from_hf_problems, resources_problems, training_problems)
@@ -49,6 +50,8 @@ class JobSpec(BaseModel):
     checkpoint: CheckpointSpec = CheckpointSpec()
     resources: ResourcesSpec = ResourcesSpec()
     fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
+    tracking: TrackingSpec = Field(TrackingSpec(), description="an experiment tracker (MLflow) for the "
+                                   "job's curves, parameters and events")
 
     @property
     def world_size(self) -> int:
@@ -196,6 +199,9 @@ def spec_problems(spec: JobSpec) -> list[str]:
         out.append(problem)
     out.extend(recompute_problems(m, pp))
     out.extend(pipeline_problems(p, m, t, grid.dp if grid is not None else None))
+    if m.mtp_num_layers and m.mtp_num_layers >= m.seq_length - 1:
+        out.append(f"model.mtp_num_layers {m.mtp_num_layers} leaves no token with a target in a sequence of "
+                   f"model.seq_length {m.seq_length}; use at most {max(m.seq_length - 2, 1)} MTP layers")
     out.extend(mla_problems(m))
     out.extend(training_problems(t))
     out.extend(retention_problems(spec.checkpoint, t))
@@ -236,6 +242,15 @@ def recompute_problems(m: ModelSpec, pp: int) -> list[str]:
 
 def load_spec(path: str | Path) -> JobSpec:
     """Read and validate a YAML or JSON spec file. Raises ValueError with readable reasons."""
+    data = read_spec_file(path)
+    try:
+        return parse_spec(data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def read_spec_file(path: str | Path):
+    """A YAML or JSON spec file as read, not validated. Raises ValueError naming the file."""
     import yaml
 
     path = Path(path)
@@ -248,10 +263,7 @@ def load_spec(path: str | Path) -> JobSpec:
     except (ValueError, yaml.YAMLError) as e:
         first = " ".join(str(e).split())
         raise ValueError(f"spec {str(path)!r} is not valid YAML/JSON: {first}") from None
-    try:
-        return parse_spec(data)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    return data
 
 
 def parse_spec(data) -> JobSpec:

@@ -12,10 +12,11 @@ from pydantic import BaseModel
 
 from service.spec.sections import (CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec,
                                    TrainingSpec)
+from service.spec.tracking import TrackingSpec
 
 SECTIONS: dict[str, type[BaseModel]] = {
     "model": ModelSpec, "parallel": ParallelSpec, "training": TrainingSpec, "checkpoint": CheckpointSpec,
-    "resources": ResourcesSpec, "fault_tolerance": FaultToleranceSpec,
+    "resources": ResourcesSpec, "fault_tolerance": FaultToleranceSpec, "tracking": TrackingSpec,
 }
 
 

@@ -14,7 +14,9 @@ LOGITS_RTOL = 1e-5
 @torch.no_grad()
 def raytron_logits(t, ids: torch.Tensor) -> torch.Tensor:
     (chunk,) = t.chunks
-    return chunk(ids.t()).transpose(0, 1)  # [s, b, V] -> [b, s, V]
+    out = chunk(ids.t())
+    logits = out[0] if isinstance(out, tuple) else out  # (logits, hidden) with MTP
+    return logits.transpose(0, 1)  # [s, b, V] -> [b, s, V]
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 
 A layout passes when, against a single process running the same spec:
 
-* every iteration's LM loss (and MoE aux loss) agrees to 1e-6 relative;
+* every iteration's LM loss (and MoE aux loss and MTP loss) agrees to 1e-6 relative;
 * at iteration 0 every parameter's full gradient, assembled from the shards the ranks hold
   after the data-parallel reduction, agrees to 1e-5 (max abs error / max abs value);
 * after the last step, every copy of a replicated parameter (over TP, CP, DP, expert-DP) is
@@ -118,8 +118,8 @@ def run_trainer(rank, world_size, job, iters=ITERS) -> dict:
     # An empty capture would make every gradient check vacuous (both sides empty): fail instead.
     assert captured or not iters, "the optimizer step the trainer calls was not hooked: no gradients captured"
     shards = {name: s for name, _, s in _named(trainer)}
-    biases = {f"layers.{layer.index}.mlp.router.expert_bias": layer.mlp.router.expert_bias.numpy().copy()
-              for chunk in trainer.chunks for layer in chunk.layers
+    biases = {f"{layer.prefix}.mlp.router.expert_bias": layer.mlp.router.expert_bias.numpy().copy()
+              for chunk in trainer.chunks for layer in chunk.all_layers()
               if getattr(getattr(layer.mlp, "router", None), "expert_bias", None) is not None}
     params = {name: p.detach().float().numpy().copy() for name, p, _ in _named(trainer)}
     return {"losses": [m["loss"] for m in metrics], "aux": [m["moe_aux_loss"] for m in metrics],
@@ -204,12 +204,13 @@ def check_layout(spec: dict, model: dict | None = None, training: dict | None = 
     per_rank = distributed_run(spec)
     ref = reference(model, training)
     for r in per_rank:
-        for key in ("loss", "grad_norm", "lr", "val_loss", "loss_scale", "skipped"):
+        for key in ("loss", "mtp_loss", "grad_norm", "lr", "val_loss", "loss_scale", "skipped"):
             assert metric(r, key) == metric(per_rank[0], key), f"every rank reports the same {key}"
     got = per_rank[0]
     assert_same_curve(got["losses"], ref["losses"], rtol=loss_rtol)
     if ref["aux"][0]:
         assert_same_curve(got["aux"], ref["aux"], rtol=loss_rtol, what="moe aux loss")
+    assert_same_curve(metric(got, "mtp_loss"), metric(ref, "mtp_loss"), rtol=loss_rtol, what="mtp loss")
     assert_same_curve(metric(got, "grad_norm"), metric(ref, "grad_norm"), rtol=norm_rtol, what="grad norm")
     assert_same_curve(metric(got, "lr"), metric(ref, "lr"), rtol=1e-12, what="lr")
     vals = [(a, b) for a, b in zip(metric(got, "val_loss"), metric(ref, "val_loss")) if b is not None]

@@ -110,10 +110,10 @@ def buffer_views(trainer) -> list[ParamView]:
     expert bias, ``layers.i.mlp.router.expert_bias [E]`` float32 (aux-loss-free balancing)."""
     views = []
     for chunk in trainer.chunks:
-        for layer in chunk.layers:
+        for layer in chunk.all_layers():
             bias = getattr(getattr(layer.mlp, "router", None), "expert_bias", None)
             if bias is not None:
-                name = f"layers.{layer.index}.mlp.router.expert_bias"
+                name = f"{layer.prefix}.mlp.router.expert_bias"
                 views.append(ParamView(name, tuple(bias.shape), Box((0,), tuple(bias.shape)), bias))
     return views
 

@@ -24,12 +24,17 @@ def export_hf(checkpoint: str, out_dir: str) -> dict:
     model directory: ``model.safetensors`` (float32) and ``config.json``.
 
     Returns:
-        ``{"iteration", "architecture", "bytes", "path"}``.
+        ``{"iteration", "architecture", "bytes", "path", "mtp_layers_left_out"}`` (MTP modules of
+        a family without MTP keys: every family but DeepSeek-V3).
     """
     reader = CheckpointReader.open(checkpoint)
     reader.verify()  # every byte against the manifest before it leaves raytron
     m = reader.model
     config = hf_config(m)  # refuses a model no family expresses before anything is read
+    dropped = 0
+    if config["model_type"] != "deepseek_v3" and m.get("mtp_num_layers"):
+        # only DeepSeek-V3 has MTP keys (workers/hf/mtp.py): the main model goes without them
+        dropped, m = m["mtp_num_layers"], {**m, "mtp_num_layers": None}
     tensors, storages = {}, set()
     # every DeepSeek-V3 router has a bias: a sigmoid router without one writes zeros
     shapes = logical_shapes({**m, "moe_router_enable_expert_bias": config["model_type"] == "deepseek_v3"})
@@ -46,7 +51,8 @@ def export_hf(checkpoint: str, out_dir: str) -> dict:
     save_file(tensors, path, {"format": "pt", "raytron_iteration": str(reader.iteration)})
     size = path.stat().st_size
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return {"iteration": reader.iteration, "architecture": config["architectures"][0], "bytes": size, "path": str(out)}
+    return {"iteration": reader.iteration, "architecture": config["architectures"][0], "bytes": size, "path": str(out),
+            "mtp_layers_left_out": dropped}
 
 
 def _own(t: torch.Tensor, storages: set[int]) -> torch.Tensor:

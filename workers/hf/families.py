@@ -196,7 +196,7 @@ def hf_config(m: dict) -> dict:
     elif kind == "qwen3_moe":
         config.update(hf_moe_config(m))
     elif kind == "deepseek_v3":
-        config.update(hf_mla_config(m))
+        config.update({**hf_mla_config(m), "num_nextn_predict_layers": m.get("mtp_num_layers") or 0})
         if m.get("num_moe_experts"):
             config.update(hf_moe_config(m))
         else:  # a dense MLA model: every layer before first_k_dense_replace

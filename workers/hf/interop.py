@@ -45,6 +45,7 @@ from safetensors import safe_open
 from workers.checkpoint.layout import Box
 from workers.hf.families import family_of, hf_config, model_from_hf_config, read_hf_config  # noqa: F401
 from workers.hf.moe import ARCHITECTURES, hf_moe_names
+from workers.hf.mtp import as_layer_name, mtp_layers_in, mtp_own_shapes, mtp_own_to_hf, shared_copies
 
 
 def head_dim(m: dict) -> int:
@@ -54,38 +55,47 @@ def head_dim(m: dict) -> int:
 def logical_shapes(m: dict) -> dict[str, tuple[int, ...]]:
     """Every logical tensor of a model (a ModelConfig as a dict) with its shape, MoE expert
     biases included."""
-    h, f, v = m["hidden_size"], m["ffn_hidden_size"], m["vocab_size"]
-    heads, groups = m["num_attention_heads"], m["num_query_groups"]
-    d = head_dim(m)
+    h, v = m["hidden_size"], m["vocab_size"]
     out = {"embedding.weight": (v, h)}
     for i in range(m["num_layers"]):
-        p = f"layers.{i}"
-        out[f"{p}.input_norm.weight"] = (h,)
-        if m.get("multi_latent_attention"):
-            out.update({f"{p}.attention.{k}.weight": s for k, s in _mla_shapes(m).items()})
-        else:
-            out[f"{p}.attention.qkv.weight"] = ((heads + 2 * groups) * d, h)
-            if m.get("add_qkv_bias"):
-                out[f"{p}.attention.qkv.bias"] = ((heads + 2 * groups) * d,)
-            if m.get("qk_layernorm"):
-                out.update({f"{p}.attention.q_norm.weight": (d,), f"{p}.attention.k_norm.weight": (d,)})
-            out[f"{p}.attention.proj.weight"] = (h, heads * d)
-        out[f"{p}.post_norm.weight"] = (h,)
-        if _is_moe_layer(m, i):
-            e, fe = m["num_moe_experts"], m.get("moe_ffn_hidden_size") or f
-            shared = m.get("moe_shared_expert_intermediate_size")
-            out.update({f"{p}.mlp.router.weight": (e, h), f"{p}.mlp.experts.w_gate": (e, fe, h),
-                        f"{p}.mlp.experts.w_up": (e, fe, h), f"{p}.mlp.experts.w_down": (e, h, fe)})
-            if m.get("moe_router_enable_expert_bias"):
-                out[f"{p}.mlp.router.expert_bias"] = (e,)
-            if shared:
-                out.update({f"{p}.mlp.shared_mlp.gate_up.weight": (2, shared, h),
-                            f"{p}.mlp.shared_mlp.down.weight": (h, shared)})
-        else:
-            out.update({f"{p}.mlp.gate_up.weight": (2, f, h), f"{p}.mlp.down.weight": (h, f)})
+        out.update(_layer_shapes(m, f"layers.{i}", _is_moe_layer(m, i)))
     out["final_norm.weight"] = (h,)
     if m.get("untie_embeddings_and_output_weights", True):
         out["output.weight"] = (v, h)
+    for k in range(m.get("mtp_num_layers") or 0):  # workers/model/mtp.py: the last layer's kind
+        out.update(mtp_own_shapes(m, k))
+        out.update(_layer_shapes(m, f"mtp.layers.{k}.layer", _is_moe_layer(m, m["num_layers"] - 1)))
+    return out
+
+
+def _layer_shapes(m: dict, p: str, moe: bool) -> dict[str, tuple[int, ...]]:
+    """The tensors of one decoder layer named ``p``."""
+    h, f = m["hidden_size"], m["ffn_hidden_size"]
+    heads, groups = m["num_attention_heads"], m["num_query_groups"]
+    d = head_dim(m)
+    out = {f"{p}.input_norm.weight": (h,)}
+    if m.get("multi_latent_attention"):
+        out.update({f"{p}.attention.{k}.weight": s for k, s in _mla_shapes(m).items()})
+    else:
+        out[f"{p}.attention.qkv.weight"] = ((heads + 2 * groups) * d, h)
+        if m.get("add_qkv_bias"):
+            out[f"{p}.attention.qkv.bias"] = ((heads + 2 * groups) * d,)
+        if m.get("qk_layernorm"):
+            out.update({f"{p}.attention.q_norm.weight": (d,), f"{p}.attention.k_norm.weight": (d,)})
+        out[f"{p}.attention.proj.weight"] = (h, heads * d)
+    out[f"{p}.post_norm.weight"] = (h,)
+    if moe:
+        e, fe = m["num_moe_experts"], m.get("moe_ffn_hidden_size") or f
+        shared = m.get("moe_shared_expert_intermediate_size")
+        out.update({f"{p}.mlp.router.weight": (e, h), f"{p}.mlp.experts.w_gate": (e, fe, h),
+                    f"{p}.mlp.experts.w_up": (e, fe, h), f"{p}.mlp.experts.w_down": (e, h, fe)})
+        if m.get("moe_router_enable_expert_bias"):
+            out[f"{p}.mlp.router.expert_bias"] = (e,)
+        if shared:
+            out.update({f"{p}.mlp.shared_mlp.gate_up.weight": (2, shared, h),
+                        f"{p}.mlp.shared_mlp.down.weight": (h, shared)})
+    else:
+        out.update({f"{p}.mlp.gate_up.weight": (2, f, h), f"{p}.mlp.down.weight": (h, f)})
     return out
 
 
@@ -125,12 +135,16 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: dict) -> tor
 
 
 def to_hf(name: str, t: torch.Tensor, m: dict) -> dict[str, torch.Tensor]:
-    """One raytron logical tensor as Hugging Face tensors (hub names)."""
+    """One raytron logical tensor as Hugging Face tensors (hub names); DeepSeek-V3's MTP
+    modules as :mod:`workers.hf.mtp` says."""
+    if name.startswith("mtp.layers."):
+        layer = as_layer_name(name, m)
+        return to_hf(layer, t, m) if layer else mtp_own_to_hf(name, t, m)
     if name == "output.weight":
-        return {"lm_head.weight": t}
+        return {"lm_head.weight": t, **shared_copies(name, t, m)}
     simple = {"embedding.weight": "embed_tokens.weight", "final_norm.weight": "norm.weight"}
     if name in simple:
-        return {f"model.{simple[name]}": t}
+        return {f"model.{simple[name]}": t, **shared_copies(name, t, m)}
     _, i, rest = name.split(".", 2)
     p = f"model.layers.{i}"
     if m.get("multi_latent_attention") and rest.startswith("attention."):  # transformers' names already
@@ -185,10 +199,13 @@ class HFReader:
 
     def __init__(self, directory: str):
         self.path = Path(directory)
-        self.model = model_from_hf_config(read_hf_config(self.path, f"checkpoint.load hf:{directory}"))
+        config = read_hf_config(self.path, f"checkpoint.load hf:{directory}")
+        self.model = model_from_hf_config(config)
         self.files = tensor_files(self.path)
-        # output.weight is readable either way (lm_head, or the tied embedding)
-        self.shapes = logical_shapes({**self.model, "untie_embeddings_and_output_weights": True})
+        # output.weight is readable either way (lm_head, or the tied embedding); DeepSeek-V3's
+        # MTP modules where the directory has their weights (a job asks for them or not)
+        self.shapes = logical_shapes({**self.model, "untie_embeddings_and_output_weights": True,
+                                      "mtp_num_layers": mtp_layers_in(self.files, config)})
         if not self.model["untie_embeddings_and_output_weights"]:
             del self.model["untie_embeddings_and_output_weights"]  # either kind of job may load it
         self._cache: tuple[str, torch.Tensor] | None = None
@@ -214,7 +231,8 @@ class HFReader:
 
     def _full(self, name: str) -> torch.Tensor:
         """The logical tensor ``name``, assembled from the Hugging Face tensors."""
-        m = self.model
+        m, shape = self.model, self.shapes[name]
+        name = as_layer_name(name, m) or name  # an MTP module's layer: DeepSeek-V3's layer N + k
         if name == "output.weight" and "lm_head.weight" not in self.files:
             return self._get("model.embed_tokens.weight")  # tied embeddings
         if name.endswith("mlp.router.weight") and f"model.{name.split('.mlp')[0]}.block_sparse_moe.gate.weight" not in self.files:
@@ -225,7 +243,7 @@ class HFReader:
                 f = m.get("moe_ffn_hidden_size") or m["ffn_hidden_size"]
                 gate_up, down = self._get(f"{p}.gate_up_proj"), self._get(f"{p}.down_proj")
                 return {"w_gate": gate_up[:, :f], "w_up": gate_up[:, f:], "w_down": down}[name.rsplit(".", 1)[1]]
-        hub = to_hf(name, torch.empty(self.shapes[name], device="meta"), m)
+        hub = to_hf(name, torch.empty(shape, device="meta"), {**m, "mtp_num_layers": None})  # no copies
         parts = {k: self._get(k) for k in hub}
         if name.endswith(("attention.qkv.weight", "attention.qkv.bias")):
             q, k, v = parts.values()

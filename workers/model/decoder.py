@@ -29,6 +29,7 @@ from workers.config import ModelConfig
 from workers.model.attention import Attention, RMSNorm, rotary_tables  # noqa: F401 (rotary_tables: re-exported)
 from workers.model.fused import swiglu
 from workers.model.mla import MLAttention
+from workers.model.mtp import MultiTokenPrediction
 from workers.parallel import comm
 from workers.parallel.context import cp_positions
 from workers.parallel.expert import MoELayer, Routing
@@ -135,10 +136,15 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ShardContext, index: int):
+    """One transformer layer. ``prefix`` names its parameters (default ``layers.{index}``; an MTP
+    module's layer is ``mtp.layers.{k}.layer``); ``moe`` overrides the model's layer pattern."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ShardContext, index: int, *, prefix: str | None = None,
+                 moe: bool | None = None):
         super().__init__()
-        prefix = f"layers.{index}"
+        prefix = prefix or f"layers.{index}"
         self.index = index  # global layer index: the parameter names' prefix
+        self.prefix = prefix
         self.ctx = ctx
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
         if cfg.multi_latent_attention:
@@ -146,7 +152,7 @@ class DecoderLayer(nn.Module):
         else:
             self.attention = Attention(cfg, ctx, f"{prefix}.attention")
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
-        if cfg.is_moe_layer(index):
+        if cfg.is_moe_layer(index) if moe is None else moe:
             self.mlp = moe_layer(cfg, ctx, prefix)
         else:
             self.mlp = MLP(cfg, ctx, f"{prefix}.mlp")
@@ -192,8 +198,9 @@ class ModelChunk(nn.Module):
             emb = _padded_table(ctx.seed, "embedding", cfg, vocab)
             self.embedding = VocabParallelEmbedding(emb, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, i) for i in layer_ids)
+        self.mtp = MultiTokenPrediction(cfg, ctx, DecoderLayer) if post_process and cfg.mtp_num_layers else None
         # The RoPE tables now, so they count as buffers from the start (MLA rotates without them).
-        for layer in self.layers if not cfg.multi_latent_attention else ():
+        for layer in self.all_layers() if not cfg.multi_latent_attention else ():
             layer.attention._rope_tables(self.rotary, cfg.num_attention_heads // cfg.num_query_groups + 2)
         if post_process:
             self.final_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, ctx.sequence_parallel)
@@ -207,20 +214,46 @@ class ModelChunk(nn.Module):
                     self.output.weight.zero_out_wgrad = True
                 else:  # the last stage's copy (Megatron's): equal at init, grads summed with stage 0's
                     self.output.weight.tied_copy = True
+            if self.mtp is not None and not pre_process:
+                # MTP embeds tokens on the last stage: a copy of the first stage's embedding
+                # (the tied output layer itself when tied), grads summed over the embedding group.
+                self.embedding = VocabParallelEmbedding(_padded_table(ctx.seed, "embedding", cfg, vocab),
+                                                        ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
+                if cfg.tied_embeddings:
+                    self.embedding.weight = self.output.weight
+                    self.output.weight.zero_out_wgrad = True  # fused output GEMM + embedding lookup
+                self.embedding.weight.tied_copy = True
             per = vocab // ctx.tp_size
             start = ctx.tp_rank * per
             pad = torch.arange(start, start + per) >= cfg.vocab_size
             self.register_buffer("vocab_pad_mask", pad, persistent=False)
             self.has_vocab_pad = bool(pad.any())  # known at build time: no per-step check
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
+        """Tokens (first virtual stage) or hidden states in; hidden states out, or on the last
+        virtual stage the vocab-parallel logits (with MTP: ``(logits, last hidden state)``,
+        for :meth:`mtp_losses`)."""
         if self.pre_process:
             x = self.embedding(x)
         x = run_layers(self.layers, x, self.rotary, self.cfg)
         if self.post_process:
-            logits = self.output(self.final_norm(x))
-            x = logits.masked_fill(self.vocab_pad_mask, float("-inf")) if self.has_vocab_pad else logits
+            logits = self.head(self.final_norm(x))
+            return (logits, x) if self.mtp is not None else logits
         return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The output layer on normed hidden states: vocab-parallel logits, padding masked."""
+        logits = self.output(x)
+        return logits.masked_fill(self.vocab_pad_mask, float("-inf")) if self.has_vocab_pad else logits
+
+    def mtp_losses(self, hidden: torch.Tensor, targets) -> torch.Tensor:
+        """Per-depth sums of the MTP token losses ``[D]`` (:mod:`workers.model.mtp`) on the last
+        hidden state the forward returned, with the shared embedding and output layer."""
+        return self.mtp(hidden, targets, self.rotary, self.embedding, self.head)
+
+    def all_layers(self) -> list[DecoderLayer]:
+        """The decoder layers and the MTP modules' layers (MoE aux losses, biases, RoPE tables)."""
+        return list(self.layers) + ([m.layer for m in self.mtp.layers] if self.mtp is not None else [])
 
     def logical_parameters(self):
         """Yield ``(full name, param, shards)`` for every parameter of this chunk.
@@ -250,16 +283,16 @@ class ModelChunk(nn.Module):
             yield name, p, tuple(shards)
 
     def tied_parameters(self) -> list[nn.Parameter]:
-        """With tied embeddings over several stages: this chunk's embedding or its copy, whose
-        gradient is summed over the embedding group (first and last stage)."""
-        if not self.cfg.tied_embeddings or self.pre_process == self.post_process:
+        """With tied embeddings or MTP over several stages: this chunk's embedding or its copy
+        on the last stage, whose gradient is summed over the embedding group (first and last stage)."""
+        if not (self.cfg.tied_embeddings or self.cfg.mtp_num_layers) or self.pre_process == self.post_process:
             return []
-        return [self.embedding.weight if self.pre_process else self.output.weight]
+        return [self.embedding.weight if self.pre_process or not self.cfg.tied_embeddings else self.output.weight]
 
     def pop_aux_loss(self) -> float:
         """Sum of this chunk's MoE aux losses over layers and microbatches since the last call."""
         total = 0.0
-        for layer in self.layers:
+        for layer in self.all_layers():
             if layer.aux_loss_sum is not None:
                 total += float(layer.aux_loss_sum)
                 layer.aux_loss_sum = None

@@ -24,6 +24,7 @@ TAGS = {  # train_step metric -> Megatron's TensorBoard tag
     "grad_norm": "grad-norm",
     "loss_scale": "loss-scale",
     "moe_aux_loss": "load_balancing_loss",
+    "mtp_loss": "mtp loss",
     "val_loss": "lm loss validation",
     "step_time_s": "iteration-time",
     "tokens_per_s": "throughput-tokens-per-sec",

@@ -55,6 +55,7 @@ from workers.parallel.groups import ProcessGroups, build_process_groups
 from workers.train.lr_schedule import LRSchedule
 from workers.train.mixed_precision import DynamicGradScaler, compute_dtype
 from workers.model.decoder import ModelChunk, ShardContext, local_positions
+from workers.model.mtp import join_loss, shifted_targets, valid_tokens
 from workers.parallel import comm
 from workers.parallel.context import cp_split
 from workers.parallel.optimizer import build_optimizer
@@ -126,6 +127,7 @@ class Trainer:
             chunk.to(self.dtype)  # the params are cast already; this casts the rotary tables
         self.lr_schedule = LRSchedule.from_config(t)
         self.num_skipped = 0
+        self.mtp_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # see _mtp_objective
         # Megatron's rule: the last rank (it holds the loss) writes TensorBoard.
         self.tensorboard = EventWriter(t.tensorboard_dir) if t.tensorboard_dir and rank == g.world_size - 1 else None
         self.sampler = GlobalSampler(t.data, job.model.seq_length, t.seed, t.global_batch_size, split=t.split)
@@ -163,15 +165,19 @@ class Trainer:
         """This rank's (tokens, labels) of microbatch ``mb``, ``[s_local, micro_batch]`` each."""
         return self.local_slice(lambda start, count: self.sampler.batch(self.iteration, start, count), mb)
 
-    def local_slice(self, read, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_slice(self, read, mb: int, *, mtp: bool = False):
         """This rank's part of microbatch ``mb`` of a global batch: ``read(start, count)`` gives
         samples ``[start, start + count)`` as (tokens, labels) ``[count, seq]``; the dp cut, the
-        sequence-first transpose and the CP split are the training ones."""
+        sequence-first transpose and the CP split are the training ones. With ``mtp``: those
+        samples' MTP targets (:class:`workers.model.mtp.MTPTargets`) instead."""
         t, g, c = self.job.training, self.grid, self.coords
         per_dp = t.global_batch_size // g.dp
         start = c["dp"] * per_dp + mb * t.micro_batch_size
         tokens, labels = read(start, t.micro_batch_size)
         tokens, labels = tokens.t(), labels.t()  # [s, b]: Megatron's sequence-first layout
+        if mtp:  # shifted on the full sequence, then split: no CP exchange (workers.model.mtp)
+            targets = shifted_targets(tokens, labels, self.job.model.mtp_num_layers)
+            return targets.map(lambda x: (cp_split(x, g.cp, c["cp"], seq_dim=1) if g.cp > 1 else x).to(self.device))
         if g.cp > 1:
             tokens, labels = cp_split(tokens, g.cp, c["cp"]), cp_split(labels, g.cp, c["cp"])
         if self.device.type == "cuda":
@@ -188,7 +194,7 @@ class Trainer:
         t0 = time.perf_counter()
         scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         for chunk in self.chunks:
-            for layer in chunk.layers:
+            for layer in chunk.all_layers():
                 # Each rank backpropagates its share of each microbatch's aux loss; the global
                 # objective is the mean over the num_microbatches x dp microbatches (x the loss
                 # scale, which rides on the aux gradient too, as Megatron's MoEAuxLossAutoScaler).
@@ -196,12 +202,14 @@ class Trainer:
         self.optimizer.zero_grad()
         lr = self.lr_schedule.lr_for_update(self.optimizer.num_steps)
         self.optimizer.lr = lr
+        self.mtp_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         mb_losses = self.run_microbatches(self._microbatch, loss_scale=scale, forward_only=False)
         self._sum_tied_grads()
         pending = self.optimizer.step_on_device()
+        mtp = [self._global_loss_tensor([self.mtp_loss_sum])] if self.job.model.mtp_num_layers else []
         # The iteration's one host read (dense path): loss, grad norm and skip flags together.
-        loss_sum, grad_norm, skipped, found_inf = torch.cat(
-            [self._global_loss_tensor(mb_losses), *pending.tensors()]).tolist()
+        loss_sum, *mtp, grad_norm, skipped, found_inf = torch.cat(
+            [self._global_loss_tensor(mb_losses), *mtp, *pending.tensors()]).tolist()
         info = self.optimizer.finish_step(grad_norm, skipped, found_inf)
         # Aux-loss-free balancing: every expert bias moves by the global batch's loads.
         update_expert_biases(self.chunks, self.groups.tp_dp_cp_group)
@@ -215,6 +223,7 @@ class Trainer:
             "iteration": self.iteration,
             "loss": loss,
             "moe_aux_loss": aux,
+            "mtp_loss": mtp[0] if mtp else None,
             "lr": lr,
             "grad_norm": info.grad_norm,
             "loss_scale": scale,
@@ -245,11 +254,14 @@ class Trainer:
             tokens, labels[mb] = microbatch(mb)
             return tokens
 
-        def loss_fn(mb: int, logits: torch.Tensor) -> torch.Tensor:
+        def loss_fn(mb: int, out) -> torch.Tensor:
+            logits, hidden = out if isinstance(out, tuple) else (out, None)  # (logits, hidden): MTP
             target = labels.pop(mb) if mb in labels else microbatch(mb)[1]
             # The cross-entropy runs in fp32 whatever the compute dtype (as Megatron's), inside.
             losses = vocab_parallel_cross_entropy(logits, target, self.groups.tp_group)
             loss = losses.sum() / self.tokens_per_iteration
+            if hidden is not None and not forward_only:
+                loss = join_loss(loss, self._mtp_objective(mb, hidden))
             return loss * loss_scale if loss_scale != 1.0 else loss
 
         return run_pipeline(
@@ -261,6 +273,17 @@ class Trainer:
             forward_only=forward_only, v_shape=self.v_shape,
             plan=plan_all(tables, self.vpp, self.v_shape)[self.stage] if self.v_shape else None,
         )
+
+    def _mtp_objective(self, mb: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Microbatch ``mb``'s share of ``factor / D * sum_k L_k`` (:mod:`workers.model.mtp`); its
+        share of the mean of the ``L_k`` is added to ``mtp_loss_sum`` for the report."""
+        m = self.job.model
+        read = lambda start, count: self.sampler.batch(self.iteration, start, count)  # noqa: E731
+        sums = self.chunks[-1].mtp_losses(hidden, self.local_slice(read, mb, mtp=True))
+        per_depth = sums / torch.tensor(valid_tokens(m.seq_length, self.job.training.global_batch_size,
+                                                     m.mtp_num_layers), dtype=sums.dtype, device=sums.device)
+        self.mtp_loss_sum += per_depth.detach().sum().double() / m.mtp_num_layers
+        return per_depth.sum() * (m.mtp_loss_scaling_factor / m.mtp_num_layers)
 
     def global_loss(self, mb_losses: list[torch.Tensor]) -> float:
         """The global batch's mean loss from this rank's microbatch losses (what :meth:`run_microbatches`

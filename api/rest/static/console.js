@@ -271,7 +271,7 @@ function setupMap(select, container, ranks, gpusPerNode) {
 
 // Series drawn when a job reports them (keys of its iteration events); losses share one chart.
 const CHARTS = [
-  { title: "loss", series: [["loss", "#2f6fdf"], ["val_loss", "#e67e22"]] },
+  { title: "loss", series: [["loss", "#2f6fdf"], ["val_loss", "#e67e22"], ["mtp_loss", "#9b59b6"]] },
   { title: "learning rate", series: [["lr", "#16a085"]] },
   { title: "grad norm", series: [["grad_norm", "#8e44ad"]] },
   { title: "loss scale", series: [["loss_scale", "#7f8c8d"]] },
@@ -368,6 +368,14 @@ async function showJob(jobId, signal) {
       ? ` (rank ${e.data.rank})` : "";
     li.lastChild.textContent = e.kind === "state" ? `${e.state}${e.message ? `: ${e.message}` : ""}`
       : `${e.kind}: ${e.message || ""}${rank}`;
+    if (e.kind === "tracking" && /^https?:\/\//.test(e.data?.url || "")) {  // the job's tracker run
+      const a = document.createElement("a");
+      a.href = e.data.url;
+      a.target = "_blank";
+      a.rel = "noopener";
+      a.textContent = " open the run";
+      li.append(a);
+    }
     $("#events").append(li);
   };
 

@@ -132,27 +132,44 @@ def api(tmp_path_factory):
     yield from ray_server_client(tmp_path_factory, "survive4x2")
 
 
-def test_a_killed_runner_is_started_again_and_goes_on_from_the_record(api):
+def test_a_killed_runner_is_started_again_and_goes_on_from_the_record(api, tmp_path):
     """SIGKILL of the job's runner (the Ray Job's entry point) at iteration 6: the scheduler starts a
     new runner (a Ray Job of its own), which replays the job's events and resumes from the last
-    recorded checkpoint: one restart, the curve whole."""
-    s = spec("runnerkill", nodes=2, gpus=2, tp=2, iters=20)
-    job_id = submit(api, s)
-    wait_iteration(api, job_id, 6)
-    runners = processes_named("python", "-m", "service.server.job_main", job_id)
-    assert len(runners) == 1, runners
-    os.kill(runners[0], signal.SIGKILL)
-    expected = undisturbed(s)
-    job = wait_for(api, job_id, DONE, timeout_s=300)
-    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
-    losses = job_losses(api, job_id)
-    assert close(losses, expected), story(api, job_id, losses, expected)
-    log = whole_and_once(api, job_id, 20)
-    started = [e for e in log if e["kind"] == "runner"]
-    assert len(started) == 1 and started[0]["data"]["reason"] == "runner_exited", started
-    assert job["restarts"] == 1 and job["ray_job_id"].endswith(f"{job_id}-2")
-    froms = [a["from_checkpoint"] for a in job["attempts"]]
-    assert len(froms) == 2 and froms[1] and "iter_" in froms[1], froms
+    recorded checkpoint: one restart, the curve whole. The job's MLflow run (a real ``mlflow server``
+    on 127.0.0.1) is the same one under both runners, its loss history the job's curve, each step once."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.helpers.mlflow_server import mlflow_server
+
+    with mlflow_server(tmp_path) as uri:
+        s = spec("runnerkill", nodes=2, gpus=2, tp=2, iters=20)
+        s["tracking"] = {"mlflow": {"tracking_uri": uri}}
+        job_id = submit(api, s)
+        wait_iteration(api, job_id, 6)
+        runners = processes_named("python", "-m", "service.server.job_main", job_id)
+        assert len(runners) == 1, runners
+        os.kill(runners[0], signal.SIGKILL)
+        expected = undisturbed(s)
+        job = wait_for(api, job_id, DONE, timeout_s=300)
+        assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+        losses = job_losses(api, job_id)
+        assert close(losses, expected), story(api, job_id, losses, expected)
+        log = whole_and_once(api, job_id, 20)
+        started = [e for e in log if e["kind"] == "runner"]
+        assert len(started) == 1 and started[0]["data"]["reason"] == "runner_exited", started
+        assert job["restarts"] == 1 and job["ray_job_id"].endswith(f"{job_id}-2")
+        froms = [a["from_checkpoint"] for a in job["attempts"]]
+        assert len(froms) == 2 and froms[1] and "iter_" in froms[1], froms
+        opened = [e["data"] for e in log if e["kind"] == "tracking" and "run_id" in e["data"]]
+        assert [o["resumed"] for o in opened] == [False, True] and opened[0]["run_id"] == opened[1]["run_id"], opened
+        client = MlflowClient(uri)
+        history = sorted((m.step, m.value) for m in client.get_metric_history(opened[0]["run_id"], "loss"))
+        assert [step for step, _ in history] == list(range(1, 21))
+        assert close([v for _, v in history], losses)
+        deadline = time.monotonic() + 30  # the runner ends the run after the job's final event
+        while client.get_run(opened[0]["run_id"]).info.status != "FINISHED" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert client.get_run(opened[0]["run_id"]).info.status == "FINISHED"
 
 
 def test_a_lost_node_with_min_nodes_below_num_nodes_shrinks_and_the_job_finishes(api):

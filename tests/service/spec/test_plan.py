@@ -23,18 +23,21 @@ def spec_of(*, world=1, nodes=1, moe=False, parallel=None, training=None, vocab=
         "resources": {"num_nodes": nodes, "gpus_per_node": world // nodes}})
 
 
-@pytest.mark.parametrize("kind", [False, True, "qwen", "deepseek-v3"])
+@pytest.mark.parametrize("kind", [False, True, "qwen", "deepseek-v3", "mtp", "qwen-mtp", "deepseek-v3-mtp"])
 @pytest.mark.parametrize("stage", [None, 0, 1])
 def test_parameter_counts_match_the_real_model(kind, stage):
     """Single process: the whole model, or the layers of one of two pipeline stages ("qwen":
     QKV bias, q/k norms, head dim 16, tied output: one table at pp 1, a copy on the last stage;
-    "deepseek-v3": expert ffn, shared experts and a dense first layer, tests.helpers.parity.V3_MODEL)."""
+    "deepseek-v3": expert ffn, shared experts and a dense first layer, tests.helpers.parity.V3_MODEL;
+    "-mtp": two MTP modules on the last stage, with the embedding's copy there when untied)."""
     import torch
 
     from tests.helpers.parity import V3_MODEL
     from workers.model.decoder import ModelChunk, ShardContext
 
-    model = {"qwen": QWEN, "deepseek-v3": V3_MODEL}.get(kind)
+    mtp = {"mtp_num_layers": 2}
+    model = {"qwen": QWEN, "deepseek-v3": V3_MODEL, "mtp": mtp, "qwen-mtp": {**QWEN, **mtp},
+             "deepseek-v3-mtp": {**V3_MODEL, **mtp}}.get(kind)
     spec = spec_of(moe=kind is True, model=model)
     job = to_job_config(spec)
     layers = list(range(4)) if stage is None else [2 * stage, 2 * stage + 1]

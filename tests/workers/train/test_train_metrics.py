@@ -7,7 +7,7 @@ import pytest
 
 from tests.helpers.parity import job_of, tiny_spec
 
-KEYS = {"iteration", "loss", "moe_aux_loss", "lr", "grad_norm", "loss_scale", "skipped", "val_loss", "tokens_per_s",
+KEYS = {"iteration", "loss", "moe_aux_loss", "mtp_loss", "lr", "grad_norm", "loss_scale", "skipped", "val_loss", "tokens_per_s",
         "step_time_s", "peak_mem_mb"}
 
 

@@ -1,0 +1,72 @@
+"""Experiment tracking (service/control/tracking.py) against a real MLflow server on 127.0.0.1 that the
+test starts (SQLite backend), read back with MlflowClient: ``raytron run`` with a rank killed
+mid-job logs one run whose loss history is the job's curve (no step twice, though the restarted
+attempt ran some iterations again), with the spec as parameters, the restart among the event tags and
+the run FINISHED; a second runner of the same job id goes on in the same run. A tracker that cannot
+be reached does not fail the job, and its event says so."""
+
+import json
+import subprocess
+
+import pytest
+import yaml
+
+from tests.helpers.cli import RAYTRON
+from tests.helpers.parity import tiny_spec
+
+pytestmark = pytest.mark.procs
+
+
+@pytest.fixture(scope="module")
+def mlflow_uri(tmp_path_factory):
+    from tests.helpers.mlflow_server import mlflow_server
+
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
+        yield uri
+
+
+def _spec(tmp_path, uri, iters=5):
+    spec = tiny_spec(world=2, parallel={"pipeline_model_parallel_size": 2}, training={"train_iters": iters})
+    spec["fault_tolerance"] = {"max_restarts": 1, "collective_timeout_s": 20}
+    spec["checkpoint"] = {"save_interval": 2, "dir": str(tmp_path / "ckpt")}
+    spec["tracking"] = {"mlflow": {"tracking_uri": uri, "experiment": "tracking-test"}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _run(path, *extra):
+    p = subprocess.run([RAYTRON, "run", str(path), "--launcher", "processes", "--json", *extra],
+                       capture_output=True, text=True, timeout=300)
+    return p, json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_one_mlflow_run_per_job_holds_its_curve_across_a_rank_kill(tmp_path, mlflow_uri):
+    from mlflow.tracking import MlflowClient
+
+    p, out = _run(_spec(tmp_path, mlflow_uri), "--fault", "1@4:exit")
+    assert p.returncode == 0 and out["restarts"] == 1, p.stderr
+    assert f"MLflow at {mlflow_uri}: created run" in p.stderr
+    client = MlflowClient(mlflow_uri)
+    exp = client.get_experiment_by_name("tracking-test")
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`raytron.job_id` = '{out['job_id']}'")
+    assert len(runs) == 1
+    run = client.get_run(runs[0].info.run_id)
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss"))
+    assert [s for s, _ in history] == [1, 2, 3, 4, 5]  # iteration 3 ran twice, logged once
+    assert all(abs(v - want) <= 1e-6 * abs(want) for (_, v), want in zip(history, out["losses"]))
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "lr")] == [1, 2, 3, 4, 5]
+    assert run.data.params["model.hidden_size"] == "32" and run.data.params["parallel.pipeline_model_parallel_size"] == "2"
+    assert run.info.status == "FINISHED"
+    events = [v for k, v in run.data.tags.items() if k.startswith("raytron.event.")]
+    assert any("restart" in e.lower() for e in events) and any("SUCCEEDED" in e or "succeeded" in e for e in events)
+
+
+def test_an_unreachable_tracker_does_not_fail_the_job(tmp_path):
+    from tests.helpers.mlflow_server import free_port
+
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    p, out = _run(_spec(tmp_path, uri, iters=2))
+    assert p.returncode == 0 and out["state"] == "SUCCEEDED", p.stderr
+    assert f"MLflow at {uri} is unreachable" in p.stderr and "the job goes on" in p.stderr
+    assert "deliveries not made before the job ended" in p.stderr
