@@ -85,3 +85,9 @@ def test_plan_places_the_v():
     assert sum(counts["inter"]) == sum(counts["zbv"])
     assert counts["zbv"][0] > counts["zbv"][1] and counts["inter"][0] < counts["inter"][1]
     assert counts["zbv-pp"] * 3 == counts["inter-pp"] * 2
+
+
+def test_zbv_with_mtp_is_refused():
+    with pytest.raises(ValueError, match=r"zbv puts the MTP modules \(model.mtp_num_layers 1\)"):
+        parse_spec(_spec(model={"mtp_num_layers": 1}, pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=2, pipeline_schedule="zbv"))
