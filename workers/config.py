@@ -131,6 +131,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
+    pipeline_schedule: str | None = None
+    """1f1b, interleaved, zb-h1 or zbv (workers.parallel.pipeline.SCHEDULES); None: interleaved when vpp > 1,
+    else 1f1b."""
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None

@@ -36,8 +36,9 @@ bubble) instead of the one below.
   terms replace the attention's (:meth:`service.spec.mla.MLADims.activation_units`).
 
 **Step time** on accelerators (:func:`step_time`): Megatron's FLOPs (``num_floating_point_operations``, causal
-attention halved; its MLA count with multi-latent attention) over peak x :data:`EFFICIENCY`; the bubble ``(pp-1)/(vpp m)`` of the work of one
-stage; TP, CP, EP and PP bytes from :mod:`service.spec.plan`'s traffic (one traffic model) over
+attention halved; its MLA count with multi-latent attention) over peak x :data:`EFFICIENCY`; the bubble of the work of one
+stage by ``parallel.pipeline_schedule`` (:func:`service.spec.pipeline.bubble_fraction`: ``(pp-1)/(vpp m)`` for 1F1B
+and interleaved, a third of 1F1B's for ZB-H1, a sixth for ZBV); TP, CP, EP and PP bytes from :mod:`service.spec.plan`'s traffic (one traffic model) over
 the bandwidth of each hop, the slowest rank counting (a ring moves at its slowest hop), not
 overlapped; DP gradients overlapped with the last microbatch's backward (the all-gather of the
 distributed optimizer after the step is not).
@@ -46,6 +47,8 @@ distributed optimizer after the step is not).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from service.spec.pipeline import bubble_fraction
 
 GB = 1e9
 
@@ -216,7 +219,7 @@ def layer_activation_units(s, *, tp: int, sp: bool) -> float:
 
 def activation_bytes(s, *, tp: int, pp: int, cp: int, vpp: int | None, sp: bool, micro_batch_size: int,
                      num_microbatches: int, recompute: str | None, recompute_method: str | None,
-                     recompute_num_layers: int | None, element_bytes: int) -> dict[str, float]:
+                     recompute_num_layers: int | None, element_bytes: int, schedule: str | None = None) -> dict[str, float]:
     """Peak activation bytes of the most loaded pipeline stage (first or last), with the parts."""
     sbh = s.seq // cp * micro_batch_size * s.hidden * element_bytes / 2
     full_layer = layer_activation_units(s, tp=tp, sp=sp) * sbh
@@ -230,7 +233,7 @@ def activation_bytes(s, *, tp: int, pp: int, cp: int, vpp: int | None, sp: bool,
             kept, working = -(-stage_layers // n) * layer_input, n * full_layer
     else:  # none or selective (flash attention already keeps no s^2 tensor: the same bytes)
         kept, working = stage_layers * full_layer, 0.0
-    if vpp:
+    if vpp and schedule != "zbv":  # ZBV: 2 pp half-stage chunks, 1F1B's pp stages' worth
         in_flight = min(pp * (1 + (pp - 1) / (pp * vpp)), num_microbatches * 1.0)
     else:
         in_flight = min(pp, num_microbatches)
@@ -287,14 +290,14 @@ def comm_seconds(rank_bytes: dict[str, dict[int, tuple[float, float]]], cluster:
 
 def step_time(s, *, world: int, pp: int, vpp: int | None, global_batch_size: int, num_microbatches: int,
               recompute: str | None, comm: dict[str, float], cluster: Cluster,
-              distributed: bool) -> dict[str, float]:
+              distributed: bool, schedule: str | None = None) -> dict[str, float]:
     """Predicted seconds of one iteration, by part (module docstring)."""
     compute = megatron_flops(s, global_batch_size) / world / (cluster.peak_flops * EFFICIENCY)
     recompute_s = (megatron_flops(s, global_batch_size, recompute=recompute) / world
                    / (cluster.peak_flops * EFFICIENCY) - compute)
     exposed = {k: comm.get(k, 0.0) for k in ("tp", "cp", "ep", "pp")}
     work = compute + recompute_s + sum(exposed.values())
-    bubble = work * (pp - 1) / ((vpp or 1) * num_microbatches)
+    bubble = work * bubble_fraction(schedule, pp, vpp, num_microbatches)
     dp = comm.get("dp", 0.0)
     window = compute * 2 / 3 / num_microbatches  # the last microbatch's backward on one stage
     if distributed:  # reduce-scatter overlapped; the all-gather after the step is not

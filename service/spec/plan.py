@@ -31,6 +31,7 @@ from service.spec.cost_cpu import spec_step_time
 from service.spec.mla import MLADims
 from service.spec.placement import plan_placement
 from workers.grid import ParallelGrid
+from workers.parallel.pipeline import V_SHAPED, place, virtual_stage
 
 BYTES = 4  # fp32 weights, gradients, activations
 
@@ -62,6 +63,9 @@ class Shapes:
     moe_layer_freq: int | tuple[int, ...] = 1
     mtp: int = 0
     """Multi-token prediction modules on the last stage (a layer, a [h, 2h] projection, 3 norms each)."""
+    v_shape: bool = False
+    """``parallel.pipeline_schedule: zbv``: two chunks per stage placed in a V (the first and the last
+    piece, so the embedding and the output layer, on stage 0; :func:`workers.parallel.pipeline.place`)."""
 
     @classmethod
     def of(cls, spec) -> "Shapes":
@@ -72,7 +76,8 @@ class Shapes:
                    m.moe_router_topk, mla=MLADims.of(m), kv_channels=m.kv_channels,
                    tied=not m.untie_embeddings_and_output_weights, qkv_bias=m.add_qkv_bias, qk_norm=m.qk_layernorm,
                    expert_ffn=m.moe_ffn_hidden_size, shared_ffn=m.moe_shared_expert_intermediate_size,
-                   moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq, mtp=m.mtp_num_layers or 0)
+                   moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq, mtp=m.mtp_num_layers or 0,
+                   v_shape=spec.parallel.pipeline_schedule in V_SHAPED)
 
     def is_moe_layer(self, index: int) -> bool:
         if not self.experts:
@@ -99,7 +104,7 @@ def rank_parameters(s: Shapes, grid: ParallelGrid, rank: int) -> dict[str, int]:
     # This stage's layers (Megatron's interleaved assignment over pp x vpp chunks): dense MLP or MoE.
     chunks = grid.vpp or 1
     per = s.layers // (grid.pp * chunks)
-    ids = [v * per + i for v in range(c["pp"], grid.pp * chunks, grid.pp) for i in range(per)]
+    ids = [virtual_stage(c["pp"], k, grid.pp, s.v_shape) * per + i for k in range(chunks) for i in range(per)]
     moe = sum(s.is_moe_layer(i) for i in ids)
     dense = len(ids) * dense_layer + (len(ids) - moe) * 3 * s.ffn * h // tp  # gate, up (fused) and down
     expert_layer = 0
@@ -110,7 +115,7 @@ def rank_parameters(s: Shapes, grid: ParallelGrid, rank: int) -> dict[str, int]:
     padded = -(-s.vocab // tp) * tp
     if c["pp"] == 0:
         dense += padded // tp * h
-    if c["pp"] == grid.pp - 1:
+    if c["pp"] == place(grid.pp * chunks - 1, grid.pp, s.v_shape)[0]:  # the output layer's stage
         dense += (0 if s.tied and grid.pp == 1 else padded // tp * h) + h
         if s.mtp:  # layers of the last layer's kind, eh_proj, 3 norms; the embedding's copy (pp > 1, untied)
             last_moe = s.is_moe_layer(s.layers - 1)
@@ -214,8 +219,10 @@ def count_traffic(s: Shapes, spec, grid: ParallelGrid, node_of: list[int]) -> _T
         chunks = grid.pp * (p.virtual_pipeline_model_parallel_size or 1)
         boundary = mbs * act // (grid.tp if p.sequence_parallel else 1)
         for g in grid.groups("pp"):
-            for k in range(chunks - 1):  # virtual stage k lives on pp rank k % pp
-                src, dst = g[k % grid.pp], g[(k + 1) % grid.pp]
+            for k in range(chunks - 1):  # virtual stage k lives on pp rank k % pp (in the V: place)
+                src, dst = (g[place(v, grid.pp, s.v_shape)[0]] for v in (k, k + 1))
+                if src == dst:
+                    continue  # the V's turn: a hand-over inside one rank
                 tr.send("pp", src, dst, boundary)  # activations forward
                 tr.send("pp", dst, src, boundary)  # their gradients backward
     for g in grid.groups("dp-cp"):
@@ -243,7 +250,8 @@ def estimate(spec, grid: ParallelGrid, node_of: list[int], tr: _Traffic | None =
     act = cost.activation_bytes(s, tp=grid.tp, pp=grid.pp, cp=grid.cp, vpp=grid.vpp, sp=p.sequence_parallel,
                                 micro_batch_size=t.micro_batch_size, num_microbatches=num_microbatches,
                                 recompute=m.recompute_granularity, recompute_method=m.recompute_method,
-                                recompute_num_layers=m.recompute_num_layers, element_bytes=2 if mixed else 4)
+                                recompute_num_layers=m.recompute_num_layers, element_bytes=2 if mixed else 4,
+                                schedule=p.pipeline_schedule)
     tr = tr or count_traffic(s, spec, grid, node_of)
     act_scale = (2 if mixed else 4) / BYTES  # the traffic model counts fp32; DP gradients stay fp32
     if cluster.cores:  # ranks sharing a machine's cores: the machine's work (service/spec/cost_cpu.py)
@@ -253,7 +261,7 @@ def estimate(spec, grid: ParallelGrid, node_of: list[int], tr: _Traffic | None =
         step = cost.step_time(s, world=grid.world_size, pp=grid.pp, vpp=grid.vpp,
                               global_batch_size=t.global_batch_size, num_microbatches=num_microbatches,
                               recompute=m.recompute_granularity, comm=comm, cluster=cluster,
-                              distributed=p.use_distributed_optimizer)
+                              distributed=p.use_distributed_optimizer, schedule=p.pipeline_schedule)
     peak = state["total"] + act["total"] + cluster.process_bytes
     cross = sum(d["cross_node"] for d in tr.totals.values())
     return {"cluster": cluster.as_dict(), "state_bytes": state, "activation_bytes": act,

@@ -153,6 +153,11 @@ class ParallelSpec(BaseModel):
     tensor_model_parallel_size: Size | Auto = 1
     pipeline_model_parallel_size: Size | Auto = 1
     virtual_pipeline_model_parallel_size: Size | Auto | None = None
+    pipeline_schedule: Literal["1f1b", "interleaved", "zb-h1", "zbv"] | None = Field(
+        None, description="null: interleaved when virtual_pipeline_model_parallel_size > 1, else 1f1b (as before). "
+        "zb-h1: zero-bubble H1 (backward split into input and weight gradient, the weight gradients fill the "
+        "bubble; one chunk per stage). zbv: the V-shaped zero-bubble schedule (vpp 2, the chunks placed in a V, "
+        "the loss on stage 0; needs num_microbatches >= 2 pp and untied embeddings)")
     context_parallel_size: Size | Auto = 1
     expert_model_parallel_size: Size | Auto = 1
     expert_tensor_parallel_size: int | None = Field(None, ge=1, description="default = tensor_model_parallel_size")

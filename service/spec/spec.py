@@ -29,6 +29,7 @@ from service.spec.documents import document_problems
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.mla import mla_problems
 from service.spec.moe import moe_problems
+from service.spec.pipeline import pipeline_problems
 from service.spec.tracking import TrackingSpec
 from service.spec.sections import (  # noqa: F401 (the sections are part of this module's interface)
     STRICT, Auto, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
@@ -198,6 +199,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
     if grid is not None and (problem := batch_problem(t.global_batch_size, t.micro_batch_size, grid)):
         out.append(problem)
     out.extend(recompute_problems(m, pp))
+    out.extend(pipeline_problems(p, m, t, grid.dp if grid is not None else None))
     if m.mtp_num_layers and m.mtp_num_layers >= m.seq_length - 1:
         out.append(f"model.mtp_num_layers {m.mtp_num_layers} leaves no token with a target in a sequence of "
                    f"model.seq_length {m.seq_length}; use at most {max(m.seq_length - 2, 1)} MTP layers")

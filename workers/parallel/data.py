@@ -108,7 +108,8 @@ class DataParallelGrads:
                     view.add_(p.grad)
                 p.grad = view
             self._finished = False
-            if self._last or id(p) in self._armed:
+            # A zero-bubble B deferred part of this weight's gradient: final at its last W.
+            if (self._last or id(p) in self._armed) and not getattr(p, "wgrad_deferred", 0):
                 buf.mark_ready(p)
 
         return hook

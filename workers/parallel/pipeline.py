@@ -1,7 +1,9 @@
 """Pipeline parallelism as pure tables: layer partition, 1F1B and interleaved schedules.
 
 A pipeline schedule is a list of :class:`Action` per stage, ``F`` (forward) or ``B``
-(backward) of one (microbatch, model chunk). The tables are plain Python over integers, so
+(backward) of one (microbatch, model chunk); the zero-bubble schedules
+(:mod:`workers.parallel.pipeline_zb`) split each backward into ``B`` (input gradient) and
+``W`` (weight gradient). :func:`schedule` picks the table by ``parallel.pipeline_schedule``. The tables are plain Python over integers, so
 they can be checked exhaustively (every pair run once, no deadlock, bounded memory) for
 pipelines far larger than any test can spawn; :mod:`workers.parallel.pipeline_p2p` derives
 the exact point-to-point posting order from a table and proves it safe under NCCL's
@@ -10,7 +12,9 @@ semantics, and :mod:`workers.parallel.pipeline_exec` runs that order with real t
 Virtual stages (Megatron's interleaving): with ``vpp`` model chunks per stage, the model is cut
 into ``pp * vpp`` consecutive pieces and piece ``v = chunk * pp + stage`` lives on ``stage``.
 An activation therefore travels stage 0 -> 1 -> ... -> pp-1 -> 0 (next chunk) -> ...; the
-bubble shrinks by ``vpp`` at the cost of ``vpp`` times more point-to-point messages.
+bubble shrinks by ``vpp`` at the cost of ``vpp`` times more point-to-point messages. The V
+shape (``zbv``, two chunks) places piece ``v`` on stage ``v`` going down and on stage
+``2 pp - 1 - v`` coming back (:func:`place`): stage 0 holds the first and the last piece.
 
 Nothing here imports torch.
 """
@@ -18,7 +22,8 @@ Nothing here imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+
+from workers.parallel import pipeline_zb
 
 
 @dataclass(frozen=True)
@@ -26,7 +31,8 @@ class Action:
     """One step of a stage's schedule.
 
     Attributes:
-        kind: ``"F"`` (forward) or ``"B"`` (backward).
+        kind: ``"F"`` (forward), ``"B"`` (backward; in a zero-bubble table only the input
+            gradient) or ``"W"`` (the weight gradient deferred from ``B``, zero-bubble tables).
         microbatch: microbatch index, ``0 <= microbatch < num_microbatches``.
         chunk: model chunk on this stage, ``0 <= chunk < vpp``.
     """
@@ -37,6 +43,34 @@ class Action:
 
     def __repr__(self) -> str:
         return f"{self.kind}{self.microbatch}.{self.chunk}"
+
+
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")
+"""The values of ``parallel.pipeline_schedule``."""
+
+V_SHAPED = ("zbv",)
+"""Schedules whose two chunks per stage are placed in a V (:func:`place`)."""
+
+
+def default_schedule(vpp: int | None) -> str:
+    """``parallel.pipeline_schedule`` when unset: today's choice, interleaved iff ``vpp > 1``."""
+    return "interleaved" if vpp is not None and vpp > 1 else "1f1b"
+
+
+def virtual_stage(stage: int, chunk: int, pp: int, v_shape: bool = False) -> int:
+    """The model piece chunk ``chunk`` of ``stage`` runs: ``chunk * pp + stage``, or in the V
+    shape ``stage`` (chunk 0) and ``2 pp - 1 - stage`` (chunk 1)."""
+    if v_shape and chunk == 1:
+        return 2 * pp - 1 - stage
+    return chunk * pp + stage
+
+
+def place(v: int, pp: int, v_shape: bool = False) -> tuple[int, int]:
+    """(stage, chunk) of virtual stage ``v``: the inverse of :func:`virtual_stage`."""
+    chunk, stage = divmod(v, pp)
+    if v_shape and chunk == 1:
+        stage = pp - 1 - stage
+    return stage, chunk
 
 
 def _check_sizes(num_microbatches: int, pp: int, stage: int, vpp: int = 1) -> None:
@@ -50,7 +84,7 @@ def _check_sizes(num_microbatches: int, pp: int, stage: int, vpp: int = 1) -> No
         raise ValueError(f"pipeline stage {stage} is outside 0..{pp - 1}")
 
 
-def partition_layers(num_layers: int, pp: int, vpp: int | None = None) -> list[list[list[int]]]:
+def partition_layers(num_layers: int, pp: int, vpp: int | None = None, v_shape: bool = False) -> list[list[list[int]]]:
     """Assign global layer indices to (stage, chunk), Megatron's interleaved way.
 
     Virtual stage ``v = chunk * pp + stage`` holds layers ``[v * n, (v + 1) * n)`` with
@@ -61,6 +95,7 @@ def partition_layers(num_layers: int, pp: int, vpp: int | None = None) -> list[l
         num_layers: transformer layers in the whole model.
         pp: pipeline-parallel size.
         vpp: model chunks per stage; ``None`` means one (no interleaving).
+        v_shape: place the pieces in a V (:func:`place`; two chunks).
 
     Returns:
         ``layers[stage][chunk]`` = list of global layer indices.
@@ -82,7 +117,8 @@ def partition_layers(num_layers: int, pp: int, vpp: int | None = None) -> list[l
             f"multiple of {pp * chunks} or change pp/vpp"
         )
     n = num_layers // (pp * chunks)
-    return [[list(range((c * pp + s) * n, (c * pp + s + 1) * n)) for c in range(chunks)] for s in range(pp)]
+    return [[list(range(v * n, (v + 1) * n)) for v in (virtual_stage(s, c, pp, v_shape) for c in range(chunks))]
+            for s in range(pp)]
 
 
 def schedule_1f1b(num_microbatches: int, pp: int, stage: int) -> list[Action]:
@@ -154,11 +190,21 @@ def schedule_interleaved(num_microbatches: int, pp: int, vpp: int, stage: int) -
     return actions
 
 
-def schedule(num_microbatches: int, pp: int, vpp: int | None, stage: int) -> list[Action]:
-    """The schedule a stage runs: interleaved when ``vpp > 1``, else 1F1B.
+def schedule(num_microbatches: int, pp: int, vpp: int | None, stage: int, name: str | None = None) -> list[Action]:
+    """The schedule a stage runs: ``name`` (one of :data:`SCHEDULES`), by default
+    :func:`default_schedule` (interleaved when ``vpp > 1``, else 1F1B).
 
     With ``pp == 1`` this is plain gradient accumulation, F0 B0 F1 B1 ...
     """
+    name = name or default_schedule(vpp)
+    if name in ("zb-h1", "zbv"):
+        _check_sizes(num_microbatches, pp, stage, vpp or 1)
+        return [Action(*a) for a in pipeline_zb.schedule_zb(name, num_microbatches, pp, vpp, stage)]
+    if name not in SCHEDULES:
+        raise ValueError(f"pipeline_schedule {name!r} is not one of {', '.join(SCHEDULES)}")
+    if (name == "interleaved") != (vpp is not None and vpp > 1):
+        raise ValueError(f"pipeline_schedule {name} with virtual_pipeline_model_parallel_size {vpp}: interleaved "
+                         "needs vpp > 1 and 1f1b no vpp; unset pipeline_schedule")
     if vpp is not None and vpp > 1:
         if pp == 1:
             raise ValueError(
@@ -168,145 +214,26 @@ def schedule(num_microbatches: int, pp: int, vpp: int | None, stage: int) -> lis
     return schedule_1f1b(num_microbatches, pp, stage)
 
 
-def schedule_forward_only(num_microbatches: int, pp: int, vpp: int | None, stage: int) -> list[Action]:
+def schedule_forward_only(num_microbatches: int, pp: int, vpp: int | None, stage: int,
+                          name: str | None = None) -> list[Action]:
     """The forwards of :func:`schedule`, in its order, and no backward (evaluation).
 
     As Megatron's ``forward_only`` schedules: 1F1B's forwards are microbatch order; the
-    interleaved ones walk the chunks in groups of ``pp`` microbatches.
+    interleaved ones walk the chunks in groups of ``pp`` microbatches. ZB-H1's are 1F1B's;
+    the V schedule's run chunk 0 of every microbatch, then chunk 1.
     """
-    return [a for a in schedule(num_microbatches, pp, vpp, stage) if a.kind == "F"]
+    if name in V_SHAPED:  # no activation is kept: every microbatch down, then every one back up
+        return [Action("F", mb, c) for c in (0, 1) for mb in range(num_microbatches)]
+    if name == "zb-h1":
+        name = "1f1b"
+    return [a for a in schedule(num_microbatches, pp, vpp, stage, name) if a.kind == "F"]
 
 
-def in_flight_bound(num_microbatches: int, pp: int, vpp: int | None, stage: int) -> int:
-    """Most (microbatch, chunk) activations ``stage`` may hold at once under :func:`schedule`."""
+def in_flight_bound(num_microbatches: int, pp: int, vpp: int | None, stage: int, name: str | None = None) -> int:
+    """Most (microbatch, chunk) activations ``stage`` may hold at once under :func:`schedule`
+    (for the zero-bubble tables: forwarded, weight gradient not yet run)."""
+    if name in ("zb-h1", "zbv"):
+        return pipeline_zb.in_flight_bound_zb(name, num_microbatches, pp, stage)
     if vpp is not None and vpp > 1:
         return interleaved_warmup(num_microbatches, pp, vpp, stage) + 1
     return min(pp - stage, num_microbatches)
-
-
-# ----------------------------------------------------------------------------- checkers
-
-
-def check_stage(actions: Sequence[Action], num_microbatches: int, vpp: int = 1) -> None:
-    """Every (microbatch, chunk) is run forward once and backward once, backward after forward.
-
-    Raises:
-        ValueError: naming the first offending action.
-    """
-    done_f: set[tuple[int, int]] = set()
-    done_b: set[tuple[int, int]] = set()
-    for i, a in enumerate(actions):
-        key = (a.microbatch, a.chunk)
-        if a.kind not in ("F", "B") or not (0 <= a.microbatch < num_microbatches and 0 <= a.chunk < vpp):
-            raise ValueError(f"step {i}: invalid action {a!r}")
-        seen = done_f if a.kind == "F" else done_b
-        if key in seen:
-            raise ValueError(f"step {i}: {a!r} runs twice")
-        if a.kind == "B" and key not in done_f:
-            raise ValueError(f"step {i}: {a!r} runs before its forward")
-        seen.add(key)
-    expected = num_microbatches * vpp
-    if len(done_f) != expected or len(done_b) != expected:
-        raise ValueError(f"{len(done_f)} forwards and {len(done_b)} backwards, expected {expected} each")
-
-
-def max_in_flight(actions: Sequence[Action]) -> int:
-    """Peak number of (microbatch, chunk) pairs forwarded but not yet backwarded."""
-    live = peak = 0
-    for a in actions:
-        live += 1 if a.kind == "F" else -1
-        peak = max(peak, live)
-    return peak
-
-
-def simulate(tables: Sequence[Sequence[Action]], vpp: int = 1) -> int:
-    """Run all stages' tables in lock step with unit-time actions; return the makespan.
-
-    At each time step every stage runs its next action if its inputs were produced in an
-    earlier step: F of virtual stage ``v`` needs F of ``v - 1`` (same microbatch), B of ``v``
-    needs B of ``v + 1`` and its own F. Sends never block, receives do: the dependency
-    structure of the table alone (a buffering transport such as gloo).
-    :func:`workers.parallel.pipeline_p2p.simulate_nccl` checks the executor's actual posting
-    order under NCCL's stricter rules.
-
-    Raises:
-        ValueError: the tables deadlock (names each stuck stage's next action).
-    """
-    pp = len(tables)
-    last = pp * vpp - 1
-    done: set[tuple[str, int, int]] = set()  # (kind, microbatch, virtual stage)
-    pos = [0] * pp
-    remaining = sum(len(t) for t in tables)
-    t = 0
-    while remaining:
-        ready = []
-        for s, table in enumerate(tables):
-            if pos[s] == len(table):
-                continue
-            a = table[pos[s]]
-            v = a.chunk * pp + s
-            if a.kind == "F":
-                ok = v == 0 or ("F", a.microbatch, v - 1) in done
-            else:
-                ok = ("F", a.microbatch, v) in done and (v == last or ("B", a.microbatch, v + 1) in done)
-            if ok:
-                ready.append((s, (a.kind, a.microbatch, v)))
-        if not ready:
-            stuck = {s: tables[s][pos[s]] for s in range(pp) if pos[s] < len(tables[s])}
-            raise ValueError(f"deadlock at step {t}: stages wait on {stuck}")
-        for s, key in ready:  # commit after the scan: results are visible from the next step
-            done.add(key)
-            pos[s] += 1
-        remaining -= len(ready)
-        t += 1
-    return t
-
-
-def check_message_order(tables: Sequence[Sequence[Action]], vpp: int = 1) -> None:
-    """Each rank pair's messages are received in the order they are sent.
-
-    No backend here uses tags, so a pair's messages are matched by posting order; Megatron's
-    tables satisfy this.
-
-    Raises:
-        ValueError: naming the first pair (sender, receiver) whose orders differ.
-    """
-    pp = len(tables)
-    last = pp * vpp - 1
-    sent: dict[tuple[int, int], list] = {}
-    received: dict[tuple[int, int], list] = {}
-    for s, table in enumerate(tables):
-        up, down = (s - 1) % pp, (s + 1) % pp
-        for a in table:
-            v = a.chunk * pp + s
-            if a.kind == "F":
-                if v > 0:
-                    received.setdefault((up, s), []).append(("F", a.microbatch, v - 1))
-                if v < last:
-                    sent.setdefault((s, down), []).append(("F", a.microbatch, v))
-            else:
-                if v < last:
-                    received.setdefault((down, s), []).append(("B", a.microbatch, v + 1))
-                if v > 0:
-                    sent.setdefault((s, up), []).append(("B", a.microbatch, v))
-    for pair in sorted(set(sent) | set(received)):
-        if sent.get(pair) != received.get(pair):
-            raise ValueError(f"stage {pair[0]} -> {pair[1]}: sends {sent.get(pair)} but receives {received.get(pair)}")
-
-
-def check_schedule(num_microbatches: int, pp: int, vpp: int | None = None) -> int:
-    """Build every stage's table and check it fully; return the simulated makespan.
-
-    Raises:
-        ValueError: a table misses or repeats work, deadlocks, exceeds its memory bound, or
-            receives a pair's messages in another order than they were sent.
-    """
-    chunks = 1 if vpp is None else vpp
-    tables = [schedule(num_microbatches, pp, vpp, s) for s in range(pp)]
-    for s, table in enumerate(tables):
-        check_stage(table, num_microbatches, chunks)
-        peak, bound = max_in_flight(table), in_flight_bound(num_microbatches, pp, vpp, s)
-        if peak > bound:
-            raise ValueError(f"stage {s} holds {peak} activations at once, bound {bound}")
-    check_message_order(tables, chunks)
-    return simulate(tables, chunks)

@@ -14,17 +14,26 @@ so :func:`workers.parallel.pipeline_p2p.simulate_nccl` checks exactly what runs 
 step's sends and receives are posted together in one ``batch_isend_irecv`` and waited for as a
 whole before the step computes. No tag is used: NCCL ignores tags and matches a pair's
 messages in posting order, and the simulator proves that order agrees on both sides.
+
+Zero-bubble tables (:mod:`workers.parallel.pipeline_zb`): a ``B`` runs the backward inside
+:func:`workers.parallel.wgrad.deferred_wgrads`, and the matching ``W`` runs the weight-gradient
+GEMMs it queued. In the V shape the hand-over between the two chunks of stage ``pp - 1`` stays
+local, and the loss is computed on stage 0. ``timeline`` records each action's start and end
+(``time.perf_counter``), from which :mod:`bench.pipeline_bench` measures the bubble.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Callable, Sequence
 
 import torch
 
 from workers.parallel import comm
-from workers.parallel.pipeline import Action
-from workers.parallel.pipeline_p2p import p2p_plan
+from workers.parallel.pipeline import Action, place, virtual_stage
+from workers.parallel.pipeline_p2p import Step, p2p_plan
+from workers.parallel.wgrad import deferred_wgrads, run_wgrads
 
 
 def deallocate_output(out: torch.Tensor) -> None:
@@ -63,6 +72,9 @@ def run_pipeline(
     device: torch.device | str | None = None,
     before_last_backward: Callable[[int], None] | None = None,
     forward_only: bool = False,
+    v_shape: bool = False,
+    plan: Sequence[Step] | None = None,
+    timeline: list | None = None,
 ) -> list[torch.Tensor]:
     """Run one stage's schedule: forwards, backwards and the p2p traffic between them.
 
@@ -90,11 +102,17 @@ def run_pipeline(
             backward of each model chunk, so that the data-parallel reduction of that chunk's
             gradients (final after it) can overlap with the backwards still to come, with
             interleaving as without (Megatron enables a chunk's grad sync on its last
-            microbatch).
+            microbatch); with ``W`` actions the linear weights are final at their last ``W``
+            (:mod:`workers.parallel.wgrad` keeps their hooks from marking them before).
+        v_shape: the chunks are placed in a V (:func:`workers.parallel.pipeline.place`).
+        plan: the posting order, default ``p2p_plan(actions, ...)``; the V schedule needs
+            :func:`workers.parallel.pipeline_p2p.plan_all`'s.
+        timeline: if given, ``(kind, microbatch, chunk, start, end, cpu)`` of every action is
+            appended: wall-clock start and end (``time.perf_counter``) and the thread's CPU seconds.
 
     Returns:
-        On the last stage, the detached loss of each microbatch in microbatch order; elsewhere
-        an empty list.
+        On the stage of the last virtual stage (the last stage; stage 0 in the V shape), the
+        detached loss of each microbatch in microbatch order; elsewhere an empty list.
 
     Raises:
         ValueError: sizes that do not agree, or a chunk output not of ``tensor_shape``.
@@ -106,11 +124,17 @@ def run_pipeline(
         )
     shape = tuple(tensor_shape)
     last = pp * vpp - 1
+    split = any(a.kind == "W" for a in actions)
+    wgrads: dict[tuple[int, int], list] = {}
     saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     losses: dict[int, torch.Tensor] = {}
     received: dict[tuple[str, int, int], torch.Tensor] = {}
     outgoing: dict[tuple[str, int, int], torch.Tensor] = {}
     last_backward = {a.chunk: a.microbatch for a in actions if a.kind == "B"}  # the last one wins
+
+    def local(v: int) -> bool:
+        """Whether virtual stage ``v`` exists and runs on this stage (the V's turn)."""
+        return 0 <= v <= last and place(v, pp, v_shape)[0] == stage
 
     def exchange(ops) -> None:
         if not ops:
@@ -128,7 +152,7 @@ def run_pipeline(
             work.wait()
 
     def forward(a: Action) -> None:
-        mb, v = a.microbatch, a.chunk * pp + stage
+        mb, v = a.microbatch, virtual_stage(stage, a.chunk, pp, v_shape)
         x = get_input(mb) if v == 0 else received.pop(("F", mb, v - 1)).requires_grad_()
         y = chunks[a.chunk](x)
         if v == last:
@@ -140,26 +164,40 @@ def run_pipeline(
                     f"chunk {a.chunk} on stage {stage} returned shape {tuple(y.shape)}, but "
                     f"tensor_shape is {shape}: pass the activation shape the model produces"
                 )
-            outgoing[("F", mb, v)] = y.detach().contiguous()
+            (received if local(v + 1) else outgoing)[("F", mb, v)] = y.detach().contiguous()
             deallocate_output(y)  # the message holds the data until it is sent; backward needs only y's graph
         if not forward_only:
             saved[(mb, a.chunk)] = (None if v == 0 else x, y)
 
     def backward(a: Action) -> None:
-        mb, v = a.microbatch, a.chunk * pp + stage
+        mb, v = a.microbatch, virtual_stage(stage, a.chunk, pp, v_shape)
         x, y = saved.pop((mb, a.chunk))  # pop: the activations are freed after this backward
         if before_last_backward is not None and last_backward[a.chunk] == mb:
             before_last_backward(a.chunk)
-        if v == last:
-            torch.autograd.backward(y)
-        else:
-            custom_backward(y, received.pop(("B", mb, v + 1)))
+        with deferred_wgrads() if split else _NO_DEFERRAL as queue:
+            if v == last:
+                torch.autograd.backward(y)
+            else:
+                custom_backward(y, received.pop(("B", mb, v + 1)))
+        if split:
+            wgrads[(mb, a.chunk)] = queue
         if x is not None:
-            outgoing[("B", mb, v)] = x.grad if x.grad is not None else torch.zeros_like(x)
+            grad = x.grad if x.grad is not None else torch.zeros_like(x)
+            (received if local(v - 1) else outgoing)[("B", mb, v)] = grad
 
-    for step in p2p_plan(actions, stage, pp, vpp):
+    def weights(a: Action) -> None:
+        run_wgrads(wgrads.pop((a.microbatch, a.chunk)))
+
+    run = {"F": forward, "B": backward, "W": weights}
+    for step in plan if plan is not None else p2p_plan(actions, stage, pp, vpp, v_shape=v_shape):
         exchange(step.ops)
         for a in step.actions:
-            (forward if a.kind == "F" else backward)(a)
-    assert not saved and not outgoing and not received, f"schedule left work behind: {sorted(saved)}"
-    return [losses[mb] for mb in range(num_microbatches)] if stage == pp - 1 else []
+            start, cpu = time.perf_counter(), time.thread_time()
+            run[a.kind](a)
+            if timeline is not None:
+                timeline.append((a.kind, a.microbatch, a.chunk, start, time.perf_counter(), time.thread_time() - cpu))
+    assert not saved and not outgoing and not received and not wgrads, f"schedule left work behind: {sorted(saved)}"
+    return [losses[mb] for mb in range(num_microbatches)] if place(last, pp, v_shape)[0] == stage else []
+
+
+_NO_DEFERRAL = contextlib.nullcontext(None)

@@ -27,9 +27,21 @@ The protocol, Megatron's, except that ``.grad`` stays the buffer view outside ba
 * A weight used twice in one backward (a tied embedding and output layer on one stage) would
   get the dummy summed with its other gradient: such a param carries ``zero_out_wgrad = True``,
   the dummy is zeros, and the hook adds what ``.grad`` holds (the other uses' gradient).
+
+Zero-bubble pipelines (:mod:`workers.parallel.pipeline_zb`) split a backward into the input
+gradient (``B``) and the weight gradient (``W``): a backward run inside
+:func:`deferred_wgrads` queues each fused weight-gradient GEMM (its output gradient and input)
+and hands autograd no weight gradient; ``weight.wgrad_deferred`` counts the GEMMs queued and
+not yet run, and the data-parallel hook marks no weight final while it is positive;
+:func:`run_wgrads` later runs the queued GEMMs into ``main_grad`` and gives autograd the fused
+path's dummies, so the hooks run then, exactly as in an unsplit backward. The same GEMMs in
+the same microbatch order: the gradients do not change. Without ``main_grad`` (bf16/fp16,
+a module used on its own) nothing is deferred and ``W`` has nothing to do.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +61,55 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, fused: torch.Tensor | None)
     grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
     if fused is None or torch.is_grad_enabled():  # create_graph: keep plain autograd
         return grad_2d.t().matmul(x_2d)
+    if _deferred is not None:  # a zero-bubble B: the GEMM waits for run_wgrads, autograd gets nothing
+        _deferred.append((fused, grad_2d, x_2d))
+        fused.wgrad_deferred = getattr(fused, "wgrad_deferred", 0) + 1  # GEMMs queued, not yet run
+        return None
     fused.main_grad.addmm_(grad_2d.t(), x_2d)
+    return _dummy(fused)
+
+
+def _dummy(fused: torch.Tensor) -> torch.Tensor:
+    """The gradient autograd gets for a weight whose GEMM went into ``main_grad`` (module docstring)."""
     fused.grad_added_to_main_grad = True
     fused.grad = None
     if getattr(fused, "zero_out_wgrad", False):
         return torch.zeros_like(fused)
     return torch.empty_like(fused)
+
+
+_deferred: list | None = None
+"""Where :func:`weight_grad` queues its GEMMs inside :func:`deferred_wgrads`. A module global,
+not thread-local: autograd runs a CUDA backward on its own device thread."""
+
+
+@contextlib.contextmanager
+def deferred_wgrads():
+    """Queue the fused weight-gradient GEMMs of the backwards run inside; yields the queue,
+    for :func:`run_wgrads`."""
+    global _deferred
+    outer, _deferred = _deferred, []
+    try:
+        yield _deferred
+    finally:
+        _deferred = outer
+
+
+def run_wgrads(queue: list) -> None:
+    """Run the GEMMs :func:`deferred_wgrads` queued (in their order), then hand each weight's
+    dummy to autograd, so its post-accumulate hook runs as after an unsplit backward."""
+    weights: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for weight, grad_2d, x_2d in queue:
+            weight.main_grad.addmm_(grad_2d.t(), x_2d)
+            weight.wgrad_deferred -= 1
+            weights[id(weight)] = weight
+    queue.clear()
+    if weights:
+        params = tuple(weights.values())
+        torch.autograd.Variable._execution_engine.run_backward(
+            tensors=params, grad_tensors=tuple(_dummy(p) for p in params), keep_graph=False, create_graph=False,
+            inputs=(), allow_unreachable=True, accumulate_grad=True)
 
 
 class LinearFusedWgrad(torch.autograd.Function):

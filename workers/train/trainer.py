@@ -1,8 +1,9 @@
 """One rank's training loop: build the shard, run iterations, report metrics.
 
 An iteration: the global batch of iteration i is cut into ``dp`` contiguous slices, each
-rank's slice into microbatches; the pipeline schedule (1F1B, interleaved, or plain gradient
-accumulation when pp = 1) runs forwards and backwards; gradients are reduced once (dense over
+rank's slice into microbatches; the pipeline schedule (``parallel.pipeline_schedule``: 1F1B,
+interleaved, ZB-H1 or the V-shaped ZBV, whose loss is on stage 0; plain gradient accumulation
+when pp = 1) runs forwards and backwards; gradients are reduced once (dense over
 dp-cp, sequence-parallel weights over tp-dp-cp, experts over expert-dp); AdamW steps. Each
 microbatch's loss is ``sum(token losses) / tokens_in_global_batch`` (packed documents:
 ``sum(loss_mask x token losses) / loss tokens of the global batch``, :mod:`workers.train.packed`),
@@ -59,8 +60,9 @@ from workers.model.mtp import join_loss, shifted_targets, valid_tokens
 from workers.parallel import comm
 from workers.parallel.context import cp_split
 from workers.parallel.optimizer import build_optimizer
-from workers.parallel.pipeline import partition_layers, schedule
+from workers.parallel.pipeline import V_SHAPED, default_schedule, partition_layers, place, schedule, virtual_stage
 from workers.parallel.pipeline_exec import run_pipeline
+from workers.parallel.pipeline_p2p import plan_all
 from workers.parallel.router import update_expert_biases
 from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
 from workers.data.packing import DocumentRules, PackedBatch
@@ -93,6 +95,10 @@ class Trainer:
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * g.dp)
         self.vpp = p.virtual_pipeline_model_parallel_size or 1
         self.stage = c["pp"]
+        self.pipeline_schedule = p.pipeline_schedule or default_schedule(p.virtual_pipeline_model_parallel_size)
+        self.v_shape = self.pipeline_schedule in V_SHAPED
+        # The stage that computes the loss: the last, or stage 0 in the V shape.
+        self.loss_stage = place(g.pp * self.vpp - 1, g.pp, self.v_shape)[0]
         pg = self.groups
         self.ctx = ShardContext(
             tp_group=pg.tp_group, cp_group=pg.cp_group, tp_cp_group=pg.tp_cp_group, cp_ranks=tuple(pg.ranks("cp")),
@@ -102,11 +108,12 @@ class Trainer:
             if p.cp_comm_type == "a2a+p2p" else None,
         )
         positions = local_positions(job.model, self.ctx, c["cp"])
-        layers = partition_layers(job.model.num_layers, g.pp, p.virtual_pipeline_model_parallel_size)[self.stage]
+        layers = partition_layers(job.model.num_layers, g.pp, p.virtual_pipeline_model_parallel_size,
+                                  v_shape=self.v_shape)[self.stage]
+        pieces = [virtual_stage(self.stage, chunk, g.pp, self.v_shape) for chunk in range(self.vpp)]
         self.chunks = [
-            ModelChunk(job.model, self.ctx, ids, positions=positions,
-                       pre_process=(chunk == 0 and self.stage == 0),
-                       post_process=(chunk == self.vpp - 1 and self.stage == g.pp - 1)).to(self.device)
+            ModelChunk(job.model, self.ctx, ids, positions=positions, pre_process=pieces[chunk] == 0,
+                       post_process=pieces[chunk] == g.pp * self.vpp - 1).to(self.device)
             for chunk, ids in enumerate(layers)
         ]
         self.dtype = compute_dtype(t)
@@ -250,13 +257,15 @@ class Trainer:
 
         vpp_cfg = self.job.parallel.virtual_pipeline_model_parallel_size
         make = schedule_forward_only if forward_only else schedule
-        actions = make(self.num_microbatches, self.grid.pp, vpp_cfg, self.stage)
+        tables = [make(self.num_microbatches, self.grid.pp, vpp_cfg, s, self.pipeline_schedule)
+                  for s in range(self.grid.pp)]
+        actions = tables[self.stage]
         labels: dict[int, torch.Tensor] = {}
         chunks, denominator = self.chunks, self.tokens_per_iteration
         if self.packed:
             microbatch, chunks, denominator = packed_iteration(
                 microbatch, self.num_microbatches, self.chunks, actions, self.groups.dp_cp_group,
-                last_stage=self.stage == self.grid.pp - 1)
+                last_stage=self.stage == self.loss_stage)
 
         def get_input(mb: int) -> torch.Tensor:
             tokens, labels[mb] = microbatch(mb)[:2]
@@ -280,7 +289,8 @@ class Trainer:
             tensor_shape=self.activation_shape, dtype=self.dtype, group=self.groups.pp_group, device=self.device,
             before_last_backward=None if forward_only else (
                 lambda chunk: self.optimizer.grads.arm(self.chunks[chunk].parameters())),
-            forward_only=forward_only,
+            forward_only=forward_only, v_shape=self.v_shape,
+            plan=plan_all(tables, self.vpp, self.v_shape)[self.stage] if self.v_shape else None,
         )
 
     def _mtp_objective(self, mb: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -301,7 +311,7 @@ class Trainer:
 
     def _global_loss_tensor(self, mb_losses: list[torch.Tensor]) -> torch.Tensor:
         """:meth:`global_loss` left on the device (:func:`workers.train.reduce.global_loss_tensor`)."""
-        return global_loss_tensor(mb_losses, last_stage=self.stage == self.grid.pp - 1, pg=self.groups,
+        return global_loss_tensor(mb_losses, last_stage=self.stage == self.loss_stage, pg=self.groups,
                                   device=self.device)
 
     def _global_aux_loss(self) -> float:

@@ -29,6 +29,10 @@ LAYOUTS = {
     "pp2": (2, {"pipeline_model_parallel_size": 2}),
     "pp2-vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
     "dp2-distopt": (2, {"use_distributed_optimizer": True}),
+    # Zero-bubble schedules: the weight gradients deferred, and (zbv) the loss on stage 0.
+    "pp2-zb-h1": (2, {"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1"}),
+    "pp2-zbv": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
+                    "pipeline_schedule": "zbv"}),
     # Recomputation reruns the layers (full) or the attention core (selective) with the documents.
     "pp2-full-recompute": (2, {"pipeline_model_parallel_size": 2},
                            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),

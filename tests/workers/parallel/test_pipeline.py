@@ -8,17 +8,13 @@ import torch.distributed as dist
 
 from workers.parallel.pipeline import (
     Action,
-    check_message_order,
-    check_schedule,
-    check_stage,
     in_flight_bound,
-    max_in_flight,
     partition_layers,
     schedule,
     schedule_1f1b,
     schedule_interleaved,
-    simulate,
 )
+from workers.parallel.pipeline_check import check_message_order, check_schedule, check_stage, max_in_flight, simulate
 from workers.parallel.pipeline_exec import run_pipeline
 from workers.parallel.pipeline_p2p import Step, check_nccl_safe, p2p_plan, simulate_nccl
 from tests.helpers.ranks import run_ranks
