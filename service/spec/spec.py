@@ -25,6 +25,7 @@ from service.spec.auto import PARALLEL_AUTO, auto_fields, resolve, search_once
 from service.spec.errors import field_errors, format_validation_error, yaml_loader  # noqa: F401 (field_errors: interface)
 from service.spec.checkpoint import retention_problems
 from service.spec.context import cp_problems
+from service.spec.fp8 import fp8_problems
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.mla import mla_problems
 from service.spec.moe import moe_problems
@@ -196,6 +197,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
     out.extend(recompute_problems(m, pp))
     out.extend(mla_problems(m))
     out.extend(training_problems(t))
+    out.extend(fp8_problems(m, p, t))
     out.extend(retention_problems(spec.checkpoint, t))
     out.extend(resources_problems(res))
     if res.min_nodes is not None and res.min_nodes > res.num_nodes:

@@ -56,6 +56,7 @@ from workers.train.mixed_precision import DynamicGradScaler, compute_dtype
 from workers.model.decoder import ModelChunk, ShardContext, local_positions
 from workers.parallel import comm
 from workers.parallel.context import cp_split
+from workers.parallel.fp8 import Fp8Recipe, update_delayed_scales
 from workers.parallel.optimizer import build_optimizer
 from workers.parallel.pipeline import partition_layers, schedule
 from workers.parallel.pipeline_exec import run_pipeline
@@ -93,7 +94,7 @@ class Trainer:
         self.ctx = ShardContext(
             tp_group=pg.tp_group, cp_group=pg.cp_group, tp_cp_group=pg.tp_cp_group, cp_ranks=tuple(pg.ranks("cp")),
             ep_group=pg.ep_group, etp_group=pg.etp_group, sequence_parallel=p.sequence_parallel,
-            cp_comm_type=p.cp_comm_type, seed=t.seed,
+            cp_comm_type=p.cp_comm_type, seed=t.seed, fp8=Fp8Recipe.of(t),
             hcp_groups=(pg.hcp_a2a_group, pg.hcp_p2p_group, tuple(pg.ranks("hcp_p2p")))
             if p.cp_comm_type == "a2a+p2p" else None,
         )
@@ -191,6 +192,7 @@ class Trainer:
         self.optimizer.lr = lr
         mb_losses = self.run_microbatches(self._microbatch, loss_scale=scale, forward_only=False)
         self._sum_tied_grads()
+        update_delayed_scales(self.chunks, self.groups.tp_dp_cp_group)  # FP8 delayed scaling only
         pending = self.optimizer.step_on_device()
         # The iteration's one host read (dense path): loss, grad norm and skip flags together.
         loss_sum, grad_norm, skipped, found_inf = torch.cat(
