@@ -46,3 +46,37 @@ def _block_problems(m, p, block: int) -> list[str]:
             m.moe_shared_expert_intermediate_size // tp
     return [f"training.fp8_recipe blockwise: {name} {size} is not divisible by training.fp8_block_size {block}; "
             f"choose a block that divides it, or tensorwise/delayed" for name, size in dims.items() if size % block]
+
+
+# -- the plan's cost of the FP8 linears (service.spec.plan) ----------------------------------------
+FP32_TFLOPS = {"A100": 19.5, "H100": 67.0, "H200": 67.0, "B200": 80.0}
+"""Dense fp32 (non-tensor-core) peaks, the datasheets beside service.spec.cost.GPU_FIGURES's bf16."""
+FP8_TFLOPS = {"H100": 1979.0, "H200": 1979.0, "B200": 4500.0}
+"""Dense FP8 tensor-core peaks (2x bf16), what ``torch._scaled_mm`` GEMMs would reach; unused while
+the FP8 linears are emulated (workers/parallel/fp8.py: no ``_scaled_mm`` path yet)."""
+
+
+def fp8_linear_flops(s, batch: int, t) -> float:
+    """Megatron's FLOPs (``num_floating_point_operations``'s terms) of the GEMMs that run in FP8:
+    QKV and output projection, and the dense MLP or the shared experts, of every FP8 layer. MLA's
+    projections are not counted (0 for an MLA model)."""
+    if not t.fp8 or s.mla:
+        return 0.0
+    layers = [i for i in range(s.layers) if not t.first_last_layers_bf16
+              or t.num_layers_at_start_in_bf16 <= i < s.layers - t.num_layers_at_end_in_bf16]
+    h = s.hidden
+    attention = (1 + s.groups / s.heads) * (s.heads * s.head_dim / h)
+    mlp = sum(((s.shared_ffn or 0) if s.experts and s.is_moe_layer(i) else s.ffn) for i in layers) * 1.5 / h
+    return 12 * batch * s.seq * h * h * (attention * len(layers) + mlp)
+
+
+def fp8_seconds(s, t, gpu_type: str | None, peak_flops: float, efficiency: float, world: int) -> float:
+    """What the FP8 linears add to a step on accelerators, as the code runs them: emulated, each
+    GEMM in fp32 on dequantised operands, so those FLOPs go at the fp32 peak instead of the bf16
+    one the step's compute was costed at (an unknown accelerator: H100's fp32 / bf16 ratio), plus
+    nothing for the elementwise casts (memory-bound, small beside the GEMMs)."""
+    flops = fp8_linear_flops(s, t.global_batch_size, t)
+    if not flops:
+        return 0.0
+    fp32 = FP32_TFLOPS[gpu_type] * 1e12 if gpu_type in FP32_TFLOPS else peak_flops * FP32_TFLOPS["H100"] / 989.0
+    return flops / world * (1 / (fp32 * efficiency) - 1 / (peak_flops * efficiency))

@@ -114,3 +114,27 @@ def test_the_spec_takes_every_recipe():
     for recipe in ("tensorwise", "delayed", "blockwise"):
         extra = {"fp8_block_size": 16} if recipe == "blockwise" else {}
         parse_spec({**BASE, "training": {"fp8": "hybrid", "fp8_recipe": recipe, "bf16": True, **extra}})
+
+
+def test_the_plan_costs_the_emulated_fp8_gemms_at_the_fp32_peak():
+    from service.spec import cost
+    from service.spec.plan import plan_job
+
+    spec = {"model": {"num_layers": 8, "hidden_size": 2048, "num_attention_heads": 16, "ffn_hidden_size": 5632,
+                      "seq_length": 2048},
+            "training": {"bf16": True, "global_batch_size": 8, "micro_batch_size": 1},
+            "resources": {"gpus_per_node": 8, "gpu_type": "H100"}, "parallel": {"tensor_model_parallel_size": 2}}
+    steps = {}
+    for name, extra in (("bf16", {}), ("fp8", {"fp8": "hybrid"}),
+                        ("fp8-first-last", {"fp8": "hybrid", "first_last_layers_bf16": True})):
+        parsed = parse_spec({**spec, "training": {**spec["training"], **extra}})
+        steps[name] = plan_job(parsed)["cost"]["step_seconds"]
+    bf16, fp8, first_last = steps["bf16"], steps["fp8"], steps["fp8-first-last"]
+    assert "fp8" not in bf16
+    # the linears' GEMMs: 12 b s h^2 L ((1 + g/a) + 1.5 f/h), moved from the bf16 to the fp32 peak
+    h, L, b, s = 2048, 8, 8, 2048
+    flops = 12 * b * s * h * h * L * (2 + 1.5 * 5632 / h)
+    want = flops / 8 * (1 / 67e12 - 1 / 989e12) / cost.EFFICIENCY
+    assert fp8["fp8"] == pytest.approx(want, rel=1e-9)
+    assert fp8["total"] == pytest.approx(bf16["total"] + want, rel=1e-9)
+    assert first_last["fp8"] == pytest.approx(want * 6 / 8, rel=1e-9)
