@@ -138,3 +138,15 @@ def test_the_plan_costs_the_emulated_fp8_gemms_at_the_fp32_peak():
     assert fp8["fp8"] == pytest.approx(want, rel=1e-9)
     assert fp8["total"] == pytest.approx(bf16["total"] + want, rel=1e-9)
     assert first_last["fp8"] == pytest.approx(want * 6 / 8, rel=1e-9)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_full_recompute_reproduces_the_fp8_run(recipe):
+    """A recomputed forward quantises as the first did (tensorwise: the same amax; delayed: the
+    same scales, and its amaxes, recorded twice, leave the max unchanged)."""
+    from tests.helpers.parity import job_of, run_trainer, tiny_spec
+
+    training = {"fp8": "hybrid", "fp8_recipe": recipe}
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    plain = run_trainer(0, 1, job_of(tiny_spec(training=training)), iters=2)["losses"]
+    assert run_trainer(0, 1, job_of(tiny_spec(training=training, model=recompute)), iters=2)["losses"] == plain
