@@ -4,7 +4,8 @@ each problem one line naming the fields, the numbers and the fix."""
 from __future__ import annotations
 
 _DELAYED_ONLY = ("fp8_amax_history_len", "fp8_amax_compute_algo")
-_WITH_FP8 = ("fp8_recipe", "first_last_layers_bf16", "fp8_block_size", *_DELAYED_ONLY)
+_LAYER_COUNTS = ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
+_WITH_FP8 = ("fp8_recipe", "first_last_layers_bf16", "fp8_block_size", *_DELAYED_ONLY, *_LAYER_COUNTS)
 
 
 def fp8_problems(m, p, t) -> list[str]:
@@ -22,6 +23,8 @@ def fp8_problems(m, p, t) -> list[str]:
     if "fp8_block_size" in given and t.fp8_recipe != "blockwise":
         out.append(f"training.fp8_block_size applies to fp8_recipe: blockwise, not {t.fp8_recipe!r}; "
                    f"drop fp8_block_size or use the blockwise recipe")
+    out += [f"training.{f} applies with training.first_last_layers_bf16: true; set it, or drop {f}"
+            for f in _LAYER_COUNTS if f in given and not t.first_last_layers_bf16]
     if t.first_last_layers_bf16 and t.num_layers_at_start_in_bf16 + t.num_layers_at_end_in_bf16 >= m.num_layers:
         out.append(f"training.first_last_layers_bf16 with num_layers_at_start_in_bf16 {t.num_layers_at_start_in_bf16}"
                    f" + num_layers_at_end_in_bf16 {t.num_layers_at_end_in_bf16} >= model.num_layers {m.num_layers} "
