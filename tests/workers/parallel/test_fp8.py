@@ -153,3 +153,15 @@ def test_full_recompute_reproduces_the_fp8_run(recipe):
     recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     plain = run_trainer(0, 1, job_of(tiny_spec(training=training)), iters=2)["losses"]
     assert run_trainer(0, 1, job_of(tiny_spec(training=training, model=recompute)), iters=2)["losses"] == plain
+
+
+def test_first_last_layers_bf16_leaves_those_layers_and_the_output_layer_unquantised():
+    from tests.helpers.parity import job_of, tiny_spec
+    from workers.model.decoder import ModelChunk, ShardContext
+
+    job = job_of(tiny_spec(training={"fp8": "hybrid", "first_last_layers_bf16": True,
+                                     "num_layers_at_end_in_bf16": 2}))
+    chunk = ModelChunk(job.model, ShardContext(fp8=Fp8Recipe.of(job.training)), [0, 1, 2, 3], pre_process=True,
+                       post_process=True, positions=torch.arange(job.model.seq_length))
+    quantised = sorted(m.fp8.name for m in chunk.modules() if getattr(m, "fp8", None) is not None)
+    assert quantised == ["layers.1.attention.proj", "layers.1.attention.qkv", "layers.1.mlp.down", "layers.1.mlp.gate_up"]
