@@ -10,6 +10,8 @@ Sections (each key of the JSON; each also printed as one line):
   step time, tokens/s, peak memory, and MFU against the device's dense peak by Megatron's FLOP
   formula (``num_floating_point_operations`` in megatron/training/training.py: causal
   attention counted half) next to the PaLM convention (attention counted whole).
+  ``bf16+fp8``: bf16 with ``training.fp8: hybrid``, ``fp8_recipe: tensorwise``, its MFU against
+  the bf16 peak (the FP8 operands are quantised and the GEMMs run in fp32, as on CPU).
 * ``sdpa_backend``: the backend torch's dispatcher picks for the model's attention call
   (``torch._fused_sdp_choice`` on its shapes, per dtype): flash, cuDNN, efficient or math.
 * ``profile``: one bf16 step under ``torch.profiler``: device time by kernel class (GEMM,
@@ -101,15 +103,19 @@ def steps(job, device, cfg: dict, peak: dict) -> list[dict]:
     m = job.model
     tokens = cfg["gbs"] * cfg["seq"]
     rows = []
-    for mode in ("fp32", "bf16"):
-        r = run_mode(job, mode, cfg["warmup"], cfg["iters"], device=device)
+    import dataclasses
+
+    # bf16+fp8: training.fp8 hybrid, tensorwise (workers/parallel/fp8.py), its MFU against the bf16 peak
+    fp8 = dataclasses.replace(job, training=dataclasses.replace(job.training, fp8="hybrid", fp8_recipe="tensorwise"))
+    for mode, run in (("fp32", job), ("bf16", job), ("bf16+fp8", fp8)):
+        r = run_mode(run, "fp32" if mode == "fp32" else "bf16", cfg["warmup"], cfg["iters"], device=device)
         step_s = r["step_s"]
         megatron = megatron_flops_per_token(m) * tokens / step_s / 1e12
         palm = flops_per_token(m)[1] * tokens / step_s / 1e12
         rows.append({"mode": mode, "step_s": step_s, "tokens_per_s": tokens / step_s, "params": r["params"],
                      "peak_gib": r["peak_gib"], "tflops_megatron": megatron, "tflops_palm": palm,
-                     "mfu_megatron": megatron / peak[mode] if peak else None,
-                     "mfu_palm": palm / peak[mode] if peak else None, "first_loss": r["losses"][0]})
+                     "mfu_megatron": megatron / peak[mode.split("+")[0]] if peak else None,
+                     "mfu_palm": palm / peak[mode.split("+")[0]] if peak else None, "first_loss": r["losses"][0]})
     return rows
 
 

@@ -187,6 +187,19 @@ class TrainingConfig:
     """fp16 params and compute with a dynamic loss scaler (exclusive with bf16)."""
     initial_loss_scale: float = 2.0**32
     """fp16: the dynamic loss scaler's first scale (Megatron's --initial-loss-scale)."""
+    fp8: str | None = None
+    """FP8 linears (workers.parallel.fp8): "e4m3" (every GEMM operand e4m3) or "hybrid" (e5m2 gradients)."""
+    fp8_recipe: str = "delayed"
+    """tensorwise | delayed | blockwise: how the FP8 scales are chosen."""
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    """delayed: the scale from the newest amax (most_recent) or the history's max (max)."""
+    fp8_block_size: int = 128
+    """blockwise: the tile (1 x B for activations and gradients, B x B for weights)."""
+    first_last_layers_bf16: bool = False
+    """Keep the first num_layers_at_start_in_bf16 and last num_layers_at_end_in_bf16 layers out of FP8."""
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
     tensorboard_dir: str | None = None
     """Write TensorBoard scalars here (the last rank that holds the loss writes)."""
     reset_position_ids: bool = False

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from service.spec import cost
 from service.spec.cost_cpu import spec_step_time
+from service.spec.fp8 import fp8_seconds
 from service.spec.mla import MLADims
 from service.spec.placement import plan_placement
 from workers.grid import ParallelGrid
@@ -262,6 +263,9 @@ def estimate(spec, grid: ParallelGrid, node_of: list[int], tr: _Traffic | None =
                               global_batch_size=t.global_batch_size, num_microbatches=num_microbatches,
                               recompute=m.recompute_granularity, comm=comm, cluster=cluster,
                               distributed=p.use_distributed_optimizer, schedule=p.pipeline_schedule)
+        if t.fp8:  # the FP8 linears' GEMMs as the code runs them (service/spec/fp8.py)
+            extra = fp8_seconds(s, t, spec.resources.gpu_type, cluster.peak_flops, cost.EFFICIENCY, grid.world_size)
+            step = {**step, "fp8": extra, "total": step["total"] + extra}
     peak = state["total"] + act["total"] + cluster.process_bytes
     cross = sum(d["cross_node"] for d in tr.totals.values())
     return {"cluster": cluster.as_dict(), "state_bytes": state, "activation_bytes": act,

@@ -212,6 +212,17 @@ class TrainingSpec(BaseModel):
     bf16: bool = Field(False, description="bf16 compute, fp32 main params and grads")
     fp16: bool = Field(False, description="fp16 compute with a dynamic loss scaler")
     initial_loss_scale: float = Field(2.0**32, gt=0, description="fp16: the loss scaler's first scale")
+    fp8: Literal["e4m3", "hybrid"] | None = Field(None, description="FP8 linears: e4m3 everywhere, or hybrid (e5m2 "
+                                                  "gradients); null = off")
+    fp8_recipe: Literal["tensorwise", "delayed", "blockwise"] = Field("delayed", description="FP8 scales: per tensor "
+                                                                      "now, from an amax history, or per tile")
+    fp8_amax_history_len: int = Field(1, ge=1, description="delayed: iterations of amax history")
+    fp8_amax_compute_algo: Literal["most_recent", "max"] = Field("most_recent", description="delayed: the scale "
+                                                                 "from the newest amax or the history's max")
+    fp8_block_size: int = Field(128, ge=1, description="blockwise: the tile (1 x B activations, B x B weights)")
+    first_last_layers_bf16: bool = Field(False, description="FP8: keep the first and last layers in bf16")
+    num_layers_at_start_in_bf16: int = Field(1, ge=0, description="with first_last_layers_bf16")
+    num_layers_at_end_in_bf16: int = Field(1, ge=0, description="with first_last_layers_bf16")
     tensorboard_dir: str | None = Field(None, description="write TensorBoard scalars here")
     reset_position_ids: bool = Field(False, description="packed documents: RoPE positions restart at each document")
     reset_attention_mask: bool = Field(False, description="packed documents: attention and the loss never cross "

@@ -26,6 +26,7 @@ from service.spec.errors import field_errors, format_validation_error, yaml_load
 from service.spec.checkpoint import retention_problems
 from service.spec.context import cp_problems
 from service.spec.documents import document_problems
+from service.spec.fp8 import fp8_problems
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.mla import mla_problems
 from service.spec.moe import moe_problems
@@ -205,6 +206,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
                    f"model.seq_length {m.seq_length}; use at most {max(m.seq_length - 2, 1)} MTP layers")
     out.extend(mla_problems(m))
     out.extend(training_problems(t) + document_problems(t, m.vocab_size, m.mtp_num_layers))
+    out.extend(fp8_problems(m, p, t))
     out.extend(retention_problems(spec.checkpoint, t))
     out.extend(resources_problems(res))
     if res.min_nodes is not None and res.min_nodes > res.num_nodes:

@@ -33,6 +33,7 @@ from workers.model.mtp import MultiTokenPrediction
 from workers.parallel import comm
 from workers.parallel.context import cp_positions
 from workers.parallel.expert import MoELayer, Routing
+from workers.parallel.fp8 import Fp8Recipe, attach_fp8
 from workers.parallel.initializer import Cat, NormalInit, Zeros
 from workers.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from workers.parallel.recompute import is_recomputing, run_layers
@@ -54,6 +55,8 @@ class ShardContext:
     sequence_parallel: bool = False
     cp_comm_type: str = "p2p"
     seed: int = 1234
+    fp8: Fp8Recipe | None = None
+    """training.fp8: the decoder layers' linears run in FP8 (workers.parallel.fp8)."""
 
     @property
     def tp_size(self) -> int:
@@ -197,6 +200,7 @@ class ModelChunk(nn.Module):
             self.embedding = VocabParallelEmbedding(emb, ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, i) for i in layer_ids)
         self.mtp = MultiTokenPrediction(cfg, ctx, DecoderLayer) if post_process and cfg.mtp_num_layers else None
+        attach_fp8(self.layers, ctx.fp8, ctx.tp_cp_group, cfg.num_layers, (ColumnParallelLinear, RowParallelLinear))
         # The RoPE tables now, so they count as buffers from the start (MLA rotates without them).
         for layer in self.all_layers() if not cfg.multi_latent_attention else ():
             layer.attention._rope_tables(self.rotary, cfg.num_attention_heads // cfg.num_query_groups + 2)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.parallel import comm
+from workers.parallel.fp8 import quantize_grad, quantize_operands
 from workers.parallel.initializer import materialize
 from workers.parallel.sequence import reduce_scatter_to_sequence_parallel_region
 from workers.parallel.wgrad import fuses, linear, weight_grad
@@ -192,6 +193,8 @@ class ColumnParallelLinear(nn.Module):
             is complete, so its grad needs no TP reduction); ``None``: no bias.
     """
 
+    fp8 = None  # a workers.parallel.fp8.LinearFp8 when this layer's GEMMs run in FP8
+
     def __init__(self, full_weight: torch.Tensor, group, *, sequence_parallel: bool = False,
                  gather_output: bool = False, full_bias=None):
         super().__init__()
@@ -202,13 +205,16 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if full_bias is None else _shard(full_bias, 0, group, "ColumnParallelLinear", "bias size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = fuses(self.weight)
+        dtype = x.dtype
+        x, weight = quantize_operands(self, x, self.weight)  # FP8 (workers.parallel.fp8); else as given
+        fused = fuses(weight)
         if self.sequence_parallel and comm.world_size(self.group) > 1:
-            y = _LinearWithSequenceGather.apply(x, self.weight, self.group, fused)
+            y = _LinearWithSequenceGather.apply(x, weight, self.group, fused)
         elif comm.world_size(self.group) > 1:
-            y = _LinearWithAsyncAllReduce.apply(x, self.weight, self.group, fused)
+            y = _LinearWithAsyncAllReduce.apply(x, weight, self.group, fused)
         else:
-            y = linear(x, self.weight)
+            y = linear(x, weight)
+        y = quantize_grad(self, y, dtype)
         if self.bias is not None:  # whatever the path above: the bias joins this rank's output slice
             y = y + self.bias
         if self.gather_output:
@@ -230,6 +236,8 @@ class RowParallelLinear(nn.Module):
     ``input_is_parallel=True``).
     """
 
+    fp8 = None  # a workers.parallel.fp8.LinearFp8 when this layer's GEMMs run in FP8
+
     def __init__(self, full_weight: torch.Tensor, group, *, sequence_parallel: bool = False):
         super().__init__()
         self.group = group
@@ -238,12 +246,14 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T`` reduced over the group, plus ``residual`` (shaped as the output) if given."""
-        if residual is not None and comm.world_size(self.group) == 1 and x.dtype == torch.float32:
+        if residual is not None and comm.world_size(self.group) == 1 and x.dtype == torch.float32 and not self.fp8:
             # No reduction between the GEMM and the residual add: one addmm does both. Not in
             # bf16/fp16: addmm rounds the sum once where a TP layout rounds the reduced GEMM and
             # then the sum, an asymmetry that flips MoE routing between layouts.
             return linear(x, self.weight, residual)
-        y = linear(x, self.weight)  # partial sum over this rank's input features
+        dtype = x.dtype
+        x, weight = quantize_operands(self, x, self.weight)  # FP8 (workers.parallel.fp8); else as given
+        y = quantize_grad(self, linear(x, weight), dtype)  # partial sum over this rank's input features
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:

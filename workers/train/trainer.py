@@ -59,6 +59,7 @@ from workers.model.decoder import ModelChunk, ShardContext, local_positions
 from workers.model.mtp import join_loss, shifted_targets, valid_tokens
 from workers.parallel import comm
 from workers.parallel.context import cp_split
+from workers.parallel.fp8 import Fp8Recipe, update_delayed_scales
 from workers.parallel.optimizer import build_optimizer
 from workers.parallel.pipeline import V_SHAPED, default_schedule, partition_layers, place, schedule, virtual_stage
 from workers.parallel.pipeline_exec import run_pipeline
@@ -103,7 +104,7 @@ class Trainer:
         self.ctx = ShardContext(
             tp_group=pg.tp_group, cp_group=pg.cp_group, tp_cp_group=pg.tp_cp_group, cp_ranks=tuple(pg.ranks("cp")),
             ep_group=pg.ep_group, etp_group=pg.etp_group, sequence_parallel=p.sequence_parallel,
-            cp_comm_type=p.cp_comm_type, seed=t.seed,
+            cp_comm_type=p.cp_comm_type, seed=t.seed, fp8=Fp8Recipe.of(t),
             hcp_groups=(pg.hcp_a2a_group, pg.hcp_p2p_group, tuple(pg.ranks("hcp_p2p")))
             if p.cp_comm_type == "a2a+p2p" else None,
         )
@@ -217,6 +218,7 @@ class Trainer:
         self.mtp_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         mb_losses = self.run_microbatches(self._microbatch, loss_scale=scale, forward_only=False)
         self._sum_tied_grads()
+        update_delayed_scales(self.chunks, self.groups.tp_dp_cp_group)  # FP8 delayed scaling only
         pending = self.optimizer.step_on_device()
         mtp = [self._global_loss_tensor([self.mtp_loss_sum])] if self.job.model.mtp_num_layers else []
         # The iteration's one host read (dense path): loss, grad norm and skip flags together.
