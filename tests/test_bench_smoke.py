@@ -135,3 +135,13 @@ def test_cpu_calibration_measures_every_figure_the_cpu_cluster_stores():
     assert set(CPU_FIGURES) - {"memory_gb"} <= set(got)
     assert got["peak_tflops"] > 0 and got["intra_gbps"] > 0 and got["memory_gbps"] > 0 and got["cores"] >= 1
     assert set(got["hop_latency_s"]) == {2} and got["hop_latency_s"][2] >= 0
+
+
+def test_sft_packing_bench_runs_and_packs_fuller_than_padding(capsys):
+    from bench import sft_packing_bench
+
+    sft_packing_bench.main(["--seq", "64", "--samples", "24"])
+    out = capsys.readouterr().out
+    padded, packed = (float(next(line for line in out.splitlines() if line.startswith(k)).split()[2])
+                      for k in ("padded", "packed"))
+    assert packed > 0.8 and packed > 3 * padded

@@ -212,6 +212,17 @@ class TrainingConfig:
     """The end-of-document token: a document starts after each (indexed datasets' boundaries count too)."""
     calculate_per_token_loss: bool = False
     """The loss is the mean over the global batch's loss tokens (Megatron's), whatever the layout."""
+    # Chat / instruction fine-tuning data (workers/data/chat.py): replaces data, implies packed documents
+    chat_data: str | None = None
+    """A .jsonl/.json/.parquet/.arrow file or directory of chat records; None: pretraining on data."""
+    chat_format: str = "messages"
+    """messages (role/content turns, the tokenizer's chat template) | prompt_completion (plain text)."""
+    chat_tokenizer: str | None = None
+    """The tokenizer directory (default: model.from_hf's)."""
+    chat_loss_on: str = "assistant"
+    """Which tokens carry loss: assistant | last_assistant | all."""
+    chat_overflow: str = "truncate"
+    """A sample longer than seq_length + 1 tokens: truncate | drop | error."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -232,6 +232,17 @@ class TrainingSpec(BaseModel):
                                      "after each")
     calculate_per_token_loss: bool = Field(False, description="the loss is the mean over the global batch's loss "
                                            "tokens (Megatron's); required by reset_attention_mask and eod_mask_loss")
+    chat_data: str | None = Field(None, min_length=1, description="fine-tune on chat/instruction records (a .jsonl, "
+                                  ".json, .parquet or .arrow file or directory) instead of training.data: rendered with "
+                                  "the tokenizer's chat template, packed, loss on chat_loss_on (docs/fine-tuning.md)")
+    chat_format: Literal["messages", "prompt_completion"] = Field(
+        "messages", description="messages: {messages: [{role, content}]}; prompt_completion: {prompt, completion} as "
+        "plain text")
+    chat_tokenizer: str | None = Field(None, min_length=1, description="tokenizer directory; default model.from_hf")
+    chat_loss_on: Literal["assistant", "last_assistant", "all"] = Field(
+        "assistant", description="the tokens that carry loss (each assistant turn with its end-of-turn token)")
+    chat_overflow: Literal["truncate", "drop", "error"] = Field(
+        "truncate", description="a sample longer than seq_length + 1 tokens")
 
 
 def training_problems(t: TrainingSpec) -> list[str]:

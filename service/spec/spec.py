@@ -26,6 +26,7 @@ from service.spec.errors import field_errors, format_validation_error, yaml_load
 from service.spec.checkpoint import retention_problems
 from service.spec.context import cp_problems
 from service.spec.documents import document_problems
+from service.spec.chat import chat_problems
 from service.spec.fp8 import fp8_problems
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.mla import mla_problems
@@ -207,6 +208,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
     out.extend(mla_problems(m))
     out.extend(training_problems(t) + document_problems(t, m.vocab_size, m.mtp_num_layers))
     out.extend(fp8_problems(m, p, t))
+    out.extend(chat_problems(t, m))
     out.extend(retention_problems(spec.checkpoint, t))
     out.extend(resources_problems(res))
     if res.min_nodes is not None and res.min_nodes > res.num_nodes:
@@ -303,7 +305,8 @@ def to_job_config(spec: JobSpec) -> JobConfig:
     )
     parallel = _by_name(ParallelConfig, p,
                         expert_tensor_parallel_size=p.expert_tensor_parallel_size or p.tensor_model_parallel_size)
-    training = _by_name(TrainingConfig, t, data=tuple(str(x) for x in t.data) if isinstance(t.data, list) else t.data)
+    training = _by_name(TrainingConfig, t, data=tuple(str(x) for x in t.data) if isinstance(t.data, list) else t.data,
+                        chat_tokenizer=t.chat_tokenizer or (m.from_hf if t.chat_data else None))
     checkpoint = _by_name(CheckpointConfig, spec.checkpoint)
     return JobConfig(
         checkpoint=checkpoint, min_nodes=spec.resources.min_nodes,

@@ -60,8 +60,11 @@ def data_files(path: str) -> tuple[str, list[str]]:
 
 def read_records(path: str, *, streaming: bool = False):
     """Yield ``(file, line, record)`` of every record, in order (``line`` 1-based)."""
+    import datasets
     from datasets import load_dataset
 
+    datasets.disable_progress_bars()  # a rank's log, and the CLI's one-line errors, stay clean
+    datasets.logging.set_verbosity_error()
     builder, files = data_files(path)
     for f in files:
         ds = load_dataset(builder, data_files=f, split="train", streaming=streaming)
@@ -198,7 +201,7 @@ class ChatDataset:
             if len(ids) > seq_length + 1:
                 if overflow == "error":
                     raise ChatDataError(f"{where}: {len(ids)} tokens, more than seq_length {seq_length} + 1; raise "
-                                        f"model.seq_length or set overflow: truncate or drop")
+                                        f"model.seq_length or set training.chat_overflow: truncate or drop")
                 if overflow == "drop":
                     dropped += 1
                     continue
@@ -209,7 +212,8 @@ class ChatDataset:
             self.ids.append(np.asarray(ids, dtype=np.int64))
             self.masks.append(np.asarray(mask, dtype=np.float32))
         if not self.ids:
-            raise ChatDataError(f"{path}: no sample left to train on ({dropped} dropped); check overflow and seq_length")
+            raise ChatDataError(f"{path}: no sample left to train on ({dropped} dropped); check "
+                                f"training.chat_overflow and model.seq_length")
         self.packed = pack([len(x) - 1 for x in self.ids], seq_length, seed)
         loss = sum(float(m[1:].sum()) for m in self.masks)
         self.stats = {"samples": len(self.ids), "truncated": truncated, "dropped": dropped,

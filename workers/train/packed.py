@@ -86,3 +86,19 @@ def packed_iteration(read, num_microbatches: int, chunks, actions, group, *, las
     batches = PackedMicrobatches(read, num_microbatches)
     return (batches.get, batches.chunk_callables(chunks, actions),
             batches.loss_tokens(group) if last_stage else 1)
+
+
+def sampler_of(t, seq_length: int):
+    """``(packed, sampler)`` of a training config: chat rows (``chat_data``), packed pretraining
+    windows (the document switches or ``calculate_per_token_loss``), or plain windows."""
+    from workers.data.dataset import GlobalSampler
+    from workers.data.packing import DocumentRules
+
+    if t.chat_data:
+        from workers.data.chat_sampler import ChatSampler
+
+        return True, ChatSampler(t, seq_length)
+    rules = DocumentRules.of(t)
+    packed = rules.packed or t.calculate_per_token_loss
+    return packed, GlobalSampler(t.data, seq_length, t.seed, t.global_batch_size, split=t.split,
+                                 rules=rules if packed else None)

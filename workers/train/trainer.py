@@ -49,7 +49,6 @@ import torch
 
 from workers.train import evaluation
 from workers.config import JobConfig
-from workers.data.dataset import GlobalSampler
 from workers.grid import ParallelGrid
 from workers.train.heap import pin_mmap_threshold, release_free_heap
 from workers.parallel.groups import ProcessGroups, build_process_groups
@@ -66,8 +65,8 @@ from workers.parallel.pipeline_exec import run_pipeline
 from workers.parallel.pipeline_p2p import plan_all
 from workers.parallel.router import update_expert_biases
 from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
-from workers.data.packing import DocumentRules, PackedBatch
-from workers.train.packed import local_batch, packed_iteration
+from workers.data.packing import PackedBatch
+from workers.train.packed import local_batch, packed_iteration, sampler_of
 from workers.train.tensorboard import EventWriter
 from workers.train.reduce import global_aux_loss, global_loss_tensor, param_groups
 
@@ -134,9 +133,7 @@ class Trainer:
         self.mtp_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # see _mtp_objective
         # Megatron's rule: the last rank (it holds the loss) writes TensorBoard.
         self.tensorboard = EventWriter(t.tensorboard_dir) if t.tensorboard_dir and rank == g.world_size - 1 else None
-        self.packed = DocumentRules.of(t).packed or t.calculate_per_token_loss  # workers.train.packed
-        self.sampler = GlobalSampler(t.data, job.model.seq_length, t.seed, t.global_batch_size, split=t.split,
-                                     rules=DocumentRules.of(t) if self.packed else None)
+        self.packed, self.sampler = sampler_of(t, job.model.seq_length)  # packed: workers.train.packed
         self.tokens_per_iteration = t.global_batch_size * job.model.seq_length
         s_local = job.model.seq_length // g.cp // (g.tp if p.sequence_parallel else 1)
         self.activation_shape = (s_local, t.micro_batch_size, job.model.hidden_size)

@@ -1,0 +1,51 @@
+"""The chat fine-tuning fields of the training section (``chat_*``, :mod:`workers.data.chat`): every
+record is rendered and checked when the spec is read, so bad data is refused before anything
+starts, naming the file, the line and the fix."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+
+def chat_problems(t, m) -> list[str]:
+    """What stops ``training.chat_data`` from being trained on, each one line."""
+    if not t.chat_data:
+        return []
+    tokenizer = t.chat_tokenizer or m.from_hf
+    if not tokenizer:
+        return ["training.chat_data needs a tokenizer: set training.chat_tokenizer (a directory with tokenizer "
+                "files) or model.from_hf"]
+    out = []
+    if t.eval_interval:
+        out.append(f"training.eval_interval {t.eval_interval}: chat data has no validation split yet; set "
+                   f"training.eval_interval: null")
+    if t.reset_position_ids or t.reset_attention_mask or t.eod_mask_loss:
+        out.append("training.chat_data packs its samples as documents itself; drop training.reset_position_ids, "
+                   "reset_attention_mask and eod_mask_loss")
+    try:
+        stats = chat_stats(t.chat_data, _mtime(t.chat_data), tokenizer, m.seq_length, t.seed, t.chat_format,
+                           t.chat_loss_on, t.chat_overflow)
+    except (ValueError, OSError) as e:
+        return out + [f"training.chat_data: {e}"]
+    if stats["vocab"] > m.vocab_size:
+        out.append(f"training.chat_tokenizer {tokenizer} has {stats['vocab']} tokens, more than model.vocab_size "
+                   f"{m.vocab_size}; raise model.vocab_size (or use the model's own tokenizer)")
+    return out
+
+
+def _mtime(path: str) -> float:
+    """The newest modification time under ``path`` (the cache key of its check)."""
+    if os.path.isdir(path):
+        return max([os.path.getmtime(os.path.join(path, f)) for f in os.listdir(path)] or [0.0])
+    return os.path.getmtime(path) if os.path.exists(path) else 0.0
+
+
+@functools.lru_cache(maxsize=8)
+def chat_stats(path: str, mtime: float, tokenizer: str, seq_length: int, seed: int, fmt: str, loss_on: str,
+               overflow: str) -> dict:
+    """Render, check and pack the data once per (data, settings); its statistics and vocabulary size."""
+    from workers.data.chat import ChatDataset, load_tokenizer
+
+    data = ChatDataset(path, tokenizer, seq_length, seed, fmt=fmt, loss_on=loss_on, overflow=overflow)
+    return {**data.stats, "vocab": len(load_tokenizer(tokenizer))}

@@ -1,0 +1,81 @@
+"""Chat fine-tuning data on the paths users take: each bad input is refused before anything starts
+(``raytron run`` exit 2 with one line, ``POST /api/v1/jobs`` 422) naming the file, the line and the
+fix; a chat job killed mid-epoch (a rank exits at iteration 4, checkpoints every 2) goes on at the
+next unseen packed row and ends on the undisturbed curve."""
+
+import json
+import subprocess
+
+import pytest
+import yaml
+
+from tests.helpers.chat import CONVERSATIONS, chat_tokenizer, write_jsonl
+from tests.helpers.cli import RAYTRON
+from tests.helpers.parity import tiny_spec
+from tests.helpers.server import api, server  # noqa: F401
+
+pytestmark = pytest.mark.procs
+
+BAD = [
+    ({"text": "hi"}, "line 2: no messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "line 2: unknown role 'wizard'"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+     "line 2: an empty assistant turn"),
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    return {"llama3": chat_tokenizer(root / "llama3", "llama3"), "none": chat_tokenizer(root / "none", None)}
+
+
+def _spec(tmp_path, data, tokenizer, world=1, **training):
+    spec = tiny_spec(world=world, model={"vocab_size": 320, "seq_length": 32},
+                     training={"chat_data": data, "chat_tokenizer": tokenizer, "eval_interval": None, **training})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path, spec
+
+
+@pytest.mark.parametrize("record, needle", BAD)
+def test_bad_chat_data_exits_2_and_is_a_422_naming_file_and_line(tmp_path, tokenizer, api, record, needle):
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}, record])
+    path, spec = _spec(tmp_path, data, tokenizer["llama3"])
+    p = subprocess.run([RAYTRON, "run", str(path)], capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert f"chat.jsonl {needle}" in lines[0]
+    r = api.post("/jobs", json=spec)
+    assert r.status_code == 422 and any(f"chat.jsonl {needle}" in e["message"] for e in r.json()["errors"]), r.text
+
+
+def test_a_tokenizer_without_a_template_and_an_overlong_sample_exit_2(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}])
+    for tok, extra, needle in [(tokenizer["none"], {}, "the tokenizer has no chat template"),
+                               (tokenizer["llama3"], {"chat_overflow": "error"},
+                                "chat.jsonl line 1: 66 tokens, more than seq_length 32 + 1; raise model.seq_length or set "
+                                "training.chat_overflow")]:
+        path, _ = _spec(tmp_path, data, tok, **extra)
+        p = subprocess.run([RAYTRON, "run", str(path)], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_chat_job_killed_mid_epoch_resumes_on_the_undisturbed_curve(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS] * 10)
+    path, _ = _spec(tmp_path, data, tokenizer["llama3"], world=2, train_iters=6)
+
+    def run(*extra):
+        p = subprocess.run([RAYTRON, "run", str(path), "--launcher", "processes", "--json", *extra],
+                           capture_output=True, text=True, timeout=300)
+        return p, json.loads(p.stdout.strip().splitlines()[-1])
+
+    p, ref = run()
+    assert p.returncode == 0, p.stderr
+    spec = yaml.safe_load(path.read_text())
+    spec["checkpoint"] = {"save_interval": 2, "dir": str(tmp_path / "ckpt")}
+    spec["fault_tolerance"] = {"max_restarts": 1, "collective_timeout_s": 20}
+    path.write_text(yaml.safe_dump(spec))
+    p, out = run("--fault", "1@4:exit")
+    assert p.returncode == 0 and out["restarts"] == 1, p.stderr
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(out["losses"], ref["losses"])) and len(out["losses"]) == 6
