@@ -55,7 +55,8 @@ from workers.parallel.groups import ProcessGroups, build_process_groups
 from workers.train.lr_schedule import LRSchedule
 from workers.train.mixed_precision import DynamicGradScaler, compute_dtype
 from workers.model.decoder import ModelChunk, ShardContext, local_positions
-from workers.model.mtp import join_loss, shifted_targets, valid_tokens
+from workers.model.mtp import shifted_targets
+from workers.train.objective import Objective, load_trainer_state, trainer_state
 from workers.parallel import comm
 from workers.parallel.context import cp_split
 from workers.parallel.fp8 import Fp8Recipe, update_delayed_scales
@@ -64,7 +65,6 @@ from workers.parallel.pipeline import V_SHAPED, default_schedule, partition_laye
 from workers.parallel.pipeline_exec import run_pipeline
 from workers.parallel.pipeline_p2p import plan_all
 from workers.parallel.router import update_expert_biases
-from workers.parallel.cross_entropy import vocab_parallel_cross_entropy
 from workers.data.packing import PackedBatch
 from workers.train.packed import local_batch, packed_iteration, sampler_of
 from workers.train.tensorboard import EventWriter
@@ -130,7 +130,7 @@ class Trainer:
             chunk.to(self.dtype)  # the params are cast already; this casts the rotary tables
         self.lr_schedule = LRSchedule.from_config(t)
         self.num_skipped = 0
-        self.mtp_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # see _mtp_objective
+        self.mtp_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # Objective.mtp adds to it
         # Megatron's rule: the last rank (it holds the loss) writes TensorBoard.
         self.tensorboard = EventWriter(t.tensorboard_dir) if t.tensorboard_dir and rank == g.world_size - 1 else None
         self.packed, self.sampler = sampler_of(t, job.model.seq_length)  # packed: workers.train.packed
@@ -259,49 +259,22 @@ class Trainer:
         tables = [make(self.num_microbatches, self.grid.pp, vpp_cfg, s, self.pipeline_schedule)
                   for s in range(self.grid.pp)]
         actions = tables[self.stage]
-        labels: dict[int, torch.Tensor] = {}
         chunks, denominator = self.chunks, self.tokens_per_iteration
         if self.packed:
             microbatch, chunks, denominator = packed_iteration(
                 microbatch, self.num_microbatches, self.chunks, actions, self.groups.dp_cp_group,
                 last_stage=self.stage == self.loss_stage)
-
-        def get_input(mb: int) -> torch.Tensor:
-            tokens, labels[mb] = microbatch(mb)[:2]
-            return tokens
-
-        def loss_fn(mb: int, out) -> torch.Tensor:
-            logits, hidden = out if isinstance(out, tuple) else (out, None)  # (logits, hidden): MTP
-            target = labels.pop(mb) if mb in labels else microbatch(mb)[1]
-            # The cross-entropy runs in fp32 whatever the compute dtype (as Megatron's), inside.
-            losses = vocab_parallel_cross_entropy(logits, target, self.groups.tp_group)
-            if self.packed:
-                losses = losses * microbatch(mb).loss_mask
-            loss = losses.sum() / denominator
-            if hidden is not None and not forward_only:
-                loss = join_loss(loss, self._mtp_objective(mb, hidden))
-            return loss * loss_scale if loss_scale != 1.0 else loss
-
+        objective = Objective(self, microbatch, denominator, loss_scale=loss_scale, forward_only=forward_only)
         return run_pipeline(
             actions, stage=self.stage, pp=self.grid.pp, vpp=self.vpp, pp_ranks=self.groups.ranks("pp"),
-            chunks=chunks, num_microbatches=self.num_microbatches, get_input=get_input, loss_fn=loss_fn,
+            chunks=chunks, num_microbatches=self.num_microbatches, get_input=objective.get_input,
+            loss_fn=objective.loss,
             tensor_shape=self.activation_shape, dtype=self.dtype, group=self.groups.pp_group, device=self.device,
             before_last_backward=None if forward_only else (
                 lambda chunk: self.optimizer.grads.arm(self.chunks[chunk].parameters())),
             forward_only=forward_only, v_shape=self.v_shape,
             plan=plan_all(tables, self.vpp, self.v_shape)[self.stage] if self.v_shape else None,
         )
-
-    def _mtp_objective(self, mb: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Microbatch ``mb``'s share of ``factor / D * sum_k L_k`` (:mod:`workers.model.mtp`); its
-        share of the mean of the ``L_k`` is added to ``mtp_loss_sum`` for the report."""
-        m = self.job.model
-        read = lambda start, count: self.sampler.batch(self.iteration, start, count)  # noqa: E731
-        sums = self.chunks[-1].mtp_losses(hidden, self.local_slice(read, mb, mtp=True))
-        per_depth = sums / torch.tensor(valid_tokens(m.seq_length, self.job.training.global_batch_size,
-                                                     m.mtp_num_layers), dtype=sums.dtype, device=sums.device)
-        self.mtp_loss_sum += per_depth.detach().sum().double() / m.mtp_num_layers
-        return per_depth.sum() * (m.mtp_loss_scaling_factor / m.mtp_num_layers)
 
     def global_loss(self, mb_losses: list[torch.Tensor]) -> float:
         """The global batch's mean loss from this rank's microbatch losses (what :meth:`run_microbatches`
@@ -320,22 +293,11 @@ class Trainer:
 
     # -- checkpoint hooks (workers/checkpoint/checkpointer.py stores the tensors; this is the rest) --------
     def state_for_checkpoint(self) -> dict:
-        """JSON-able trainer state beside the tensors: data position, successful updates (the
-        LR schedule's position, Megatron's ``num_steps`` / global batch), skipped steps and
-        the fp16 loss scaler (``load_state_from_checkpoint`` restores them)."""
-        return {"sampler": self.sampler.state_dict(), "optimizer_steps": self.optimizer.num_steps,
-                "lr": self.optimizer.lr,
-                "lr_schedule": {"completed_updates": self.optimizer.num_steps,
-                                "next_lr": self.lr_schedule.lr_for_update(self.optimizer.num_steps)},
-                "num_skipped": self.num_skipped,
-                "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None}
+        """:func:`workers.train.objective.trainer_state` (restored by :meth:`load_state_from_checkpoint`)."""
+        return trainer_state(self)
 
     def load_state_from_checkpoint(self, state: dict) -> None:
-        self.sampler.load_state_dict(state["sampler"])
-        self.optimizer.num_steps = int(state.get("lr_schedule", {}).get("completed_updates", state["optimizer_steps"]))
-        self.num_skipped = int(state.get("num_skipped", 0))
-        if self.grad_scaler is not None and state.get("grad_scaler"):
-            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        load_trainer_state(self, state)
 
 
 def _world_group():
