@@ -70,7 +70,8 @@ class OpCounter(TorchDispatchMode):
 
 
 def _one_layer(job):
-    from workers.model.decoder import DecoderLayer, ShardContext, rotary_tables
+    from workers.model.decoder import ShardContext, rotary_tables
+    from workers.model.layer import DecoderLayer
 
     m = job.model
     layer = DecoderLayer(m, ShardContext(seed=job.training.seed), 0)

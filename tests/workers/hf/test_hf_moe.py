@@ -12,7 +12,8 @@ import torch
 
 from workers.config import ModelConfig
 from workers.hf.moe import hf_moe_config, hf_moe_names, moe_fields_from_hf
-from workers.model.decoder import ShardContext, moe_layer
+from workers.model.decoder import ShardContext
+from workers.model.layer import moe_layer
 
 transformers = pytest.importorskip("transformers")
 H = 16

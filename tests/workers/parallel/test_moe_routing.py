@@ -20,7 +20,8 @@ import torch.distributed as dist
 from tests.helpers.paths import ROOT
 from tests.helpers.ranks import run_ranks
 from workers.config import ModelConfig
-from workers.model.decoder import ShardContext, moe_layer
+from workers.model.decoder import ShardContext
+from workers.model.layer import moe_layer
 from workers.parallel.router import Routing, TopKRouter, update_expert_biases
 
 transformers = pytest.importorskip("transformers")
@@ -227,7 +228,8 @@ def test_seq_aux_loss_is_the_mean_of_each_sequences_switch_loss():
 
 @pytest.mark.parametrize("freq,moe_layers", [(1, [0, 1, 2, 3]), (2, [0, 2]), ((0, 1, 1, 1), [1, 2, 3])])
 def test_moe_layer_freq_picks_the_moe_layers(freq, moe_layers):
-    from workers.model.decoder import MLP, ModelChunk
+    from workers.model.decoder import ModelChunk
+    from workers.model.layer import MLP
     from workers.parallel.expert import MoELayer
 
     cfg = ModelConfig(num_layers=4, hidden_size=H, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=40,

@@ -80,7 +80,7 @@ def test_recompute_fields_are_checked(model, words):
     (None, 4, 4), ("selective", 4, 8), ("full-uniform-1", 8, 8), ("full-uniform-3", 8, 8), ("full-block-2", 6, 6)])
 def test_recomputed_regions_run_twice(monkeypatch, name, layer_runs, core_runs):
     """Per microbatch, of 4 layers: which forwards rerun in backward (Megatron's semantics)."""
-    from workers.model import decoder as model_module
+    from workers.model import layer as model_module
     from workers.train.trainer import Trainer
 
     calls = {"layer": 0, "core": 0}
