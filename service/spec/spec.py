@@ -28,6 +28,7 @@ from service.spec.context import cp_problems
 from service.spec.documents import document_problems
 from service.spec.chat import chat_problems
 from service.spec.fp8 import fp8_problems
+from service.spec.from_hf import from_hf_problems
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.mla import mla_problems
 from service.spec.moe import moe_problems
@@ -35,7 +36,7 @@ from service.spec.pipeline import pipeline_problems
 from service.spec.tracking import TrackingSpec
 from service.spec.sections import (  # noqa: F401 (the sections are part of this module's interface)
     STRICT, Auto, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
-    from_hf_problems, resources_problems, training_problems)
+    resources_problems, training_problems)
 from workers.config import CheckpointConfig, JobConfig, ModelConfig, ParallelConfig, TrainingConfig
 from workers.grid import ParallelGrid
 
