@@ -242,6 +242,8 @@ class CheckpointConfig:
     save_hf: bool = False
     """Also write an HF model directory of every save_hf_interval-th checkpoint and of the last, under dir/hf/."""
     save_hf_interval: int = 1
+    hf_tokenizer: str | None = None
+    """A tokenizer directory whose files each HF copy also gets (default: the chat tokenizer or model.from_hf)."""
     load: str | None = None
     """A raytron checkpoint (dir or root) or ``hf:DIR`` to start from when ``dir`` holds none."""
     resume_from: str | None = None

@@ -23,6 +23,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["hf"], default="hf", help="output format (hf: LlamaForCausalLM / "
                    "MixtralForCausalLM)")
     p.add_argument("out_dir", help="where to write model.safetensors and config.json")
+    p.add_argument("--tokenizer", metavar="DIR", help="also copy this directory's tokenizer files (tokenizer.json, "
+                   "tokenizer_config.json, ...) into the model directory")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
     return p
@@ -33,7 +35,7 @@ def run(args) -> int:
     from workers.hf.export import export_hf
 
     try:
-        result = export_hf(args.checkpoint, args.out_dir)
+        result = export_hf(args.checkpoint, args.out_dir, tokenizer=getattr(args, "tokenizer", None))
     except (ValueError, OSError) as e:
         print(f"raytron export: error: {e}", file=sys.stderr)
         return 2

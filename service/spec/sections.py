@@ -256,6 +256,8 @@ class CheckpointSpec(BaseModel):
                           "model.safetensors) of every save_hf_interval-th checkpoint and of the last one, under "
                           "DIR/hf/iter_N, in the background")
     save_hf_interval: int = Field(1, ge=1, description="with save_hf: every this many checkpoints (and the last)")
+    hf_tokenizer: str | None = Field(None, min_length=1, description="with save_hf: a tokenizer directory whose "
+                                     "files each copy also gets (default training.chat_tokenizer or model.from_hf)")
     load: str | None = Field(None, min_length=1, description="start from a raytron checkpoint (dir or root) or "
                              "hf:DIR when checkpoint.dir holds none")
 

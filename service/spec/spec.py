@@ -308,7 +308,8 @@ def to_job_config(spec: JobSpec) -> JobConfig:
                         expert_tensor_parallel_size=p.expert_tensor_parallel_size or p.tensor_model_parallel_size)
     training = _by_name(TrainingConfig, t, data=tuple(str(x) for x in t.data) if isinstance(t.data, list) else t.data,
                         chat_tokenizer=t.chat_tokenizer or (m.from_hf if t.chat_data else None))
-    checkpoint = _by_name(CheckpointConfig, spec.checkpoint)
+    checkpoint = _by_name(CheckpointConfig, spec.checkpoint,
+                          hf_tokenizer=spec.checkpoint.hf_tokenizer or training.chat_tokenizer or m.from_hf)
     return JobConfig(
         checkpoint=checkpoint, min_nodes=spec.resources.min_nodes,
         node_grace_s=spec.fault_tolerance.node_grace_s,

@@ -9,6 +9,7 @@ Qwen3, Qwen3-MoE, DeepSeek-V3).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -19,9 +20,15 @@ from workers.checkpoint.reader import CheckpointReader
 from workers.hf.interop import hf_config, logical_shapes, to_hf
 
 
-def export_hf(checkpoint: str, out_dir: str) -> dict:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+def export_hf(checkpoint: str, out_dir: str, tokenizer: str | None = None) -> dict:
     """Write a raytron checkpoint (a directory, or the latest under a root) as a Hugging Face
-    model directory: ``model.safetensors`` (float32) and ``config.json``.
+    model directory: ``model.safetensors`` (float32) and ``config.json``, and with ``tokenizer`` (a
+    directory) its tokenizer files (:data:`TOKENIZER_FILES` that it has).
 
     Returns:
         ``{"iteration", "architecture", "bytes", "path", "mtp_layers_left_out"}`` (MTP modules of
@@ -51,8 +58,11 @@ def export_hf(checkpoint: str, out_dir: str) -> dict:
     save_file(tensors, path, {"format": "pt", "raytron_iteration": str(reader.iteration)})
     size = path.stat().st_size
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    copied = [name for name in TOKENIZER_FILES if tokenizer and (Path(tokenizer) / name).is_file()]
+    for name in copied:
+        shutil.copyfile(Path(tokenizer) / name, out / name)
     return {"iteration": reader.iteration, "architecture": config["architectures"][0], "bytes": size, "path": str(out),
-            "mtp_layers_left_out": dropped}
+            "mtp_layers_left_out": dropped, "tokenizer_files": copied}
 
 
 def _own(t: torch.Tensor, storages: set[int]) -> torch.Tensor:

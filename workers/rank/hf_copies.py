@@ -22,10 +22,12 @@ class HFCopies:
         root: the checkpoint root (a local directory).
         interval: copy every this many committed checkpoints.
         last_iteration: the iteration of the job's last checkpoint, which is always copied.
+        tokenizer: a directory whose tokenizer files each copy also gets.
     """
 
-    def __init__(self, root: str, interval: int, last_iteration: int):
+    def __init__(self, root: str, interval: int, last_iteration: int, tokenizer: str | None = None):
         self.root, self.interval, self.last_iteration = root, interval, last_iteration
+        self.tokenizer = tokenizer
         self._commits = 0
         self._background = Background()
         self._done: list[dict] = []
@@ -41,7 +43,8 @@ class HFCopies:
         from workers.hf.export import export_hf
 
         name = checkpoint_name(iteration)
-        self._done.append(export_hf(os.path.join(self.root, name), os.path.join(self.root, "hf", name)))
+        self._done.append(export_hf(os.path.join(self.root, name), os.path.join(self.root, "hf", name),
+                                    tokenizer=self.tokenizer))
 
     def wait(self) -> None:
         """Block until the copy in progress is written; re-raises its error."""

@@ -68,7 +68,8 @@ class RankRunner:
             from workers.rank.hf_copies import HFCopies
 
             total = job.training.train_iters
-            self.hf_copies = HFCopies(ckpt.dir, ckpt.save_hf_interval, total - total % ckpt.save_interval)
+            self.hf_copies = HFCopies(ckpt.dir, ckpt.save_hf_interval, total - total % ckpt.save_interval,
+                                      tokenizer=ckpt.hf_tokenizer)
 
     def placement(self, **where) -> PlacementRecord:
         """This rank's placement record: this process (host, pid, device), its grid coordinates

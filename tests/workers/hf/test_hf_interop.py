@@ -150,7 +150,7 @@ def test_hf_import_into_tp2_sp_pp2_gives_the_single_process_loss(llama_dir):
 def test_save_hf_writes_a_transformers_model_of_each_due_checkpoint(tmp_path):
     """checkpoint.save_hf on `raytron run` at tp2: every save_hf_interval-th checkpoint and the last get an
     HF directory under DIR/hf while the job trains, each with the logits of raytron's model at that
-    iteration (the checkpoint loaded into one process) in transformers."""
+    iteration (the checkpoint loaded into one process) in transformers, and checkpoint.hf_tokenizer's files."""
     import os
     import subprocess
     import sys
@@ -161,8 +161,11 @@ def test_save_hf_writes_a_transformers_model_of_each_due_checkpoint(tmp_path):
 
     spec = tiny_spec(world=2, model={"num_layers": 2}, parallel={"tensor_model_parallel_size": 2},
                      training={"train_iters": 5})
+    from tests.helpers.chat import chat_tokenizer
+
+    tokenizer = chat_tokenizer(tmp_path / "tok", "chatml")
     spec["checkpoint"] = {"save_interval": 1, "dir": str(tmp_path / "ck"), "keep_last": 5, "save_hf": True,
-                          "save_hf_interval": 2}
+                          "save_hf_interval": 2, "hf_tokenizer": tokenizer}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
     p = subprocess.run([os.path.join(os.path.dirname(sys.executable), "raytron"), "run", str(tmp_path / "job.yaml"),
                         "--launcher", "processes", "--json"], capture_output=True, text=True, timeout=300)
@@ -174,3 +177,8 @@ def test_save_hf_writes_a_transformers_model_of_each_due_checkpoint(tmp_path):
         name, got = hf_logits(tmp_path / "ck" / "hf" / f"iter_{it:07d}", tokens())
         assert name == "LlamaForCausalLM"
         assert_close(got, raytron_logits(t, tokens()))
+    from transformers import AutoTokenizer  # the copy is a whole model directory: tokenizer included
+
+    copied = AutoTokenizer.from_pretrained(str(tmp_path / "ck" / "hf" / "iter_0000005"))
+    original = AutoTokenizer.from_pretrained(tokenizer)
+    assert copied.get_vocab() == original.get_vocab() and copied.chat_template == original.chat_template
