@@ -91,3 +91,62 @@ def test_a_packed_row_restarts_positions_and_masks_the_labels(tmp_path, tokenize
         assert positions[a:b].tolist() == list(range(b - a))
     assert "<|eot_id|>" in tok.decode(labels[mask == 1].tolist()) and "user" not in tok.decode(labels[mask == 1].tolist())
     assert data.stats["samples"] == 6 and 0 < data.stats["loss_token_share"] < 1
+
+
+@pytest.mark.parametrize("family, template", [("llama", "llama3"), ("qwen3", "chatml")])
+def test_a_packed_chat_microbatch_is_transformers_per_sample_loss_over_assistant_tokens(tmp_path, family, template):
+    """Two packed rows of chat samples through raytron's model (per-document attention, positions from
+    0 in each document) against transformers' model of the family (tiny, the weights copied by name)
+    run on each sample alone: the loss (the mean over the assistant tokens) and every gradient, 1e-5."""
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from workers.config import ModelConfig
+    from workers.data.packing import pack_rows
+    from workers.hf.families import hf_config
+    from workers.hf.interop import to_hf
+    from workers.model.decoder import ModelChunk, ShardContext
+
+    seq = 64
+    tok = chat_tokenizer(tmp_path / "tok", template)
+    records = [{"messages": c} for c in CONVERSATIONS] + [{"messages": [
+        {"role": "user", "content": "tell me a story about a cat"},
+        {"role": "assistant", "content": "a cat sat on a mat. it is fine"}]}]
+    data = ChatDataset(write_jsonl(tmp_path / "chat.jsonl", records * 2), tok, seq, 1)
+    batch = pack_rows([data.row(k) for k in range(2)])
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=48,
+                      vocab_size=320, seq_length=seq, qk_layernorm=family == "qwen3")
+    m = dataclasses.asdict(cfg)
+    ours = ModelChunk(cfg, ShardContext(seed=5), [0, 1], pre_process=True, post_process=True,
+                      positions=torch.arange(seq))
+    hf = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    theirs = hf[1](hf[0](**hf_config(m))).float()
+
+    def hub(named) -> dict:
+        out = {}
+        for name, t in named:
+            out.update(to_hf(name, t.view(2, -1, t.shape[-1]) if name.endswith("gate_up.weight") else t, m))
+        return out
+
+    theirs.load_state_dict(hub((n, p.detach()) for n, p in ours.named_parameters()), strict=True)
+    count = batch.loss_mask.sum()
+    logits = ours(batch.tokens.t().contiguous(), packing=(batch.position_ids.t().contiguous(), batch.cu_seqlens))
+    losses = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), batch.labels.t().reshape(-1), reduction="none")
+    loss = (losses * batch.loss_mask.t().reshape(-1)).sum() / count
+    loss.backward()
+    want = 0.0
+    for k in range(2):
+        for i in data.packed.rows[k]:
+            ids, mask = torch.from_numpy(data.ids[i]), torch.from_numpy(data.masks[i])
+            out = theirs(input_ids=ids[None]).logits[0]
+            sample = (F.cross_entropy(out[:-1], ids[1:], reduction="none") * mask[1:]).sum() / count
+            sample.backward()
+            want += sample.item()
+    assert abs(loss.item() - want) <= 1e-5 * want
+    got = hub((n, p.grad) for n, p in ours.named_parameters())
+    for name, p in theirs.named_parameters():
+        err = (got[name] - p.grad).abs().max() / p.grad.abs().max()
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
