@@ -62,7 +62,8 @@ class RunView:
 
 def progress_postfix(metrics: dict) -> dict:
     """The progress bar's figures for one iteration's metrics: loss, validation loss (when an
-    evaluation ran), learning rate, gradient norm, loss scale (fp16) and tokens/s."""
+    evaluation ran), learning rate, gradient norm, loss scale (fp16), tokens/s and, on chat data, the
+    loss tokens of the step and the share of row slots holding a token."""
     out = {"loss": _num(metrics.get("loss"), ".4f")}
     if metrics.get("val_loss") is not None:
         out["val"] = _num(metrics["val_loss"], ".4f")
@@ -73,6 +74,9 @@ def progress_postfix(metrics: dict) -> dict:
     if metrics.get("loss_scale") not in (None, 1.0):
         out["scale"] = _num(metrics["loss_scale"], ".0f")
     out["tok_s"] = _num(metrics.get("tokens_per_s") or 0.0, ".0f")
+    if metrics.get("packing_efficiency") is not None:  # chat data: loss tokens per step, rows filled
+        out["loss_tok"] = _num(metrics.get("loss_tokens"), ".0f")
+        out["packed"] = _num(metrics["packing_efficiency"], ".2f")
     return out
 
 

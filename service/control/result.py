@@ -14,7 +14,7 @@ from workers.grid import COORDS, ParallelGrid
 
 PLACEMENT_KEYS = ("rank", "node_id", "pid", *COORDS)
 # Global (same on every rank) per-iteration metrics that join ``losses`` when a run reports them.
-SERIES = ("lr", "grad_norm", "loss_scale", "val_loss", "moe_aux_loss", "mtp_loss")
+SERIES = ("lr", "grad_norm", "loss_scale", "val_loss", "moe_aux_loss", "mtp_loss", "loss_tokens", "packing_efficiency")
 
 
 def result_object(job_id: str, state: str, grid: ParallelGrid, metrics: list[dict], placement: list[dict],

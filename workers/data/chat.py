@@ -215,6 +215,8 @@ class ChatDataset:
             raise ChatDataError(f"{path}: no sample left to train on ({dropped} dropped); check "
                                 f"training.chat_overflow and model.seq_length")
         self.packed = pack([len(x) - 1 for x in self.ids], seq_length, seed)
+        self.row_tokens = [sum(len(self.ids[i]) - 1 for i in row) for row in self.packed.rows]
+        self.row_loss_tokens = [sum(float(self.masks[i][1:].sum()) for i in row) for row in self.packed.rows]
         loss = sum(float(m[1:].sum()) for m in self.masks)
         self.stats = {"samples": len(self.ids), "truncated": truncated, "dropped": dropped,
                       "loss_token_share": loss / float(self.packed.lengths.sum()), **self.packed.stats}

@@ -25,6 +25,15 @@ class ChatSampler:
         base = iteration * self.global_batch_size + start
         return pack_rows([self.data.row(base + j) for j in range(count)])
 
+    def batch_stats(self, iteration: int) -> dict:
+        """What iteration ``iteration``'s global batch holds: ``loss_tokens``, ``packing_efficiency``
+        (real tokens / slots) and ``loss_token_share`` (loss tokens / real tokens)."""
+        rows = [(iteration * self.global_batch_size + j) % len(self.data) for j in range(self.global_batch_size)]
+        real = sum(int(self.data.row_tokens[k]) for k in rows)
+        loss = sum(float(self.data.row_loss_tokens[k]) for k in rows)
+        return {"loss_tokens": loss, "packing_efficiency": real / (len(rows) * self.data.seq_length),
+                "loss_token_share": loss / max(real, 1)}
+
     def state_dict(self) -> dict:
         return {"iteration": self.iteration, "seed": self.seed, "rows": len(self.data)}
 

@@ -25,6 +25,8 @@ TAGS = {  # train_step metric -> Megatron's TensorBoard tag
     "loss_scale": "loss-scale",
     "moe_aux_loss": "load_balancing_loss",
     "mtp_loss": "mtp loss",
+    "loss_tokens": "loss-tokens-per-step",
+    "packing_efficiency": "packing-efficiency",
     "val_loss": "lm loss validation",
     "step_time_s": "iteration-time",
     "tokens_per_s": "throughput-tokens-per-sec",

@@ -244,6 +244,8 @@ class Trainer:
             "tokens_per_s": self.tokens_per_iteration / dt,
             "peak_mem_mb": peak_memory_mb(self.device),
         }
+        if hasattr(self.sampler, "batch_stats"):  # chat data: loss tokens, packing efficiency, loss-token share
+            metrics.update(self.sampler.batch_stats(self.iteration - 1))
         if self.tensorboard is not None:
             self.tensorboard.write_metrics(metrics)
         return metrics

@@ -277,6 +277,8 @@ const CHARTS = [
   { title: "loss scale", series: [["loss_scale", "#7f8c8d"]] },
   { title: "MoE aux loss", series: [["moe_aux_loss", "#c0392b"]] },
   { title: "throughput (tokens/s)", series: [["tokens_per_s", "#27ae60"]] },
+  { title: "loss tokens per step (chat data)", series: [["loss_tokens", "#d35400"]] },
+  { title: "packing efficiency (chat data)", series: [["packing_efficiency", "#2c3e50"], ["loss_token_share", "#7f8c8d"]] },
 ];
 
 async function showJob(jobId, signal) {

@@ -79,3 +79,6 @@ def test_a_chat_job_killed_mid_epoch_resumes_on_the_undisturbed_curve(tmp_path, 
     p, out = run("--fault", "1@4:exit")
     assert p.returncode == 0 and out["restarts"] == 1, p.stderr
     assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(out["losses"], ref["losses"])) and len(out["losses"]) == 6
+    # what a user sees of the packing: the step's loss tokens and the rows' fill, per iteration
+    assert out["loss_tokens"] == ref["loss_tokens"] and all(t > 0 for t in out["loss_tokens"])
+    assert all(0.5 < e <= 1.0 for e in out["packing_efficiency"])

@@ -150,3 +150,23 @@ def test_a_packed_chat_microbatch_is_transformers_per_sample_loss_over_assistant
     for name, p in theirs.named_parameters():
         err = (got[name] - p.grad).abs().max() / p.grad.abs().max()
         assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+
+
+def test_the_batch_stats_are_the_batchs_own(tmp_path, tokenizers):
+    """What the progress line, the console and TensorBoard show of a chat step: its loss tokens are
+    the packed global batch's loss-mask sum, and the efficiency its real tokens over its slots."""
+    from types import SimpleNamespace
+
+    from workers.data.chat_sampler import ChatSampler
+
+    path = write_jsonl(tmp_path / "data.jsonl", [{"messages": c} for c in CONVERSATIONS] * 5)
+    t = SimpleNamespace(chat_data=path, chat_tokenizer=tokenizers["chatml"], seed=2, chat_format="messages",
+                        chat_loss_on="assistant", chat_overflow="truncate", global_batch_size=3)
+    sampler = ChatSampler(t, 48)
+    for it in range(3):
+        batch, stats = sampler.batch(it), sampler.batch_stats(it)
+        assert stats["loss_tokens"] == float(batch.loss_mask.sum())
+        # every sample has a loss token and the padding document none: the documents with one are real
+        real = sum(b - a for r, cu in enumerate(batch.cu_seqlens) for a, b in zip(cu, cu[1:])
+                   if float(batch.loss_mask[r, a:b].sum()) > 0)
+        assert stats["packing_efficiency"] == real / (3 * 48) and 0 < stats["loss_token_share"] < 1
