@@ -5,6 +5,7 @@ starts, naming the file, the line and the fix."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 
@@ -16,6 +17,10 @@ def chat_problems(t, m) -> list[str]:
     if not tokenizer:
         return ["training.chat_data needs a tokenizer: set training.chat_tokenizer (a directory with tokenizer "
                 "files) or model.from_hf"]
+    missing = [m for m in ("datasets", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        return [f"training.chat_data needs the {' and '.join(missing)} package(s), not installed: pip install "
+                f"'raytron[chat]'"]
     out = []
     if t.eval_interval:
         out.append(f"training.eval_interval {t.eval_interval}: chat data has no validation split yet; set "
