@@ -223,6 +223,8 @@ class TrainingConfig:
     """Which tokens carry loss: assistant | last_assistant | all."""
     chat_overflow: str = "truncate"
     """A sample longer than seq_length + 1 tokens: truncate | drop | error."""
+    chat_streaming: bool = False
+    """Read chat_data as a stream, packed a buffer at a time (data larger than memory)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,7 +30,7 @@ def chat_problems(t, m) -> list[str]:
                    "reset_attention_mask and eod_mask_loss")
     try:
         stats = chat_stats(t.chat_data, _mtime(t.chat_data), tokenizer, m.seq_length, t.seed, t.chat_format,
-                           t.chat_loss_on, t.chat_overflow)
+                           t.chat_loss_on, t.chat_overflow, STREAM_CHECK if t.chat_streaming else None)
     except (ValueError, OSError) as e:
         return out + [f"training.chat_data: {e}"]
     if stats["vocab"] > m.vocab_size:
@@ -46,11 +46,23 @@ def _mtime(path: str) -> float:
     return os.path.getmtime(path) if os.path.exists(path) else 0.0
 
 
+STREAM_CHECK = 1000
+"""Records of streamed chat data checked when the spec is read (the rest: when the ranks read them)."""
+
+
 @functools.lru_cache(maxsize=8)
 def chat_stats(path: str, mtime: float, tokenizer: str, seq_length: int, seed: int, fmt: str, loss_on: str,
-               overflow: str) -> dict:
-    """Render, check and pack the data once per (data, settings); its statistics and vocabulary size."""
-    from workers.data.chat import ChatDataset, load_tokenizer
+               overflow: str, first: int | None = None) -> dict:
+    """Render, check and pack the data (or its ``first`` records) once per (data, settings); its
+    statistics and the tokenizer's vocabulary size."""
+    import itertools
 
+    from workers.data.chat import ChatDataset, load_tokenizer, samples
+
+    tok = load_tokenizer(tokenizer)
+    if first is not None:
+        records = list(itertools.islice(samples(path, tok, seq_length, fmt=fmt, loss_on=loss_on, overflow=overflow,
+                                                counts={}, streaming=True), first))
+        return {"samples": len(records), "vocab": len(tok)}
     data = ChatDataset(path, tokenizer, seq_length, seed, fmt=fmt, loss_on=loss_on, overflow=overflow)
-    return {**data.stats, "vocab": len(load_tokenizer(tokenizer))}
+    return {**data.stats, "vocab": len(tok)}

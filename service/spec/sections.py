@@ -207,6 +207,8 @@ class TrainingSpec(BaseModel):
         "assistant", description="the tokens that carry loss (each assistant turn with its end-of-turn token)")
     chat_overflow: Literal["truncate", "drop", "error"] = Field(
         "truncate", description="a sample longer than seq_length + 1 tokens")
+    chat_streaming: bool = Field(False, description="read chat_data as a stream, packed 1024 samples at a time "
+                                 "(data larger than memory; the spec check reads its first 1000 records)")
 
 
 def training_problems(t: TrainingSpec) -> list[str]:

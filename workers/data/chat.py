@@ -176,6 +176,48 @@ def pack(lengths, seq_length: int, seed: int) -> Packed:
     return Packed(rows, lengths, {"rows": len(rows), "efficiency": used / max(1, len(rows) * seq_length)})
 
 
+def samples(path: str, tok, seq_length: int, *, fmt: str, loss_on: str, overflow: str, counts: dict,
+            streaming: bool = False):
+    """Yield ``(ids, mask)`` numpy arrays of every usable record, in order: rendered, checked, cut to
+    ``seq_length + 1`` tokens (``truncate``) or left out (``drop``, counted in ``counts``); a sample
+    with no loss token left is dropped too."""
+    for f, line, record in read_records(path, streaming=streaming):
+        where = f"{f} line {line}"
+        ids, mask = render(tok, record, fmt, loss_on, where)
+        if len(ids) > seq_length + 1:
+            if overflow == "error":
+                raise ChatDataError(f"{where}: {len(ids)} tokens, more than seq_length {seq_length} + 1; raise "
+                                    f"model.seq_length or set training.chat_overflow: truncate or drop")
+            if overflow == "drop":
+                counts["dropped"] = counts.get("dropped", 0) + 1
+                continue
+            ids, mask = ids[: seq_length + 1], mask[: seq_length + 1]
+            counts["truncated"] = counts.get("truncated", 0) + 1
+        if len(ids) < 2 or not any(mask[1:]):
+            counts["dropped"] = counts.get("dropped", 0) + 1  # nothing to predict
+            continue
+        yield np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.float32)
+
+
+def make_row(docs, seq_length: int, pad: int = 0):
+    """One packed row of ``(ids, mask)`` documents: ``(tokens, labels, loss_mask, position_ids,
+    cu_seqlens)``, the rest of the row a padding document with no loss."""
+    s = seq_length
+    tokens, labels = np.full(s, pad, np.int64), np.full(s, pad, np.int64)
+    mask, positions = np.zeros(s, np.float32), np.zeros(s, np.int64)
+    cu, at = [0], 0
+    for ids, m in docs:
+        n = len(ids) - 1
+        tokens[at:at + n], labels[at:at + n], mask[at:at + n] = ids[:-1], ids[1:], m[1:]
+        positions[at:at + n] = np.arange(n)
+        at += n
+        cu.append(at)
+    if at < s:
+        positions[at:] = np.arange(s - at)
+        cu.append(s)
+    return tokens, labels, mask, positions, tuple(cu)
+
+
 class ChatDataset:
     """Every record rendered, checked and packed (map-style): row ``k`` as a packed row.
 
@@ -191,35 +233,21 @@ class ChatDataset:
 
     def __init__(self, path: str, tokenizer: str, seq_length: int, seed: int, *, fmt: str = "messages",
                  loss_on: str = "assistant", overflow: str = "truncate", pad_token_id: int = 0):
-        tok = load_tokenizer(tokenizer)
         self.seq_length, self.pad = seq_length, pad_token_id
-        self.ids, self.masks = [], []
-        truncated = dropped = 0
-        for f, line, record in read_records(path):
-            where = f"{f} line {line}"
-            ids, mask = render(tok, record, fmt, loss_on, where)
-            if len(ids) > seq_length + 1:
-                if overflow == "error":
-                    raise ChatDataError(f"{where}: {len(ids)} tokens, more than seq_length {seq_length} + 1; raise "
-                                        f"model.seq_length or set training.chat_overflow: truncate or drop")
-                if overflow == "drop":
-                    dropped += 1
-                    continue
-                ids, mask, truncated = ids[: seq_length + 1], mask[: seq_length + 1], truncated + 1
-            if len(ids) < 2 or not any(mask[1:]):
-                dropped += 1  # nothing to predict (e.g. truncated before the first assistant token)
-                continue
-            self.ids.append(np.asarray(ids, dtype=np.int64))
-            self.masks.append(np.asarray(mask, dtype=np.float32))
-        if not self.ids:
-            raise ChatDataError(f"{path}: no sample left to train on ({dropped} dropped); check "
+        counts: dict = {}
+        pairs = list(samples(path, load_tokenizer(tokenizer), seq_length, fmt=fmt, loss_on=loss_on,
+                             overflow=overflow, counts=counts))
+        if not pairs:
+            raise ChatDataError(f"{path}: no sample left to train on ({counts.get('dropped', 0)} dropped); check "
                                 f"training.chat_overflow and model.seq_length")
+        self.ids, self.masks = [p[0] for p in pairs], [p[1] for p in pairs]
         self.packed = pack([len(x) - 1 for x in self.ids], seq_length, seed)
         self.row_tokens = [sum(len(self.ids[i]) - 1 for i in row) for row in self.packed.rows]
         self.row_loss_tokens = [sum(float(self.masks[i][1:].sum()) for i in row) for row in self.packed.rows]
         loss = sum(float(m[1:].sum()) for m in self.masks)
-        self.stats = {"samples": len(self.ids), "truncated": truncated, "dropped": dropped,
-                      "loss_token_share": loss / float(self.packed.lengths.sum()), **self.packed.stats}
+        self.stats = {"samples": len(self.ids), "truncated": counts.get("truncated", 0),
+                      "dropped": counts.get("dropped", 0), "loss_token_share": loss / float(self.packed.lengths.sum()),
+                      **self.packed.stats}
 
     def __len__(self) -> int:
         return len(self.packed.rows)
@@ -227,18 +255,5 @@ class ChatDataset:
     def row(self, k: int):
         """Row ``k`` (taken modulo the rows: epochs repeat the order) as ``(tokens, labels,
         loss_mask, position_ids, cu_seqlens)``."""
-        s = self.seq_length
-        tokens, labels = np.full(s, self.pad, np.int64), np.full(s, self.pad, np.int64)
-        mask, positions = np.zeros(s, np.float32), np.zeros(s, np.int64)
-        cu, at = [0], 0
-        for i in self.packed.rows[k % len(self.packed.rows)]:
-            ids, m = self.ids[i], self.masks[i]
-            n = len(ids) - 1
-            tokens[at:at + n], labels[at:at + n], mask[at:at + n] = ids[:-1], ids[1:], m[1:]
-            positions[at:at + n] = np.arange(n)
-            at += n
-            cu.append(at)
-        if at < s:  # padding: a document of its own, no loss
-            positions[at:] = np.arange(s - at)
-            cu.append(s)
-        return tokens, labels, mask, positions, tuple(cu)
+        rows = self.packed.rows[k % len(self.packed.rows)]
+        return make_row([(self.ids[i], self.masks[i]) for i in rows], self.seq_length, self.pad)

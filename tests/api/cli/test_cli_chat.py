@@ -1,7 +1,7 @@
 """Chat fine-tuning data on the paths users take: each bad input is refused before anything starts
 (``raytron run`` exit 2 with one line, ``POST /api/v1/jobs`` 422) naming the file, the line and the
 fix; a chat job killed mid-epoch (a rank exits at iteration 4, checkpoints every 2) goes on at the
-next unseen packed row and ends on the undisturbed curve."""
+next unseen packed row and ends on the undisturbed curve, map-style and streaming."""
 
 import json
 import subprocess
@@ -61,9 +61,10 @@ def test_a_tokenizer_without_a_template_and_an_overlong_sample_exit_2(tmp_path, 
         assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
-def test_a_chat_job_killed_mid_epoch_resumes_on_the_undisturbed_curve(tmp_path, tokenizer):
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_chat_job_killed_mid_epoch_resumes_on_the_undisturbed_curve(tmp_path, tokenizer, streaming):
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS] * 10)
-    path, _ = _spec(tmp_path, data, tokenizer["llama3"], world=2, train_iters=6)
+    path, _ = _spec(tmp_path, data, tokenizer["llama3"], world=2, train_iters=6, chat_streaming=streaming)
 
     def run(*extra):
         p = subprocess.run([RAYTRON, "run", str(path), "--launcher", "processes", "--json", *extra],

@@ -152,7 +152,8 @@ def test_a_packed_chat_microbatch_is_transformers_per_sample_loss_over_assistant
         assert err <= 1e-5, f"{name}: relative error {err:.2e}"
 
 
-def test_the_batch_stats_are_the_batchs_own(tmp_path, tokenizers):
+@pytest.mark.parametrize("streaming", [False, True])
+def test_the_batch_stats_are_the_batchs_own(tmp_path, tokenizers, streaming):
     """What the progress line, the console and TensorBoard show of a chat step: its loss tokens are
     the packed global batch's loss-mask sum, and the efficiency its real tokens over its slots."""
     from types import SimpleNamespace
@@ -161,7 +162,8 @@ def test_the_batch_stats_are_the_batchs_own(tmp_path, tokenizers):
 
     path = write_jsonl(tmp_path / "data.jsonl", [{"messages": c} for c in CONVERSATIONS] * 5)
     t = SimpleNamespace(chat_data=path, chat_tokenizer=tokenizers["chatml"], seed=2, chat_format="messages",
-                        chat_loss_on="assistant", chat_overflow="truncate", global_batch_size=3)
+                        chat_loss_on="assistant", chat_overflow="truncate", global_batch_size=3,
+                        chat_streaming=streaming)
     sampler = ChatSampler(t, 48)
     for it in range(3):
         batch, stats = sampler.batch(it), sampler.batch_stats(it)
@@ -170,3 +172,29 @@ def test_the_batch_stats_are_the_batchs_own(tmp_path, tokenizers):
         real = sum(b - a for r, cu in enumerate(batch.cu_seqlens) for a, b in zip(cu, cu[1:])
                    if float(batch.loss_mask[r, a:b].sum()) > 0)
         assert stats["packing_efficiency"] == real / (3 * 48) and 0 < stats["loss_token_share"] < 1
+
+
+def test_a_stream_packs_every_sample_once_per_epoch_in_one_order(tmp_path, tokenizers):
+    """Streaming (buffers of 4 samples): one epoch's rows hold every sample's tokens exactly once,
+    the rows are the same read forwards or again from the start (a restart), and the next epoch
+    follows."""
+    from types import SimpleNamespace
+
+    from workers.data.chat_sampler import ChatStream
+
+    records = [{"messages": c} for c in CONVERSATIONS] * 3 + [{"messages": CONVERSATIONS[1][:1] + [
+        {"role": "assistant", "content": "hello world"}]}]
+    path = write_jsonl(tmp_path / "data.jsonl", records)
+    t = SimpleNamespace(chat_data=path, chat_tokenizer=tokenizers["chatml"], seed=2, chat_format="messages",
+                        chat_loss_on="assistant", chat_overflow="truncate")
+    stream, whole = ChatStream(t, 64, buffer=4), ChatDataset(path, tokenizers["chatml"], 64, 2)
+    want = sorted(tuple(ids[:-1]) for ids in whole.ids)
+    got, k = [], 0
+    while len(got) < len(want):
+        tokens, _, mask, _, cu = stream.row(k)
+        got += [tuple(tokens[a:b]) for a, b in zip(cu, cu[1:]) if mask[a:b].any()]
+        k += 1
+    assert sorted(got) == want
+    again = ChatStream(t, 64, buffer=4)
+    for j in (k, 0, k - 1, k + 2):  # forwards, back to the start, and into the next epoch
+        assert all(np.array_equal(a, b) for a, b in zip(stream.row(j)[:4], again.row(j)[:4]))
