@@ -40,6 +40,16 @@ def add_parser(subparsers):
                    action="store_false", help="do not add the tokenizer's special tokens (e.g. BOS) to each text")
     p.add_argument("--input-format", choices=("auto", "jsonl", "text"), default="auto",
                    help="auto (default): .json/.jsonl are JSON lines, anything else is text")
+    p.add_argument("--format", choices=("text", "chat"), default="text",
+                   help="text: tokenise --json-keys (pretraining); chat: render chat records with the tokenizer's "
+                   "chat template into PREFIX_chat_tokens and PREFIX_chat_loss_mask (training.chat_data: PREFIX)")
+    p.add_argument("--chat-format", choices=("messages", "prompt_completion"), default="messages",
+                   help="with --format chat: the records' form (training.chat_format)")
+    p.add_argument("--loss-on", choices=("assistant", "last_assistant", "all"), default="assistant",
+                   help="with --format chat: the tokens that carry loss (training.chat_loss_on)")
+    p.add_argument("--overflow", choices=("truncate", "drop", "error"), default="truncate",
+                   help="with --format chat: a sample longer than --seq-length + 1 tokens (training.chat_overflow)")
+    p.add_argument("--seq-length", type=int, default=4096, help="with --format chat: the model's seq_length")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
     return p
@@ -59,6 +69,8 @@ def run(args) -> int:
             bar = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", file=sys.stderr, disable=None)
         bar.update(done - bar.n)
 
+    if getattr(args, "format", "text") == "chat":
+        return _run_chat(args)
     try:
         tokenizer = HFTokenizer(args.tokenizer, eod_token=args.eod_token,
                                 include_special_tokens=args.include_special_tokens)
@@ -77,4 +89,29 @@ def run(args) -> int:
         for key, prefix in result.outputs.items():
             print(f"{key}: {result.documents} documents, {result.tokens[key]} tokens ({result.dtype}) -> "
                   f"{prefix}.bin/.idx  (training.data: {prefix})")
+    return 0
+
+
+def _run_chat(args) -> int:
+    """``--format chat``: :func:`workers.data.chat_preprocess.preprocess_chat`; 2 and one line on bad data."""
+    from tqdm import tqdm
+
+    from workers.data.chat_preprocess import preprocess_chat
+
+    bar = tqdm(unit=" samples", desc="preprocess", file=sys.stderr, disable=None)
+    try:
+        out = preprocess_chat(args.input, args.tokenizer, args.output_prefix, seq_length=args.seq_length,
+                              fmt=args.chat_format, loss_on=args.loss_on, overflow=args.overflow,
+                              progress=lambda n: bar.update(n - bar.n))
+    except ValueError as e:
+        bar.close()
+        print(f"raytron preprocess: error: {e}", file=sys.stderr)
+        return 2
+    bar.close()
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"chat: {out['samples']} samples, {out['tokens']} tokens ({out['loss_tokens']} with loss; "
+              f"{out['truncated']} truncated, {out['dropped']} dropped) -> {out['outputs'][0]}.bin/.idx and "
+              f"{out['outputs'][1]}.bin/.idx  (training.chat_data: {out['chat_data']})")
     return 0

@@ -13,6 +13,10 @@ def chat_problems(t, m) -> list[str]:
     """What stops ``training.chat_data`` from being trained on, each one line."""
     if not t.chat_data:
         return []
+    from workers.data.chat import is_preprocessed
+
+    if is_preprocessed(t.chat_data):
+        return _preprocessed_problems(t, m)
     tokenizer = t.chat_tokenizer or m.from_hf
     if not tokenizer:
         return ["training.chat_data needs a tokenizer: set training.chat_tokenizer (a directory with tokenizer "
@@ -66,3 +70,30 @@ def chat_stats(path: str, mtime: float, tokenizer: str, seq_length: int, seed: i
         return {"samples": len(records), "vocab": len(tok)}
     data = ChatDataset(path, tokenizer, seq_length, seed, fmt=fmt, loss_on=loss_on, overflow=overflow)
     return {**data.stats, "vocab": len(tok)}
+
+
+def _preprocessed_problems(t, m) -> list[str]:
+    """``training.chat_data`` naming ``raytron preprocess --format chat`` output."""
+    import numpy as np
+
+    from workers.data.chat import ChatDataset
+    from workers.data.chat import TOKENS
+    from workers.data.indexed import IndexedDataset
+
+    out = []
+    if t.chat_streaming:
+        out.append(f"training.chat_streaming: {t.chat_data} is preprocessed (memory-mapped already); drop "
+                   f"chat_streaming")
+    if t.eval_interval:
+        out.append(f"training.eval_interval {t.eval_interval}: chat data has no validation split yet; set "
+                   f"training.eval_interval: null")
+    try:
+        ChatDataset(t.chat_data, None, m.seq_length, t.seed)
+        tokens = IndexedDataset(t.chat_data + TOKENS).tokens
+        top = int(np.max(tokens)) if len(tokens) else 0
+    except (ValueError, OSError) as e:
+        return out + [f"training.chat_data: {e}"]
+    if top >= m.vocab_size:
+        out.append(f"training.chat_data {t.chat_data} holds token id {top}, not below model.vocab_size {m.vocab_size}; "
+                   f"raise model.vocab_size (or preprocess with the model's own tokenizer)")
+    return out

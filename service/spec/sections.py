@@ -197,8 +197,9 @@ class TrainingSpec(BaseModel):
     calculate_per_token_loss: bool = Field(False, description="the loss is the mean over the global batch's loss "
                                            "tokens (Megatron's); required by reset_attention_mask and eod_mask_loss")
     chat_data: str | None = Field(None, min_length=1, description="fine-tune on chat/instruction records (a .jsonl, "
-                                  ".json, .parquet or .arrow file or directory) instead of training.data: rendered with "
-                                  "the tokenizer's chat template, packed, loss on chat_loss_on (docs/fine-tuning.md)")
+                                  ".json, .parquet or .arrow file or directory, or the prefix `raytron preprocess --format "
+                                  "chat` wrote) instead of training.data: rendered with the tokenizer's chat "
+                                  "template, packed, loss on chat_loss_on (docs/fine-tuning.md)")
     chat_format: Literal["messages", "prompt_completion"] = Field(
         "messages", description="messages: {messages: [{role, content}]}; prompt_completion: {prompt, completion} as "
         "plain text")

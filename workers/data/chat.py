@@ -39,6 +39,9 @@ from pathlib import Path
 import numpy as np
 
 ROLES = ("system", "user", "assistant", "tool")
+TOKENS, LOSS_MASK = "_chat_tokens", "_chat_loss_mask"
+"""The suffixes of the two indexed datasets ``raytron preprocess --format chat`` writes
+(:mod:`workers.data.chat_preprocess`)."""
 SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
 
@@ -231,20 +234,23 @@ class ChatDataset:
         overflow: a sample of more than ``seq_length + 1`` tokens is ``truncate`` d, ``drop`` ped or an ``error``.
     """
 
-    def __init__(self, path: str, tokenizer: str, seq_length: int, seed: int, *, fmt: str = "messages",
+    def __init__(self, path: str, tokenizer: str | None, seq_length: int, seed: int, *, fmt: str = "messages",
                  loss_on: str = "assistant", overflow: str = "truncate", pad_token_id: int = 0):
         self.seq_length, self.pad = seq_length, pad_token_id
         counts: dict = {}
-        pairs = list(samples(path, load_tokenizer(tokenizer), seq_length, fmt=fmt, loss_on=loss_on,
-                             overflow=overflow, counts=counts))
-        if not pairs:
+        if is_preprocessed(path):  # raytron preprocess --format chat: memory-mapped, read per row
+            self.ids, self.masks = _preprocessed(path, seq_length)
+        else:
+            pairs = list(samples(path, load_tokenizer(tokenizer), seq_length, fmt=fmt, loss_on=loss_on,
+                                 overflow=overflow, counts=counts))
+            self.ids, self.masks = [p[0] for p in pairs], [p[1] for p in pairs]
+        if not len(self.ids):
             raise ChatDataError(f"{path}: no sample left to train on ({counts.get('dropped', 0)} dropped); check "
                                 f"training.chat_overflow and model.seq_length")
-        self.ids, self.masks = [p[0] for p in pairs], [p[1] for p in pairs]
-        self.packed = pack([len(x) - 1 for x in self.ids], seq_length, seed)
-        self.row_tokens = [sum(len(self.ids[i]) - 1 for i in row) for row in self.packed.rows]
-        self.row_loss_tokens = [sum(float(self.masks[i][1:].sum()) for i in row) for row in self.packed.rows]
-        loss = sum(float(m[1:].sum()) for m in self.masks)
+        lengths = (self.ids.data.sequence_lengths if isinstance(self.ids, _Column) else
+                   np.array([len(x) for x in self.ids]))
+        self.packed = pack(lengths - 1, seq_length, seed)
+        loss = sum(float(self.masks[i][1:].sum()) for i in range(len(self.masks)))
         self.stats = {"samples": len(self.ids), "truncated": counts.get("truncated", 0),
                       "dropped": counts.get("dropped", 0), "loss_token_share": loss / float(self.packed.lengths.sum()),
                       **self.packed.stats}
@@ -257,3 +263,34 @@ class ChatDataset:
         loss_mask, position_ids, cu_seqlens)``."""
         rows = self.packed.rows[k % len(self.packed.rows)]
         return make_row([(self.ids[i], self.masks[i]) for i in rows], self.seq_length, self.pad)
+
+
+class _Column:
+    """One indexed dataset's documents as arrays of ``dtype``, read on access (memory-mapped)."""
+
+    def __init__(self, prefix: str, dtype):
+        from workers.data.indexed import IndexedDataset
+
+        self.data, self.dtype = IndexedDataset(prefix), dtype
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.asarray(self.data[i], dtype=self.dtype)
+
+
+def _preprocessed(prefix: str, seq_length: int) -> tuple[_Column, _Column]:
+    ids, masks = _Column(prefix + TOKENS, np.int64), _Column(prefix + LOSS_MASK, np.float32)
+    longest = int(np.max(ids.data.sequence_lengths)) if len(ids) else 0
+    if longest > seq_length + 1:
+        raise ChatDataError(f"{prefix}: preprocessed with samples of up to {longest} tokens, more than model.seq_length "
+                            f"{seq_length} + 1; preprocess again with --seq-length {seq_length}")
+    return ids, masks
+
+
+def is_preprocessed(prefix: str) -> bool:
+    """Whether ``prefix`` names the output of ``raytron preprocess --format chat``."""
+    from workers.data.indexed import is_indexed_dataset
+
+    return is_indexed_dataset(prefix + TOKENS) and is_indexed_dataset(prefix + LOSS_MASK)

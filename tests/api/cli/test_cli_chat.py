@@ -83,3 +83,29 @@ def test_a_chat_job_killed_mid_epoch_resumes_on_the_undisturbed_curve(tmp_path, 
     # what a user sees of the packing: the step's loss tokens and the rows' fill, per iteration
     assert out["loss_tokens"] == ref["loss_tokens"] and all(t > 0 for t in out["loss_tokens"])
     assert all(0.5 < e <= 1.0 for e in out["packing_efficiency"])
+
+
+def test_preprocess_format_chat_writes_what_a_job_trains_on(tmp_path, tokenizer):
+    """`raytron preprocess --format chat` renders once; a spec naming its prefix plans and trains (no
+    tokenizer needed at train time), with the loss of the same records rendered at start; a bad
+    record exits 2 with one line naming the file and line, writing nothing."""
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CONVERSATIONS] * 10)
+    p = subprocess.run([RAYTRON, "preprocess", data, "--format", "chat", "--tokenizer", tokenizer["llama3"],
+                        "--output-prefix", str(tmp_path / "sft"), "--seq-length", "32", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["samples"] > 0 and out["samples"] + out["dropped"] == 20
+    ran = {}
+    for name, source, tok in (("rendered", data, tokenizer["llama3"]), ("preprocessed", str(tmp_path / "sft"), None)):
+        path, _ = _spec(tmp_path, source, tok, train_iters=2)
+        q = subprocess.run([RAYTRON, "run", str(path), "--launcher", "processes", "--json"], capture_output=True,
+                           text=True, timeout=300)
+        assert q.returncode == 0, q.stderr
+        ran[name] = json.loads(q.stdout.strip().splitlines()[-1])["losses"]
+    assert ran["preprocessed"] == ran["rendered"]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": CONVERSATIONS[0]}, {"text": "hi"}])
+    p = subprocess.run([RAYTRON, "preprocess", bad, "--format", "chat", "--tokenizer", tokenizer["llama3"],
+                        "--output-prefix", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "bad.jsonl line 2: no messages" in p.stderr.strip().splitlines()[-1]
+    assert not list(tmp_path.glob("bad_chat*.bin")) and not list(tmp_path.glob("bad_chat*.idx"))

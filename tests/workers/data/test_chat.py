@@ -198,3 +198,23 @@ def test_a_stream_packs_every_sample_once_per_epoch_in_one_order(tmp_path, token
     again = ChatStream(t, 64, buffer=4)
     for j in (k, 0, k - 1, k + 2):  # forwards, back to the start, and into the next epoch
         assert all(np.array_equal(a, b) for a, b in zip(stream.row(j)[:4], again.row(j)[:4]))
+
+
+def test_preprocessed_chat_data_packs_the_same_rows(tmp_path, tokenizers):
+    """`raytron preprocess --format chat` writes the rendered samples and masks once as Megatron
+    indexed datasets (read back by this project's reader of Megatron's format); a job on the prefix
+    gets exactly the rows of the same records rendered at start."""
+    from workers.data.chat_preprocess import LOSS_MASK, TOKENS, preprocess_chat
+    from workers.data.indexed import IndexedDataset
+
+    path = write_jsonl(tmp_path / "data.jsonl", [{"messages": c} for c in CONVERSATIONS] * 4)
+    out = preprocess_chat(path, tokenizers["llama3"], str(tmp_path / "sft"), seq_length=48)
+    assert out["samples"] == 8 and out["chat_data"] == str(tmp_path / "sft")
+    assert len(IndexedDataset(str(tmp_path / "sft") + TOKENS)) == 8 == len(IndexedDataset(str(tmp_path / "sft") + LOSS_MASK))
+    rendered, mapped = ChatDataset(path, tokenizers["llama3"], 48, 3), ChatDataset(str(tmp_path / "sft"), None, 48, 3)
+    assert len(rendered) == len(mapped) and mapped.stats["loss_token_share"] == rendered.stats["loss_token_share"]
+    for k in range(len(rendered)):
+        assert all(np.array_equal(a, b) for a, b in zip(rendered.row(k)[:4], mapped.row(k)[:4]))
+        assert rendered.row(k)[4] == mapped.row(k)[4]
+    with pytest.raises(ChatDataError, match="preprocess again with --seq-length 16"):
+        ChatDataset(str(tmp_path / "sft"), None, 16, 3)
