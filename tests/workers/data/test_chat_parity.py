@@ -1,7 +1,7 @@
 """Layout invariance on chat data (training.chat_data; see parity.py): conversations rendered with a
 Llama-3 template, the loss on the assistant turns only, packed into rows whose documents straddle
 CP chunks and whose loss tokens differ across microbatches and DP ranks, give the single process's
-per-iteration loss (1e-6), iteration-0 gradients and grad norms (1e-5) at tp2 + SP, pp2 x vpp2, dp2
+per-iteration loss (1e-6), iteration-0 gradients and grad norms (1e-5) at tp2 + SP, pp2, pp2 x vpp2, dp2
 with the distributed optimizer, cp2 (ring and all-gather), ep2 and an 8-rank tp2 + SP x cp2 x pp2 x
 ep2 MoE."""
 
@@ -16,6 +16,7 @@ MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
 LAYOUTS = {
     # name: (world, parallel[, model])
     "tp2-sp": (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    "pp2": (2, {"pipeline_model_parallel_size": 2}),
     "pp2-vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}),
     "dp2-distopt": (2, {"use_distributed_optimizer": True}),
     "cp2-p2p": (2, {"context_parallel_size": 2}),
