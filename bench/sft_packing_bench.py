@@ -19,28 +19,13 @@ import time
 import numpy as np
 import torch
 
-from workers.data.chat import pack
+from workers.data.chat import make_row, pack
 from workers.data.packing import pack_rows
 
 
 def rows_of(groups, samples, s):
-    """Packed rows ``(tokens, labels, mask, positions, cu)`` of the sample groups."""
-    out = []
-    for group in groups:
-        tokens, labels = np.zeros(s, np.int64), np.zeros(s, np.int64)
-        mask, positions, cu, at = np.zeros(s, np.float32), np.zeros(s, np.int64), [0], 0
-        for i in group:
-            t = samples[i]
-            n = len(t) - 1
-            tokens[at:at + n], labels[at:at + n], mask[at:at + n] = t[:-1], t[1:], 1.0
-            positions[at:at + n] = np.arange(n)
-            at += n
-            cu.append(at)
-        if at < s:
-            positions[at:] = np.arange(s - at)
-            cu.append(s)
-        out.append((tokens, labels, mask, positions, tuple(cu)))
-    return out
+    """Packed rows of the sample groups, every label in the loss (:func:`workers.data.chat.make_row`)."""
+    return [make_row([(samples[i], np.ones(len(samples[i]), np.float32)) for i in group], s) for group in groups]
 
 
 def train_time(chunk, rows, per_step: int) -> float:
