@@ -218,3 +218,27 @@ def test_preprocessed_chat_data_packs_the_same_rows(tmp_path, tokenizers):
         assert rendered.row(k)[4] == mapped.row(k)[4]
     with pytest.raises(ChatDataError, match="preprocess again with --seq-length 16"):
         ChatDataset(str(tmp_path / "sft"), None, 16, 3)
+
+
+def test_parquet_arrow_and_a_directory_give_the_jsonl_rows(tmp_path, tokenizers):
+    """The same records as JSONL, Parquet, an Arrow file and a directory of JSONL parts pack to the
+    same rows (read with Hugging Face datasets)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [{"messages": c} for c in CONVERSATIONS] * 3
+    jsonl = write_jsonl(tmp_path / "data.jsonl", records)
+    table = pa.Table.from_pylist(records)
+    pq.write_table(table, tmp_path / "data.parquet")
+    with pa.OSFile(str(tmp_path / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    write_jsonl(parts / "a.jsonl", records[:4])
+    write_jsonl(parts / "b.jsonl", records[4:])
+    want = ChatDataset(jsonl, tokenizers["chatml"], 64, 1)
+    for source in (tmp_path / "data.parquet", tmp_path / "data.arrow", parts):
+        got = ChatDataset(str(source), tokenizers["chatml"], 64, 1)
+        assert len(got) == len(want), source
+        for k in range(len(want)):
+            assert all(np.array_equal(a, b) for a, b in zip(got.row(k)[:4], want.row(k)[:4])), source
