@@ -163,13 +163,15 @@ def test_a_killed_runner_is_started_again_and_goes_on_from_the_record(api, tmp_p
         opened = [e["data"] for e in log if e["kind"] == "tracking" and "run_id" in e["data"]]
         assert [o["resumed"] for o in opened] == [False, True] and opened[0]["run_id"] == opened[1]["run_id"], opened
         client = MlflowClient(uri)
-        history = sorted((m.step, m.value) for m in client.get_metric_history(opened[0]["run_id"], "loss"))
-        assert [step for step, _ in history] == list(range(1, 21))
-        assert close([v for _, v in history], losses)
-        deadline = time.monotonic() + 30  # the runner ends the run after the job's final event
+        # The tracker delivers in the background, in order: the run ends FINISHED after the last metrics,
+        # a moment after the job's final event.
+        deadline = time.monotonic() + 30
         while client.get_run(opened[0]["run_id"]).info.status != "FINISHED" and time.monotonic() < deadline:
             time.sleep(0.5)
         assert client.get_run(opened[0]["run_id"]).info.status == "FINISHED"
+        history = sorted((m.step, m.value) for m in client.get_metric_history(opened[0]["run_id"], "loss"))
+        assert [step for step, _ in history] == list(range(1, 21))
+        assert close([v for _, v in history], losses)
 
 
 def test_a_lost_node_with_min_nodes_below_num_nodes_shrinks_and_the_job_finishes(api):
