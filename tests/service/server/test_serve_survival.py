@@ -174,6 +174,30 @@ def test_a_killed_runner_is_started_again_and_goes_on_from_the_record(api, tmp_p
         assert close([v for _, v in history], losses)
 
 
+def test_a_chat_job_whose_runner_is_killed_goes_on_at_the_next_unseen_row(api, tmp_path):
+    """Chat fine-tuning on the serve path (streamed records, Llama-3 template, packed rows): the
+    job's runner SIGKILLed at iteration 4; the new runner resumes from the last checkpoint at the next
+    unseen row, and the curve is the undisturbed one."""
+    from tests.helpers.chat import CONVERSATIONS, chat_tokenizer, write_jsonl
+
+    s = spec("chatkill", nodes=2, gpus=2, tp=2, iters=10)
+    s["model"] = {**s["model"], "vocab_size": 320}
+    records = [{"messages": c} for c in CONVERSATIONS] * 20
+    s["training"].update({"chat_data": write_jsonl(tmp_path / "chat.jsonl", records),
+                          "chat_tokenizer": chat_tokenizer(tmp_path / "tok", "llama3"), "chat_streaming": True})
+    job_id = submit(api, s)
+    wait_iteration(api, job_id, 4)
+    runners = processes_named("python", "-m", "service.server.job_main", job_id)
+    assert len(runners) == 1, runners
+    os.kill(runners[0], signal.SIGKILL)
+    expected = undisturbed(s)
+    job = wait_for(api, job_id, DONE, timeout_s=300)
+    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+    losses = job_losses(api, job_id)
+    assert close(losses, expected), story(api, job_id, losses, expected)
+    assert job["restarts"] == 1 and len(losses) == 10
+
+
 def test_a_lost_node_with_min_nodes_below_num_nodes_shrinks_and_the_job_finishes(api):
     """A worker node's raylet killed (4x2, tp2 x dp4, 40 iterations, a checkpoint every 2, min_nodes 2):
     the runner lives on the head node, so the job shrinks to dp 2 and finishes on the same curve.
