@@ -18,6 +18,7 @@ Either way every rank reads the same rows and a restart goes on where the checkp
 from __future__ import annotations
 
 from workers.config import stable_seed
+from workers.data.dataset import DataPosition
 from workers.data.chat import ChatDataError, ChatDataset, load_tokenizer, make_row, pack, samples
 from workers.data.packing import pack_rows
 
@@ -66,7 +67,7 @@ class ChatStream:
         return self._rows[k - self._first]
 
 
-class ChatSampler:
+class ChatSampler(DataPosition):
     """:class:`workers.data.dataset.GlobalSampler`'s interface over chat data (batches are
     :class:`workers.data.packing.PackedBatch` es)."""
 
@@ -96,11 +97,3 @@ class ChatSampler:
         real = sum(b - a for r in rows for a, b in zip(r[4], r[4][1:]) if r[2][a:b].any())
         return {"loss_tokens": loss, "packing_efficiency": real / (len(rows) * self.seq_length),
                 "loss_token_share": loss / max(real, 1)}
-
-    def state_dict(self) -> dict:
-        return {"iteration": self.iteration, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["seed"] != self.seed:
-            raise ValueError(f"checkpoint data seed {state['seed']} differs from training.seed {self.seed}")
-        self.iteration = state["iteration"]

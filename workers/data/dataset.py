@@ -158,7 +158,23 @@ class _Corpus:
         return stop - start
 
 
-class GlobalSampler:
+class DataPosition:
+    """A sampler's position in a checkpoint: the iteration (global batches are a pure function of it
+    and the seed) and the seed, which a resumed job must share."""
+
+    iteration: int
+    seed: int
+
+    def state_dict(self) -> dict:
+        return {"iteration": self.iteration, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(f"checkpoint data seed {state['seed']} differs from training.seed {self.seed}")
+        self.iteration = state["iteration"]
+
+
+class GlobalSampler(DataPosition):
     """Deterministic samples by global index; each is ``seq_length + 1`` tokens (input + shifted target).
 
     Args:
@@ -263,15 +279,6 @@ class GlobalSampler:
         if not 0 <= eval_iter < eval_iters:
             raise ValueError(f"eval_iter {eval_iter} is outside [0, eval_iters={eval_iters})")
         return self.batch(eval_index * eval_iters + eval_iter, start, count, split="valid")
-
-    def state_dict(self) -> dict:
-        return {"iteration": self.iteration, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state["seed"] != self.seed:
-            raise ValueError(f"checkpoint data seed {state['seed']} differs from training.seed {self.seed}")
-        self.iteration = state["iteration"]
-
 
 def check_data(data, vocab_size: int, seq_length: int, split: str | None = None,
                need_validation: bool = False) -> None:

@@ -132,6 +132,22 @@ def api(tmp_path_factory):
     yield from ray_server_client(tmp_path_factory, "survive4x2")
 
 
+def runner_killed_at(api, s: dict, iteration: int) -> tuple[str, dict, list[float]]:
+    """Submit ``s``, SIGKILL its runner once it reaches ``iteration``, wait for the end: the job id,
+    the job and its losses, after checking it SUCCEEDED on the undisturbed curve."""
+    job_id = submit(api, s)
+    wait_iteration(api, job_id, iteration)
+    runners = processes_named("python", "-m", "service.server.job_main", job_id)
+    assert len(runners) == 1, runners
+    os.kill(runners[0], signal.SIGKILL)
+    expected = undisturbed(s)
+    job = wait_for(api, job_id, DONE, timeout_s=300)
+    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+    losses = job_losses(api, job_id)
+    assert close(losses, expected), story(api, job_id, losses, expected)
+    return job_id, job, losses
+
+
 def test_a_killed_runner_is_started_again_and_goes_on_from_the_record(api, tmp_path):
     """SIGKILL of the job's runner (the Ray Job's entry point) at iteration 6: the scheduler starts a
     new runner (a Ray Job of its own), which replays the job's events and resumes from the last
@@ -144,16 +160,7 @@ def test_a_killed_runner_is_started_again_and_goes_on_from_the_record(api, tmp_p
     with mlflow_server(tmp_path) as uri:
         s = spec("runnerkill", nodes=2, gpus=2, tp=2, iters=20)
         s["tracking"] = {"mlflow": {"tracking_uri": uri}}
-        job_id = submit(api, s)
-        wait_iteration(api, job_id, 6)
-        runners = processes_named("python", "-m", "service.server.job_main", job_id)
-        assert len(runners) == 1, runners
-        os.kill(runners[0], signal.SIGKILL)
-        expected = undisturbed(s)
-        job = wait_for(api, job_id, DONE, timeout_s=300)
-        assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
-        losses = job_losses(api, job_id)
-        assert close(losses, expected), story(api, job_id, losses, expected)
+        job_id, job, losses = runner_killed_at(api, s, 6)
         log = whole_and_once(api, job_id, 20)
         started = [e for e in log if e["kind"] == "runner"]
         assert len(started) == 1 and started[0]["data"]["reason"] == "runner_exited", started
@@ -185,16 +192,7 @@ def test_a_chat_job_whose_runner_is_killed_goes_on_at_the_next_unseen_row(api, t
     records = [{"messages": c} for c in CONVERSATIONS] * 20
     s["training"].update({"chat_data": write_jsonl(tmp_path / "chat.jsonl", records),
                           "chat_tokenizer": chat_tokenizer(tmp_path / "tok", "llama3"), "chat_streaming": True})
-    job_id = submit(api, s)
-    wait_iteration(api, job_id, 4)
-    runners = processes_named("python", "-m", "service.server.job_main", job_id)
-    assert len(runners) == 1, runners
-    os.kill(runners[0], signal.SIGKILL)
-    expected = undisturbed(s)
-    job = wait_for(api, job_id, DONE, timeout_s=300)
-    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
-    losses = job_losses(api, job_id)
-    assert close(losses, expected), story(api, job_id, losses, expected)
+    _, job, losses = runner_killed_at(api, s, 4)
     assert job["restarts"] == 1 and len(losses) == 10
 
 
