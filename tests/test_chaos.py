@@ -16,7 +16,7 @@ from tests.helpers.paths import ROOT
 
 
 def test_four_faults_of_four_kinds_are_survived_on_the_undisturbed_curve():
-    p = subprocess.run([sys.executable, "-m", "bench.chaos", "--seed", "1", "--faults", "4",
+    p = subprocess.run([sys.executable, "-m", "bench.chaos", "--seed", "1", "--faults", "4", "--iters", "44",
                         "--kinds", "rank_kill,runner_kill,server_kill,node_loss"],
                        cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-6000:]
