@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.parallel.fp8 import delayed_state
+
 VOCAB_TABLES = ("embedding.weight", "output.weight")
 
 
@@ -107,7 +109,8 @@ def param_views(trainer) -> list[ParamView]:
 def buffer_views(trainer) -> list[ParamView]:
     """The model state kept beside the parameters (not trained by the optimizer, the same on
     every rank of a pipeline stage), as :class:`ParamView` s of whole tensors: each MoE router's
-    expert bias, ``layers.i.mlp.router.expert_bias [E]`` float32 (aux-loss-free balancing)."""
+    expert bias, ``layers.i.mlp.router.expert_bias [E]`` float32 (aux-loss-free balancing), and
+    each FP8 linear's delayed-scaling amax history and scales (``training.fp8_recipe: delayed``)."""
     views = []
     for chunk in trainer.chunks:
         for layer in chunk.all_layers():
@@ -115,6 +118,8 @@ def buffer_views(trainer) -> list[ParamView]:
             if bias is not None:
                 name = f"{layer.prefix}.mlp.router.expert_bias"
                 views.append(ParamView(name, tuple(bias.shape), Box((0,), tuple(bias.shape)), bias))
+    for name, t in delayed_state(trainer.chunks):
+        views.append(ParamView(name, tuple(t.shape), Box((0,) * t.dim(), tuple(t.shape)), t))
     return views
 
 

@@ -23,6 +23,7 @@ from workers.checkpoint.checkpointer import set_rng_state
 from workers.checkpoint.layout import Box, buffer_views, fill, param_views
 from workers.checkpoint.storage import MANIFEST, Storage, crc32, latest_checkpoint, read_manifest
 from workers.grid import COORDS
+from workers.parallel.fp8 import delayed_state_loaded
 
 # ModelConfig fields that must agree between a checkpoint and the job that loads it: the
 # shapes, and the function the weights were trained for. (seq_length may change.)
@@ -160,9 +161,10 @@ def load_checkpoint(trainer, source) -> dict:
             raise ValueError(f"{where}: {v.name} has shape {source.shape(key)}, this model needs {v.shape}; "
                              f"it is a checkpoint of another model")
         v.assign(v.param.detach(), source.read(key, v.box))
-    for v in buffer_views(trainer):  # MoE expert biases; a source without them (Mixtral) leaves zeros
+    for v in buffer_views(trainer):  # MoE expert biases, FP8 amax histories; a source without them leaves zeros
         if source.has(f"model/{v.name}"):
             v.assign(v.param, source.read(f"model/{v.name}", v.box))
+    delayed_state_loaded(trainer.chunks)
     _load_optimizer(trainer, views, source)
     state = source.trainer_state
     if state is not None:

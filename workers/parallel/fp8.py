@@ -221,12 +221,32 @@ def attach_fp8(layers, recipe: Fp8Recipe | None, group, num_layers: int, kinds: 
                     module.fp8 = LinearFp8(recipe, group, f"layers.{layer.index}.{name}")
 
 
+def delayed_quantizers(chunks) -> list[LinearFp8]:
+    """This rank's delayed-scaling quantisers, in module order."""
+    return [m.fp8 for chunk in chunks for m in chunk.modules()
+            if isinstance(getattr(m, "fp8", None), LinearFp8) and m.fp8.recipe.recipe == "delayed"]
+
+
+def delayed_state(chunks) -> list[tuple[str, torch.Tensor]]:
+    """What a checkpoint keeps of delayed scaling, by the linear's logical name: its amax
+    history ``[fp8_amax_history_len, 3]`` and scales ``[3]`` (input, weight, output gradient).
+    Both are reduced over every rank holding the linear, so any layout reads them back."""
+    return [(f"{q.name}.{key}", getattr(q, attr)) for q in delayed_quantizers(chunks)
+            for key, attr in (("fp8_amax_history", "history"), ("fp8_scales", "scales"))]
+
+
+def delayed_state_loaded(chunks) -> None:
+    """After a checkpoint filled the histories: a linear with a history scales from it (the
+    iterations before the save had updated it), one without starts as tensorwise."""
+    for q in delayed_quantizers(chunks):
+        q.updated = bool(q.history.abs().sum() > 0)
+
+
 def update_delayed_scales(chunks, group) -> None:
     """Delayed scaling, once per iteration after the backwards: the amaxes this rank's
     linears saw, reduced (MAX) over ``group`` (the stage's TP x DP x CP ranks), in one
     collective, then each linear's history and scales."""
-    quantizers = [m.fp8 for chunk in chunks for m in chunk.modules()
-                  if isinstance(getattr(m, "fp8", None), LinearFp8) and m.fp8.recipe.recipe == "delayed"]
+    quantizers = delayed_quantizers(chunks)
     if not quantizers:
         return
     amax = torch.stack([q.seen for q in quantizers])

@@ -84,3 +84,36 @@ def test_delayed_scales_are_reduced_over_data_parallelism():
         for name, want in ref.items():
             assert np.allclose(got["scales"][name], want, rtol=2e-2, atol=0), (
                 f"dp rank {rank} {name}: scales {got['scales'][name]} vs single process {want}")
+
+
+def save_delayed(rank, world_size, job, root) -> dict:
+    """Two delayed-scaling iterations, a checkpoint, and this rank's histories by linear."""
+    from workers.checkpoint.checkpointer import Checkpointer
+    from workers.parallel.fp8 import delayed_quantizers
+    from workers.train.trainer import Trainer
+
+    t = Trainer(job, rank, world_size)
+    for _ in range(2):
+        t.train_step()
+    Checkpointer(root).save(t)
+    return {q.name: (q.history.tolist(), q.scales.tolist()) for q in delayed_quantizers(t.chunks)}
+
+
+def test_a_pp2_delayed_checkpoint_gives_one_process_every_stages_history(tmp_path):
+    """The amax histories are stored by each linear's logical name: one process loading a pp2
+    checkpoint holds both stages' histories and scales, exactly (mutation: histories left out of
+    the checkpoint -> the loaded ones are zeros)."""
+    from tests.helpers.ranks import run_ranks
+    from workers.checkpoint.reader import load_checkpoint
+    from workers.parallel.fp8 import delayed_quantizers
+    from workers.train.trainer import Trainer
+
+    training = RECIPES["delayed"]
+    stages = run_ranks(save_delayed, 2, args=(job_of(tiny_spec(world=2, training=training,
+                                                                parallel={"pipeline_model_parallel_size": 2})),
+                                               str(tmp_path)))
+    saved = {**stages[0], **stages[1]}
+    assert len(stages[0]) == len(stages[1]) == 8
+    one = Trainer(job_of(tiny_spec(training=training)), 0, 1)
+    load_checkpoint(one, str(tmp_path))
+    assert {q.name: (q.history.tolist(), q.scales.tolist()) for q in delayed_quantizers(one.chunks)} == saved
