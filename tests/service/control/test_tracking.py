@@ -5,7 +5,8 @@ attempt ran some iterations again), with the spec as parameters, the restart amo
 the run FINISHED. W&B in offline mode, read back from the run's ``.wandb`` file with wandb's own
 protobuf records (tests/helpers/wandb_runs.py): one run directory across the rank kill, its history
 the job's losses at every iteration, the spec as its config, the events in its summary. A tracker
-that cannot be reached does not fail the job, and its event says so."""
+that cannot be reached (MLflow at a port nothing listens on, W&B online without an API key) does not
+fail the job, and its event says so."""
 
 import json
 import os
@@ -69,9 +70,14 @@ def test_an_unreachable_tracker_does_not_fail_the_job(tmp_path):
     from tests.helpers.mlflow_server import free_port
 
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    p, out = _run(_spec(tmp_path, uri, iters=2))
+    # and W&B online without an API key (a HOME and config dir of the test's own): it cannot log in
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), WANDB_SILENT="true")
+    tracking = {"mlflow": {"tracking_uri": uri}, "wandb": {"project": "p", "mode": "online", "dir": str(tmp_path)}}
+    p, out = _run(_spec(tmp_path, uri, iters=2, tracking=tracking), env=env)
     assert p.returncode == 0 and out["state"] == "SUCCEEDED", p.stderr
     assert f"MLflow at {uri} is unreachable" in p.stderr and "the job goes on" in p.stderr
+    assert "W&B project p (online) is unreachable (UsageError" in p.stderr
     assert "deliveries not made before the job ended" in p.stderr
 
 
