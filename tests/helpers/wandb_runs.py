@@ -5,7 +5,7 @@ wandb 0.2x/0.3x has no Python reader of its own (the reader is in its Go core), 
 is read here: a 7-byte header (``:W&B``, magic 0xBEE1, version 0), then 32 KiB blocks of records, each
 with a 7-byte header (CRC-32 of type byte and data, little-endian length, type FULL/FIRST/MIDDLE/LAST),
 a block's tail of fewer than 7 bytes left as zeros: the LevelDB log format. Every record's CRC is
-checked.
+checked; a record still being written ends the reading.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def records(path: Path) -> list:
         if kind == 0 and length == 0:  # zero padding to the end of the block
             pos += left
             continue
+        if pos + 7 + length > len(data):  # being written: the records so far
+            break
         body = data[pos + 7:pos + 7 + length]
         assert zlib.crc32(bytes([kind]) + body) == crc, f"{path}: bad CRC at byte {pos}"
         pos += 7 + length
