@@ -80,6 +80,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-user-priority", type=int, default=0, metavar="N",
                    help="the highest priority a user may give a job unless the admin set its own cap "
                         "(users add --max-priority); admins: no cap (default 0)")
+    # experiment trackers for every job whose spec has no tracking section (a spec's own wins; {} opts out)
+    p.add_argument("--tracking-mlflow-uri", default=None, metavar="URI",
+                   help="log every job without a tracking section to this MLflow tracking server")
+    p.add_argument("--tracking-mlflow-experiment", default=None, metavar="NAME",
+                   help="the MLflow experiment of those jobs (default raytron)")
+    p.add_argument("--tracking-wandb-project", default=None, metavar="PROJECT",
+                   help="log every job without a tracking section to this Weights & Biases project")
+    p.add_argument("--tracking-wandb-mode", default=None, choices=("online", "offline", "disabled"),
+                   help="the W&B mode of those jobs (default online)")
+    p.add_argument("--tracking-wandb-dir", default=None, metavar="DIR",
+                   help="where those jobs' W&B run files go (default $WANDB_DIR, else the runner's directory)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
 
 
@@ -109,6 +120,31 @@ def launcher_kind(args) -> str:
     return args.launcher or ("ray" if os.environ.get("RAY_ADDRESS") or args.simulate else "processes")
 
 
+def default_tracking(args) -> dict | None:
+    """The ``tracking`` section the ``--tracking-*`` flags make (None without them), checked as a spec's
+    is; ValueError names the flag to fix."""
+    from pydantic import ValidationError
+
+    from service.spec.tracking import TrackingSpec
+
+    mlflow = {k: v for k, v in (("tracking_uri", getattr(args, "tracking_mlflow_uri", None)),
+                                ("experiment", getattr(args, "tracking_mlflow_experiment", None))) if v}
+    wandb = {k: v for k, v in (("project", getattr(args, "tracking_wandb_project", None)),
+                               ("mode", getattr(args, "tracking_wandb_mode", None)),
+                               ("dir", getattr(args, "tracking_wandb_dir", None))) if v}
+    section = {**({"mlflow": mlflow} if mlflow else {}), **({"wandb": wandb} if wandb else {})}
+    if mlflow and "tracking_uri" not in mlflow:
+        raise ValueError("--tracking-mlflow-experiment needs --tracking-mlflow-uri")
+    if wandb and "project" not in wandb:
+        raise ValueError("--tracking-wandb-mode/--tracking-wandb-dir need --tracking-wandb-project")
+    try:
+        TrackingSpec.model_validate(section)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ValueError(f"--tracking-{err['loc'][0] if err['loc'] else ''}: {err['msg']}") from None
+    return section or None
+
+
 def build_app(args, ray_session=None):
     """The app for parsed ``serve`` arguments (and the store, to close).
 
@@ -123,9 +159,10 @@ def build_app(args, ray_session=None):
     data_dir = Path(args.data_dir or data_dir_default()).expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     database_url = args.database_url or sqlite_url(data_dir)
+    tracking = default_tracking(args)
     store = JobStore(database_url)
     settings = Settings(data_dir=data_dir, api_token=load_or_create_token(data_dir),
-                        max_stream_s=getattr(args, "max_stream_s", None),
+                        max_stream_s=getattr(args, "max_stream_s", None), default_tracking=tracking,
                         **{k: getattr(args, k) for k in ("submits_per_minute", "submit_burst", "max_queued_per_user",
                                                          "max_user_priority") if hasattr(args, k)})
     faults = list(args.fault or [])  # drills for every job (--fault)

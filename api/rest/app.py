@@ -46,6 +46,9 @@ class Settings:
     """A user's QUEUED jobs at most (429 beyond; admins exempt)."""
     max_user_priority: int = 0
     """The highest priority a user without its own ``max_priority`` may give a job (admins: no cap)."""
+    default_tracking: dict | None = None
+    """The ``tracking`` section a spec without one gets (``raytron serve --tracking-*``); a spec's own
+    section wins, ``tracking: {}`` opts out."""
     poll_s: float = 0.5
     """How often the scheduler looks at runners and the queue."""
     max_stream_s: float | None = None

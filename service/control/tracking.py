@@ -1,19 +1,20 @@
-"""Experiment trackers: one MLflow run per job, fed from the job's events.
+"""Experiment trackers: one run per job and tracker (MLflow, W&B), fed from the job's events.
 
 Whoever records a job's events (the runner of ``raytron serve``, ``raytron run``) passes each one,
 after recording it, to :class:`Tracking`, which hands it to a background thread per tracker, so the
-job never waits on a tracker:
+job never waits on a tracker. The trackers' runs are :mod:`service.control.tracker_runs`:
 
 * ``iteration`` events: the metrics TensorBoard gets (:data:`METRICS`) at their iteration as the
   step. A step the run has already logged (an attempt that went on from a checkpoint runs some
   iterations again, to the same values) is not logged twice, so the run's history is the job's curve.
-* every other event but placements (states, restarts, resizes, checkpoints, failures): a tag
-  ``raytron.event.<ms>.<kind>`` holding the job's state and the event's message.
-* at the end, the run is marked FINISHED, FAILED or KILLED.
+* every other event but placements (states, restarts, resizes, checkpoints, failures): a note
+  ``raytron.event.<ms>.<kind>`` holding the job's state and the event's message (an MLflow tag, a
+  W&B summary entry).
+* at the end, the run is ended with the job's final state.
 
-The run is found again by its tag ``raytron.job_id``: a restarted attempt, a resized job and a new
-runner after a server restart all log into the job's one run, never a new one per attempt. The
-spec's fields are the run's parameters (``model.hidden_size``, ...), logged when it is created.
+The run is found again by the job's id (MLflow: its tag ``raytron.job_id``; W&B: its run id): a
+restarted attempt, a resized job and a new runner after a server restart all log into the job's one
+run, never a new one per attempt. The spec is the run's parameters (MLflow) or config (W&B).
 
 A tracker that cannot be reached does not fail the job: its deliveries are retried in the
 background (backoff up to 10 s) and a ``tracking`` event says it is unreachable, and another that
@@ -25,89 +26,17 @@ and address (the console links to it).
 from __future__ import annotations
 
 import math
-import os
 import queue
 import threading
 import time
 from typing import Callable
 
 from service.control.events import JobEvent, JobState
+from service.control.tracker_runs import tracker_runs
 
 METRICS = ("loss", "val_loss", "lr", "grad_norm", "loss_scale", "moe_aux_loss", "mtp_loss", "tokens_per_s",
            "step_time_s", "peak_mem_mb", "skipped")
-END_STATUS = {JobState.SUCCEEDED.value: "FINISHED", JobState.FAILED.value: "FAILED",
-              JobState.CANCELLED.value: "KILLED"}
 MAX_BACKOFF_S = 10.0
-
-
-def flat_params(spec: dict, prefix: str = "") -> dict[str, str]:
-    """A spec as ``{"model.hidden_size": "64", ...}`` (None values left out)."""
-    out = {}
-    for key, value in spec.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flat_params(value, f"{name}."))
-        elif value is not None:
-            out[name] = str(value)[:500]
-    return out
-
-
-class MLflowRun:
-    """The job's MLflow run: found by its ``raytron.job_id`` tag or created, then written to."""
-
-    name = "mlflow"
-
-    def __init__(self, tracking_uri: str, experiment: str, job_id: str, job_name: str, params: dict[str, str]):
-        self.uri, self.experiment = tracking_uri, experiment
-        self.job_id, self.job_name, self.params = job_id, job_name, params
-        self.client = self.run_id = None
-        self.last_step = 0
-
-    @property
-    def where(self) -> str:
-        return f"MLflow at {self.uri}"
-
-    def open(self) -> dict | None:
-        """Find or create the run (a no-op once open); the run's id and address when it opens."""
-        if self.run_id is not None:
-            return None
-        # One try per delivery: the background retry is ours, not the client's (minutes by default).
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(tracking_uri=self.uri)
-        exp = client.get_experiment_by_name(self.experiment)
-        exp_id = exp.experiment_id if exp is not None else client.create_experiment(self.experiment)
-        found = client.search_runs([exp_id], filter_string=f"tags.`raytron.job_id` = '{self.job_id}'", max_results=1)
-        if found:
-            run_id = found[0].info.run_id
-            self.last_step = max((m.step for m in client.get_metric_history(run_id, "loss")), default=0)
-            client.update_run(run_id, status="RUNNING")
-        else:
-            run_id = client.create_run(exp_id, run_name=self.job_name, tags={"raytron.job_id": self.job_id}).info.run_id
-            params = [Param(k, v) for k, v in sorted(self.params.items())]
-            for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
-                client.log_batch(run_id, params=params[i:i + 100])
-        self.client, self.run_id = client, run_id
-        url = f"{self.uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}" if self.uri.startswith("http") else None
-        return {"tracker": self.name, "run_id": run_id, "experiment_id": exp_id, "url": url, "resumed": bool(found)}
-
-    def metrics(self, step: int, values: dict[str, float]) -> None:
-        if step <= self.last_step:
-            return
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
-        self.last_step = step
-
-    def note(self, key: str, text: str) -> None:
-        self.client.set_tag(self.run_id, key, text[:5000])
-
-    def end(self, state: str) -> None:
-        self.client.set_terminated(self.run_id, status=END_STATUS.get(state, "FINISHED"))
 
 
 class _Delivery(threading.Thread):
@@ -169,13 +98,7 @@ class Tracking:
         :class:`Tracking` over it. A runner that goes on from a job's record passes its ``state``
         and ``history``: the recorded events are delivered first, so what a lost runner recorded
         but had not delivered yet reaches the run (a step already logged is skipped)."""
-        from service.spec.tracking import TrackingSpec
-
-        t = TrackingSpec.model_validate(spec.get("tracking") or {})
-        runs = []
-        if t.mlflow is not None:
-            params = flat_params({k: v for k, v in spec.items() if k != "tracking"})
-            runs.append(MLflowRun(t.mlflow.tracking_uri, t.mlflow.experiment, job_id, spec.get("name", "job"), params))
+        runs = tracker_runs(spec, job_id)
         if not runs:
             return record
         tracking = cls(record, runs, state)

@@ -54,7 +54,7 @@ class JobSpec(BaseModel):
     checkpoint: CheckpointSpec = CheckpointSpec()
     resources: ResourcesSpec = ResourcesSpec()
     fault_tolerance: FaultToleranceSpec = FaultToleranceSpec()
-    tracking: TrackingSpec = Field(TrackingSpec(), description="an experiment tracker (MLflow) for the "
+    tracking: TrackingSpec = Field(TrackingSpec(), description="experiment trackers (MLflow, W&B) for the "
                                    "job's curves, parameters and events")
 
     @property

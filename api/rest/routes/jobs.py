@@ -47,6 +47,10 @@ async def read_spec(request: Request):
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, "invalid_json", f"the request body is not valid JSON: {e}") from None
+    # The server's trackers (raytron serve --tracking-*) for a spec without a tracking section.
+    default_tracking = request.app.state.settings.default_tracking
+    if default_tracking and isinstance(data, dict) and "tracking" not in data:
+        data = {**data, "tracking": default_tracking}
     # The accelerator the cluster's GPU nodes report through Ray, for a spec that names none.
     data = with_gpu_type(data, await run_in_threadpool(reported_gpu_type, request.app.state.cluster))
     # In a worker thread: a spec with `auto` fields is resolved by a layout search (seconds), which
