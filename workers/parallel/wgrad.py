@@ -12,11 +12,12 @@ The protocol, Megatron's, except that ``.grad`` stays the buffer view outside ba
 * :class:`workers.parallel.data.DataParallelGrads` gives each param it manages a ``main_grad``
   attribute, its view of the flat buffer (removed again by ``remove_hooks``); a param without
   one (a module used on its own) keeps plain autograd.
-* The fusion applies when ``main_grad`` has the weight's dtype (fp32 training; bf16/fp16 keep
-  accumulating a low-precision ``.grad`` into the fp32 buffer in the hook: ``addmm_`` cannot
-  mix dtypes). The decision is taken in the forward and the param kept on ``ctx``: a weight
-  saved for backward inside a recomputed (non-reentrant checkpoint) region comes back
-  detached, without its attributes.
+* A weight with a ``main_grad`` (:func:`grad_owner`) runs its GEMMs through a custom Function
+  whose backward calls :func:`weight_grad`; the param is kept on ``ctx``: a weight saved for
+  backward inside a recomputed (non-reentrant checkpoint) region comes back detached, without
+  its attributes. The fusion applies when ``main_grad`` has the weight's dtype (fp32 training;
+  bf16/fp16 keep accumulating a low-precision ``.grad`` into the fp32 buffer in the hook:
+  ``addmm_`` cannot mix dtypes, so :func:`weight_grad` returns the GEMM to autograd).
 * The fused backward sets ``weight.grad_added_to_main_grad``, sets ``weight.grad`` to None
   (else AccumulateGrad would add the dummy into the buffer view) and returns an uninitialised
   ``torch.empty_like(weight)``, which AccumulateGrad takes as ``.grad`` without a copy, so the
@@ -30,13 +31,20 @@ The protocol, Megatron's, except that ``.grad`` stays the buffer view outside ba
 
 Zero-bubble pipelines (:mod:`workers.parallel.pipeline_zb`) split a backward into the input
 gradient (``B``) and the weight gradient (``W``): a backward run inside
-:func:`deferred_wgrads` queues each fused weight-gradient GEMM (its output gradient and input)
-and hands autograd no weight gradient; ``weight.wgrad_deferred`` counts the GEMMs queued and
-not yet run, and the data-parallel hook marks no weight final while it is positive;
-:func:`run_wgrads` later runs the queued GEMMs into ``main_grad`` and gives autograd the fused
-path's dummies, so the hooks run then, exactly as in an unsplit backward. The same GEMMs in
-the same microbatch order: the gradients do not change. Without ``main_grad`` (bf16/fp16,
-a module used on its own) nothing is deferred and ``W`` has nothing to do.
+:func:`deferred_wgrads` queues each weight-gradient GEMM (its output gradient and input) and
+hands autograd no weight gradient; ``weight.wgrad_deferred`` counts the GEMMs queued and not
+yet run, and the data-parallel hook marks no weight final while it is positive;
+:func:`run_wgrads` later runs the queued GEMMs and gives autograd each weight's gradient, so the
+hooks run then, exactly as in an unsplit backward. In fp32 the GEMMs go into ``main_grad`` and
+autograd gets the fused path's dummies. In bf16/fp16 each is the very GEMM the unsplit backward
+runs (``grad^T @ x`` in the compute dtype, same operands), a weight's several GEMMs of one
+backward summed in queue order, which is the order autograd's input buffer sums them in; the
+hook folds the result into the fp32 main grad as it folds an unsplit ``.grad``. One exception:
+in bf16/fp16 a ``zero_out_wgrad`` weight (a lookup and a GEMM in one backward) keeps its GEMM in
+``B``, since autograd rounds the lookup's and the GEMM's sum in the compute dtype before the
+hook sees it. The same GEMMs in the same microbatch order: the gradients do not change, bit for
+bit. Without ``main_grad`` (a module used on its own; under FP8, where the GEMM sees a
+dequantised copy of the weight) nothing is deferred and ``W`` has nothing to do.
 """
 
 from __future__ import annotations

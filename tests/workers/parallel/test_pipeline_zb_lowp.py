@@ -136,3 +136,103 @@ def test_tied_table_keeps_its_gemm_in_b_in_low_precision():
         out.append(grads.buffers[0].grad.clone())
         grads.remove_hooks()
     assert torch.equal(out[0], out[1]) and float(out[0].abs().sum()) > 0
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+_PP2 = {"pipeline_model_parallel_size": 2}
+_ZBV = {**_PP2, "virtual_pipeline_model_parallel_size": 2, "pipeline_schedule": "zbv"}
+_LAYOUTS = {  # name: (parallel, W deferred)
+    "1f1b": ({**_PP2, "pipeline_schedule": "1f1b"}, True),
+    "zb-h1": ({**_PP2, "pipeline_schedule": "zb-h1"}, True),
+    "zbv": (_ZBV, True),
+    "zbv-unsplit": (_ZBV, False),  # the same V table, each B a whole backward (W has nothing to run)
+}
+_PRECISIONS = {"bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**10}}
+_SAME = ("loss", "grad_norm", "mtp_loss", "loss_scale", "skipped", "val_loss")
+
+
+def _trainer_runs(rank, world_size, jobs):
+    """:func:`tests.helpers.parity.run_trainer` of each ``(job, defer)``, with the GEMMs the
+    executor's W steps ran counted (``defer`` False: its Bs run whole backwards)."""
+    from tests.helpers.parity import run_trainer
+    from workers.parallel import pipeline_exec
+
+    results, run_wgrads, deferred_wgrads = [], pipeline_exec.run_wgrads, pipeline_exec.deferred_wgrads
+    for job, defer in jobs:
+        counted = []
+        pipeline_exec.run_wgrads = lambda queue: (counted.append(len(queue)), run_wgrads(queue))
+        if not defer:
+            pipeline_exec.deferred_wgrads = lambda: contextlib.nullcontext([])
+        try:
+            results.append({**run_trainer(rank, world_size, job), "w_gemms": sum(counted), "w_steps": len(counted)})
+        finally:
+            pipeline_exec.run_wgrads, pipeline_exec.deferred_wgrads = run_wgrads, deferred_wgrads
+    return results
+
+
+@pytest.fixture(scope="module")
+def lowp_runs():
+    """Every layout of ``_LAYOUTS`` in every precision, on 2 ranks: ``{(precision, layout): per_rank}``."""
+    from tests.helpers.parity import job_of, tiny_spec
+    from tests.helpers.ranks import run_ranks
+
+    keys = [(p, name) for p in _PRECISIONS for name in _LAYOUTS]
+    jobs = [(job_of(tiny_spec(world=2, parallel=_LAYOUTS[name][0], training=_PRECISIONS[p])), _LAYOUTS[name][1])
+            for p, name in keys]
+    per_rank = run_ranks(_trainer_runs, 2, args=(jobs,), timeout_s=600)
+    return {key: [r[i] for r in per_rank] for i, key in enumerate(keys)}
+
+
+def _assert_bit_identical(got: list[dict], want: list[dict]) -> None:
+    for rank, (a, b) in enumerate(zip(got, want)):
+        for key in _SAME:
+            assert [m[key] for m in a["metrics"]] == [m[key] for m in b["metrics"]], (rank, key)
+        for what in ("grads", "params"):
+            assert sorted(a[what]) == sorted(b[what])
+            for name, value in a[what].items():
+                assert value.tobytes() == b[what][name].tobytes(), f"rank {rank}: {what} of {name} differ"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", list(_PRECISIONS))
+@pytest.mark.parametrize("name, baseline", [("zb-h1", "1f1b"), ("zbv", "zbv-unsplit")])
+def test_low_precision_zero_bubble_is_its_unsplit_schedule_bit_for_bit(lowp_runs, precision, name, baseline):
+    """ZB-H1 at pp 2 gives 1F1B's losses, grad norms, iteration-0 gradients and final params bit
+    for bit, ZBV its own V layout's with whole backwards; with the W steps running the linears'
+    weight-gradient GEMMs (the baselines' W steps run none)."""
+    got, want = lowp_runs[(precision, name)], lowp_runs[(precision, baseline)]
+    _assert_bit_identical(got, want)
+    for a, b in zip(got, want):
+        assert a["w_steps"] > 0 and a["w_gemms"] >= 4 * a["w_steps"], a["w_gemms"]  # 4 linears a layer
+        assert b["w_gemms"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["zb-h1", "zbv"])
+def test_bf16_zero_bubble_agrees_with_the_single_bf16_process(lowp_runs, name):
+    """Within the bf16 tolerances every layout is held to (losses, gradients, grad norms)."""
+    from tests.helpers.layouts import BF16, BF16_TOL
+    from tests.helpers.parity import check_results
+
+    check_results(lowp_runs[("bf16", name)], None, BF16, **BF16_TOL)
+
+
+_TP_SP = {**_PP2, "tensor_model_parallel_size": 2, "sequence_parallel": True}
+_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+@pytest.mark.slow
+def test_bf16_zero_bubble_with_tp_sp_and_recompute_is_1f1b_bit_for_bit():
+    """The column/row-parallel linears' own backwards (SP: the input gathered again in B) defer
+    their GEMMs too, inside recomputed layers: ZB-H1 at tp 2 (SP) x pp 2 with full recompute
+    gives 1F1B's bits."""
+    from tests.helpers.parity import job_of, tiny_spec
+    from tests.helpers.ranks import run_ranks
+
+    jobs = [(job_of(tiny_spec(world=4, parallel={**_TP_SP, "pipeline_schedule": name}, model=_RECOMPUTE,
+                              training=_PRECISIONS["bf16"])), True) for name in ("zb-h1", "1f1b")]
+    per_rank = run_ranks(_trainer_runs, 4, args=(jobs,), timeout_s=600)
+    got, want = [r[0] for r in per_rank], [r[1] for r in per_rank]
+    _assert_bit_identical(got, want)
+    assert all(a["w_gemms"] >= 4 * a["w_steps"] > 0 for a in got)
