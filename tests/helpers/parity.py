@@ -201,7 +201,13 @@ def check_layout(spec: dict, model: dict | None = None, training: dict | None = 
     """Run ``spec`` distributed and check losses, iteration-0 gradients, grad norms, LRs,
     validation losses and replicas against the single-process reference of the same model
     and training settings (looser tolerances for bf16/fp16 runs)."""
-    per_rank = distributed_run(spec)
+    return check_results(distributed_run(spec), model, training, loss_rtol=loss_rtol, grad_rtol=grad_rtol,
+                         norm_rtol=norm_rtol)
+
+
+def check_results(per_rank: list[dict], model: dict | None = None, training: dict | None = None, *,
+                  loss_rtol: float = LOSS_RTOL, grad_rtol: float = GRAD_RTOL, norm_rtol: float = GRAD_RTOL) -> list[dict]:
+    """:func:`check_layout`'s checks of a distributed run's per-rank results."""
     ref = reference(model, training)
     for r in per_rank:
         for key in ("loss", "mtp_loss", "grad_norm", "lr", "val_loss", "loss_scale", "skipped"):

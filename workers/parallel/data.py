@@ -98,8 +98,10 @@ class DataParallelGrads:
                     view.add_(p.grad)
                 p.grad = None if buf.main_grads else view
             elif buf.main_grads:
-                # Megatron's main_grad: fold this backward's bf16/fp16 grad into fp32, drop it.
-                view.add_(p.grad)
+                # Megatron's main_grad: fold this backward's bf16/fp16 grad into fp32, drop it
+                # (none: a zero-bubble B deferred the weight's GEMMs, workers.parallel.wgrad).
+                if p.grad is not None:
+                    view.add_(p.grad)
                 p.grad = None
             elif p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 # Autograd replaced .grad (someone set it to None, or create_graph=True):

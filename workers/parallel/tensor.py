@@ -19,7 +19,8 @@ checkpointing and gradient-norm code. ``group=None`` means no TP: the layers the
 
 In fp32 training the linears' weight-gradient GEMMs accumulate straight into the
 data-parallel gradient buffer (Megatron's gradient-accumulation fusion,
-:mod:`workers.parallel.wgrad`), with or without TP.
+:mod:`workers.parallel.wgrad`), with or without TP; in every precision a zero-bubble
+pipeline's ``B`` defers them to its ``W`` through the same module.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from workers.parallel import comm
 from workers.parallel.fp8 import quantize_grad, quantize_operands
 from workers.parallel.initializer import materialize
 from workers.parallel.sequence import reduce_scatter_to_sequence_parallel_region
-from workers.parallel.wgrad import fuses, linear, weight_grad
+from workers.parallel.wgrad import grad_owner, linear, weight_grad
 
 # ---------------------------------------------------------------------------------------
 # Mappings (Megatron's mappings.py, the TP half; the SP half lives in sequence.py).
@@ -80,12 +81,12 @@ class _LinearWithSequenceGather(torch.autograd.Function):
     gathers it again there (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``
     with sequence parallelism): the gathered ``[s, b, in]`` input is never kept, so a
     column-parallel layer stores 1/tp of its input, at the price of one more all-gather.
-    ``fused``: accumulate the weight gradient into ``weight.main_grad``
-    (:mod:`workers.parallel.wgrad`)."""
+    ``owned``: the weight gradient goes through :func:`workers.parallel.wgrad.weight_grad`
+    (fused into ``weight.main_grad`` in fp32, deferred in a zero-bubble ``B``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, fused):
-        ctx.group, ctx.fused = group, weight if fused else None
+    def forward(ctx, x, weight, group, owned):
+        ctx.group, ctx.owner = group, weight if owned else None
         ctx.save_for_backward(x, weight)
         return F.linear(comm.all_gather(x, group, dim=0), weight)
 
@@ -98,7 +99,7 @@ class _LinearWithSequenceGather(torch.autograd.Function):
         grad_full_input = grad.matmul(weight)
         comm.wait(gathering)
         grad_input, scattering = comm.reduce_scatter_start(grad_full_input, ctx.group)
-        grad_weight = weight_grad(grad, full, ctx.fused)
+        grad_weight = weight_grad(grad, full, ctx.owner)
         comm.wait(scattering)
         return grad_input, grad_weight, None, None
 
@@ -106,12 +107,12 @@ class _LinearWithSequenceGather(torch.autograd.Function):
 class _LinearWithAsyncAllReduce(torch.autograd.Function):
     """``x @ W.T`` entering a TP region without SP (:func:`copy_to_tensor_parallel_region`
     fused with the GEMM, Megatron's async all-reduce): backward starts the all-reduce of the
-    input gradient and computes the weight gradient while it runs (``fused``: as
+    input gradient and computes the weight gradient while it runs (``owned``: as
     :class:`_LinearWithSequenceGather`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, fused):
-        ctx.group, ctx.fused = group, weight if fused else None
+    def forward(ctx, x, weight, group, owned):
+        ctx.group, ctx.owner = group, weight if owned else None
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight)
 
@@ -120,7 +121,7 @@ class _LinearWithAsyncAllReduce(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_input = grad.matmul(weight)
         reducing = comm.all_reduce(grad_input, ctx.group, async_op=True)
-        grad_weight = weight_grad(grad, x, ctx.fused)
+        grad_weight = weight_grad(grad, x, ctx.owner)
         reducing.wait()
         return grad_input, grad_weight, None, None
 
@@ -207,11 +208,11 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x, weight = quantize_operands(self, x, self.weight)  # FP8 (workers.parallel.fp8); else as given
-        fused = fuses(weight)
+        owned = grad_owner(weight) is not None
         if self.sequence_parallel and comm.world_size(self.group) > 1:
-            y = _LinearWithSequenceGather.apply(x, weight, self.group, fused)
+            y = _LinearWithSequenceGather.apply(x, weight, self.group, owned)
         elif comm.world_size(self.group) > 1:
-            y = _LinearWithAsyncAllReduce.apply(x, weight, self.group, fused)
+            y = _LinearWithAsyncAllReduce.apply(x, weight, self.group, owned)
         else:
             y = linear(x, weight)
         y = quantize_grad(self, y, dtype)

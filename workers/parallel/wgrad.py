@@ -12,11 +12,12 @@ The protocol, Megatron's, except that ``.grad`` stays the buffer view outside ba
 * :class:`workers.parallel.data.DataParallelGrads` gives each param it manages a ``main_grad``
   attribute, its view of the flat buffer (removed again by ``remove_hooks``); a param without
   one (a module used on its own) keeps plain autograd.
-* The fusion applies when ``main_grad`` has the weight's dtype (fp32 training; bf16/fp16 keep
-  accumulating a low-precision ``.grad`` into the fp32 buffer in the hook: ``addmm_`` cannot
-  mix dtypes). The decision is taken in the forward and the param kept on ``ctx``: a weight
-  saved for backward inside a recomputed (non-reentrant checkpoint) region comes back
-  detached, without its attributes.
+* A weight with a ``main_grad`` (:func:`grad_owner`) runs its GEMMs through a custom Function
+  whose backward calls :func:`weight_grad`; the param is kept on ``ctx``: a weight saved for
+  backward inside a recomputed (non-reentrant checkpoint) region comes back detached, without
+  its attributes. The fusion applies when ``main_grad`` has the weight's dtype (fp32 training;
+  bf16/fp16 keep accumulating a low-precision ``.grad`` into the fp32 buffer in the hook:
+  ``addmm_`` cannot mix dtypes, so :func:`weight_grad` returns the GEMM to autograd).
 * The fused backward sets ``weight.grad_added_to_main_grad``, sets ``weight.grad`` to None
   (else AccumulateGrad would add the dummy into the buffer view) and returns an uninitialised
   ``torch.empty_like(weight)``, which AccumulateGrad takes as ``.grad`` without a copy, so the
@@ -30,13 +31,20 @@ The protocol, Megatron's, except that ``.grad`` stays the buffer view outside ba
 
 Zero-bubble pipelines (:mod:`workers.parallel.pipeline_zb`) split a backward into the input
 gradient (``B``) and the weight gradient (``W``): a backward run inside
-:func:`deferred_wgrads` queues each fused weight-gradient GEMM (its output gradient and input)
-and hands autograd no weight gradient; ``weight.wgrad_deferred`` counts the GEMMs queued and
-not yet run, and the data-parallel hook marks no weight final while it is positive;
-:func:`run_wgrads` later runs the queued GEMMs into ``main_grad`` and gives autograd the fused
-path's dummies, so the hooks run then, exactly as in an unsplit backward. The same GEMMs in
-the same microbatch order: the gradients do not change. Without ``main_grad`` (bf16/fp16,
-a module used on its own) nothing is deferred and ``W`` has nothing to do.
+:func:`deferred_wgrads` queues each weight-gradient GEMM (its output gradient and input) and
+hands autograd no weight gradient; ``weight.wgrad_deferred`` counts the GEMMs queued and not
+yet run, and the data-parallel hook marks no weight final while it is positive;
+:func:`run_wgrads` later runs the queued GEMMs and gives autograd each weight's gradient, so the
+hooks run then, exactly as in an unsplit backward. In fp32 the GEMMs go into ``main_grad`` and
+autograd gets the fused path's dummies. In bf16/fp16 each is the very GEMM the unsplit backward
+runs (``grad^T @ x`` in the compute dtype, same operands), a weight's several GEMMs of one
+backward summed in queue order, which is the order autograd's input buffer sums them in; the
+hook folds the result into the fp32 main grad as it folds an unsplit ``.grad``. One exception:
+in bf16/fp16 a ``zero_out_wgrad`` weight (a lookup and a GEMM in one backward) keeps its GEMM in
+``B``, since autograd rounds the lookup's and the GEMM's sum in the compute dtype before the
+hook sees it. The same GEMMs in the same microbatch order: the gradients do not change, bit for
+bit. Without ``main_grad`` (a module used on its own; under FP8, where the GEMM sees a
+dequantised copy of the weight) nothing is deferred and ``W`` has nothing to do.
 """
 
 from __future__ import annotations
@@ -47,26 +55,44 @@ import torch
 import torch.nn.functional as F
 
 
+def grad_owner(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` when this forward's backward hands its gradient to :func:`weight_grad`'s
+    protocol (a ``main_grad``, of any dtype, and a graph being recorded); else ``None``."""
+    if getattr(weight, "main_grad", None) is None or not (weight.requires_grad and torch.is_grad_enabled()):
+        return None
+    return weight
+
+
 def fuses(weight: torch.Tensor) -> bool:
     """Whether this forward's backward accumulates ``weight``'s gradient straight into its
     ``main_grad`` (a buffer view of the weight's dtype, and a graph being recorded)."""
+    return grad_owner(weight) is not None and _fp32_path(weight)
+
+
+def _fp32_path(weight: torch.Tensor) -> bool:
+    """``main_grad`` has the weight's dtype: the GEMM can ``addmm_`` into it."""
     main = getattr(weight, "main_grad", None)
-    return main is not None and main.dtype == weight.dtype and weight.requires_grad and torch.is_grad_enabled()
+    return main is not None and main.dtype == weight.dtype
 
 
-def weight_grad(grad: torch.Tensor, x: torch.Tensor, fused: torch.Tensor | None) -> torch.Tensor:
-    """``dL/dW`` of ``y = x @ W.T`` (``grad^T @ x`` over every token); with ``fused`` (the
-    weight, where :func:`fuses` held in the forward) accumulated into ``fused.main_grad`` and a
-    dummy returned (see the module docstring)."""
+def weight_grad(grad: torch.Tensor, x: torch.Tensor, owner: torch.Tensor | None) -> torch.Tensor | None:
+    """``dL/dW`` of ``y = x @ W.T`` (``grad^T @ x`` over every token). ``owner``: the weight,
+    where :func:`grad_owner` held in the forward; then, inside :func:`deferred_wgrads`, the GEMM
+    is queued and ``None`` returned, and otherwise, on the fp32 path, accumulated into
+    ``owner.main_grad`` and a dummy returned (see the module docstring)."""
     grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-    if fused is None or torch.is_grad_enabled():  # create_graph: keep plain autograd
-        return grad_2d.t().matmul(x_2d)
-    if _deferred is not None:  # a zero-bubble B: the GEMM waits for run_wgrads, autograd gets nothing
-        _deferred.append((fused, grad_2d, x_2d))
-        fused.wgrad_deferred = getattr(fused, "wgrad_deferred", 0) + 1  # GEMMs queued, not yet run
+    if owner is None or torch.is_grad_enabled() or getattr(owner, "main_grad", None) is None:
+        return grad_2d.t().matmul(x_2d)  # create_graph, or no buffer (any more): plain autograd
+    fp32 = _fp32_path(owner)
+    if _deferred is not None and (fp32 or not getattr(owner, "zero_out_wgrad", False)):
+        # A zero-bubble B: the GEMM waits for run_wgrads, autograd gets nothing for the weight.
+        _deferred.append((owner, grad_2d, x_2d))
+        owner.wgrad_deferred = getattr(owner, "wgrad_deferred", 0) + 1  # GEMMs queued, not yet run
         return None
-    fused.main_grad.addmm_(grad_2d.t(), x_2d)
-    return _dummy(fused)
+    if not fp32:  # bf16/fp16: autograd's AccumulateGrad and the hook fold it into main_grad
+        return grad_2d.t().matmul(x_2d)
+    owner.main_grad.addmm_(grad_2d.t(), x_2d)
+    return _dummy(owner)
 
 
 def _dummy(fused: torch.Tensor) -> torch.Tensor:
@@ -85,8 +111,8 @@ not thread-local: autograd runs a CUDA backward on its own device thread."""
 
 @contextlib.contextmanager
 def deferred_wgrads():
-    """Queue the fused weight-gradient GEMMs of the backwards run inside; yields the queue,
-    for :func:`run_wgrads`."""
+    """Queue the weight-gradient GEMMs of the backwards run inside; yields the queue, for
+    :func:`run_wgrads`."""
     global _deferred
     outer, _deferred = _deferred, []
     try:
@@ -96,29 +122,40 @@ def deferred_wgrads():
 
 
 def run_wgrads(queue: list) -> None:
-    """Run the GEMMs :func:`deferred_wgrads` queued (in their order), then hand each weight's
-    dummy to autograd, so its post-accumulate hook runs as after an unsplit backward."""
-    weights: dict[int, torch.Tensor] = {}
+    """Run the GEMMs :func:`deferred_wgrads` queued (in their order), then hand each weight its
+    gradient through autograd (the fp32 path's dummy; in bf16/fp16 the GEMM itself, a weight's
+    several GEMMs summed in queue order as autograd's input buffer sums them), so its
+    post-accumulate hook runs as after an unsplit backward."""
+    grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     with torch.no_grad():
         for weight, grad_2d, x_2d in queue:
-            weight.main_grad.addmm_(grad_2d.t(), x_2d)
+            if _fp32_path(weight):
+                weight.main_grad.addmm_(grad_2d.t(), x_2d)
+                grads[id(weight)] = (weight, None)
+            else:
+                gemm = grad_2d.t().matmul(x_2d)
+                _, held = grads.get(id(weight), (weight, None))
+                grads[id(weight)] = (weight, gemm if held is None else held + gemm)
             weight.wgrad_deferred -= 1
-            weights[id(weight)] = weight
     queue.clear()
-    if weights:
-        params = tuple(weights.values())
+    if grads:
+        params = tuple(p for p, _ in grads.values())
+        handed = tuple(_dummy(p) if g is None else g for p, g in grads.values())
         torch.autograd.Variable._execution_engine.run_backward(
-            tensors=params, grad_tensors=tuple(_dummy(p) for p in params), keep_graph=False, create_graph=False,
+            tensors=params, grad_tensors=handed, keep_graph=False, create_graph=False,
             inputs=(), allow_unreachable=True, accumulate_grad=True)
 
 
 class LinearFusedWgrad(torch.autograd.Function):
-    """``x @ W.T`` (``+ residual``, one addmm) with the weight gradient accumulated into
-    ``W.main_grad``: the no-TP path of the parallel linears when :func:`fuses` holds."""
+    """``x @ W.T`` (``+ residual``, one addmm) with the weight gradient through
+    :func:`weight_grad` (fused into ``W.main_grad`` in fp32, deferrable in any precision): the
+    no-TP path of the parallel linears when :func:`grad_owner` holds. Its forward is
+    ``F.linear``'s and its backward the two GEMMs autograd runs for it, with the same operands:
+    the values are ``F.linear``'s, bit for bit."""
 
     @staticmethod
     def forward(ctx, x, weight, residual):
-        ctx.fused = weight
+        ctx.owner = weight
         ctx.has_residual = residual is not None
         ctx.save_for_backward(x, weight)
         if residual is None:
@@ -130,14 +167,15 @@ class LinearFusedWgrad(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_input = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_weight = weight_grad(grad, x, ctx.fused)
+        grad_weight = weight_grad(grad, x, ctx.owner)
         return grad_input, grad_weight, grad if ctx.has_residual else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T (+ residual)``, fused (:class:`LinearFusedWgrad`) when ``weight`` qualifies;
-    otherwise ``F.linear`` (and, with a residual, one ``torch.addmm``)."""
-    if fuses(weight):
+    """``x @ W.T (+ residual)``, through :class:`LinearFusedWgrad` when ``weight`` has a
+    ``main_grad`` (:func:`grad_owner`); otherwise ``F.linear`` (and, with a residual, one
+    ``torch.addmm``)."""
+    if grad_owner(weight) is not None:
         return LinearFusedWgrad.apply(x, weight, residual)
     if residual is None:
         return F.linear(x, weight)
