@@ -104,7 +104,7 @@ class RayRankGroup:
                                    what="rendezvous")[0]
         timeout = float(job.collective_timeout_s)
         records = self._collect(
-            [a.setup.remote(job, addr, port, self.grid.world_size, p.local, timeout, tuple(faults))
+            [a.setup.remote(job, addr, port, self.grid.world_size, p.local, timeout, tuple(faults), p.node)
              for a, p in zip(self.actors, self.plan)], cfg.start_timeout_s, what="start")
         self.placement = [replace(rec, node=p.node, reused=p.rank in kept) for rec, p in zip(records, self.plan)]
         return [record.to_dict() for record in self.placement]
