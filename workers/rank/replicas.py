@@ -20,11 +20,13 @@ checkpoint, with the reason.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import torch
 
 from workers.checkpoint.memory import layout_key, pack, read_meta, restore, snapshot_nbytes
 
+SETTLE_S = 1.0  # after a failure: how long a replica still arriving from a live peer is waited for
 KEEP = 2  # snapshots kept per rank: the newest (maybe still in flight) and the one before
 
 
@@ -71,7 +73,8 @@ def plan_restore(inventories: list[dict], upto: int | None) -> tuple[int | None,
         if all(it in h for h in have):
             return it, {r: have[r][it] for r in range(world)}, ""
     if not candidates:
-        return None, {}, "no rank holds an in-memory state"
+        return None, {}, ("no live rank holds an in-memory state: every copy was on the ranks or nodes lost "
+                          "(a lost node takes every rank on it)")
     newest = candidates[0]
     lost = [r for r in range(world) if newest not in have[r]]
     return None, {}, (f"both copies of rank(s) {lost}'s in-memory state are lost (its own and its replica's "
@@ -96,14 +99,16 @@ class MemoryStore:
         return {"own": sorted(self.own), "held": {s: sorted(its) for s, its in self.held.items()}}
 
     def settle(self, wait: bool) -> None:
-        """Take the replicas whose receive finished (``wait``: wait for every one; else only those
-        already complete, as after a failure)."""
+        """Take the replicas whose receive finished (``wait``: wait for every one; else, as after a
+        failure, only those that arrive within ``SETTLE_S``: a peer lost mid-transfer fails at once).
+        (A gloo receive reports itself complete only once waited for, so it is waited for.)"""
         pending, self.pending = self.pending, []
         for work, source, iteration, buf in pending:
             try:
-                if not wait and not work.is_completed():
-                    continue
-                work.wait()
+                if wait:
+                    work.wait()
+                else:
+                    work.wait(timedelta(seconds=SETTLE_S))
             except Exception:  # noqa: BLE001 - a peer lost mid-transfer: that replica is not held
                 if wait:
                     raise
