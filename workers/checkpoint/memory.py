@@ -26,7 +26,7 @@ from workers.checkpoint.checkpointer import local_pieces, rng_state, set_rng_sta
 from workers.checkpoint.layout import param_views
 from workers.grid import COORDS
 
-META_BYTES = 256 * 1024  # the meta JSON's room: RNG states and the trainer state are ~30 KB
+META_BYTES = 64 * 1024  # the meta JSON's room: RNG states and the trainer state are ~25 KB
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
