@@ -118,8 +118,9 @@ class MemoryStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() for b in self.own.values()) + sum(
-            b.numel() for its in self.held.values() for b in its.values())
+        """Host bytes of every snapshot kept and every replica kept or being received."""
+        return (sum(b.numel() for b in self.own.values()) + sum(b.numel() for its in self.held.values() for b in its.values())
+                + sum(buf.numel() for _, source, _, buf in self.pending if source is not None))
 
 
 def _keep(slots: dict, iteration: int, buf: torch.Tensor) -> None:
