@@ -2,8 +2,9 @@
 Jobs): a rank killed with SIGKILL comes back from memory (the survivors from their own copies, its
 replacement from the replica its peer on another node holds) without recomputing a recorded
 iteration; a node lost together with the node holding its replicas falls back to the disk
-checkpoint and says why. Both end SUCCEEDED on the undisturbed curve (1e-6). One served cluster
-for the module; the nodes are killed last (the cluster stays two nodes short)."""
+checkpoint and says why; a node lost alone comes back from memory, its ranks on another node. Each
+ends SUCCEEDED on the undisturbed curve (1e-6). One served cluster of 5 worker nodes for the
+module; the nodes are killed last (the cluster ends three nodes short)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ ITERS = 12
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    yield from ray_server_client(tmp_path_factory, "memrec")
+    yield from ray_server_client(tmp_path_factory, "memrec", simulate="5x2")
 
 
 def memory_spec(name: str) -> dict:
@@ -35,6 +36,19 @@ def memory_spec(name: str) -> dict:
 
 def placement(api, job_id: str) -> list[dict]:
     return api.get(f"/jobs/{job_id}/placement").json()["ranks"]
+
+
+def kill_node(node_id: str, ranks: list[dict]) -> None:
+    """A simulated worker node lost: its raylet and the rank processes on it killed (SIGKILL)."""
+    raylet, head = _raylet_of(node_id)
+    assert not head  # the head holds no ranks
+    os.kill(raylet, signal.SIGKILL)
+    for r in ranks:
+        if r["node_id"] == node_id:
+            try:
+                os.kill(r["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def succeeded_on_the_curve(api, job_id: str, s: dict) -> list[dict]:
@@ -66,6 +80,27 @@ def test_a_rank_killed_comes_back_from_memory_without_recomputing_an_iteration(a
     assert f"replica from rank {holder}" in next(p["resumed_from"] for p in placement(api, job_id) if p["rank"] == 1)
 
 
+def test_a_lost_node_s_ranks_come_back_from_memory_on_another_node(api):
+    s = memory_spec("memnode")
+    job_id = submit(api, s)
+    wait_iteration(api, job_id, 6)
+    ranks = placement(api, job_id)
+    lost = next(r for r in ranks if r["rank"] == 0)["node_id"]
+    kill_node(lost, ranks)
+    log = succeeded_on_the_curve(api, job_id, s)
+    failure = next(i for i, e in enumerate(log) if e["kind"] == "failure")
+    recorded = [e["data"]["iteration"] for e in log[:failure] if e["kind"] == "iteration"]
+    restores = [e["data"] for e in log if e["kind"] == "restore"]
+    assert len(restores) == 1 and restores[0]["source"] == "memory", restores
+    assert restores[0]["iteration"] == recorded[-1] >= 6, (restores, recorded)
+    assert [e["data"]["iteration"] for e in log if e["kind"] == "iteration"] == list(range(1, ITERS + 1))
+    on_lost = sorted(r["rank"] for r in ranks if r["node_id"] == lost)
+    assert restores[0]["from_replicas"] == on_lost  # from the replicas on the other node
+    after = {r["rank"]: r for r in placement(api, job_id)}
+    assert all(after[r]["node_id"] != lost for r in on_lost)  # its ranks on another node
+    assert all(after[r["rank"]]["reused"] for r in ranks if r["node_id"] != lost)  # the others stayed
+
+
 def test_a_node_lost_with_the_node_holding_its_replicas_falls_back_to_disk_and_says_why(api):
     s = memory_spec("memnodes")
     job_id = submit(api, s)
@@ -74,14 +109,7 @@ def test_a_node_lost_with_the_node_holding_its_replicas_falls_back_to_disk_and_s
     nodes = {r["node_id"] for r in ranks}
     assert len(nodes) == 2  # each node holds the other's replicas: both copies of every rank go
     for node_id in nodes:
-        raylet, head = _raylet_of(node_id)
-        assert not head
-        os.kill(raylet, signal.SIGKILL)
-    for r in ranks:
-        try:
-            os.kill(r["pid"], signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_node(node_id, ranks)
     log = succeeded_on_the_curve(api, job_id, s)
     restores = [e for e in log if e["kind"] == "restore"]
     assert len(restores) == 1, restores
