@@ -11,6 +11,13 @@ On one simulated cluster of 4 nodes x 2 GPU slots (started here, shared by both)
   *first iteration* (placed -> the next iteration finished). Also the checkpoint's save seconds
   (rank 0, per save) and bytes per rank (its data file), and how many ranks the new attempt
   started again in place (the survivors: see ``service/ranks/ray_launcher.py``).
+* **raytron, in memory**: the same job with ``fault_tolerance.memory_interval: 1`` (a snapshot of every
+  rank's state in host memory after every iteration, replicated to a rank on another node) and no
+  disk checkpoint in its run, the same kill and the same split (*restore*: the slowest rank's agreement
+  and restore from memory); iterations lost (recorded before the kill, minus the iteration restored);
+  the snapshot's time and bytes sent per rank per iteration, its host memory per rank; and, from two
+  undisturbed 30-iteration runs, the time per iteration without and with replication (the ranks'
+  train step plus snapshot, and the wall time per iteration the driver sees).
 * **Ray Train**: ``TorchTrainer`` with 8 CPU workers and ``FailureConfig(max_failures=1)``; each
   step is a 1 MiB all-reduce; worker 3 is killed with SIGKILL after its third step. Measured:
   kill -> every restarted worker has finished its first all-reduce.
@@ -41,23 +48,35 @@ SPEC = {"name": "recovery", "model": {"num_layers": 2, "hidden_size": 64, "num_a
         "fault_tolerance": {"max_restarts": 1, "collective_timeout_s": 60}}
 
 
-def child_raytron(ckpt_dir: str) -> dict:
+def memory_spec(ckpt_dir: str, interval: int) -> dict:
+    """The job with a snapshot in memory every ``interval`` iterations (0: none) and no disk save in its run."""
+    return {**SPEC, "checkpoint": {"save_interval": 1000, "dir": ckpt_dir},
+            "fault_tolerance": {**SPEC["fault_tolerance"], "memory_interval": interval}}
+
+
+def child_raytron(ckpt_dir: str, mode: str = "disk") -> dict:
     from service.control.events import JobState
     from service.control.jobs import start_job
     from service.ranks.ray_cluster import ray_session
     from service.ranks.ray_launcher import RayLauncher
     from service.spec.spec import parse_spec, to_job_config
 
-    job = to_job_config(parse_spec({**SPEC, "checkpoint": {"save_interval": 1, "dir": ckpt_dir}}))
+    spec = memory_spec(ckpt_dir, 1) if mode == "memory" else {**SPEC, "checkpoint": {"save_interval": 1, "dir": ckpt_dir}}
+    job = to_job_config(parse_spec(spec))
     marks: dict = {}
     placements: list = []
     saves: list = []
+    recorded: list = []
+    memory: list = []
 
     def on_event(e) -> None:
         if e.kind == "placement":
             placements.append((e.time, e.data["placement"]))
         elif e.kind == "iteration":
             saves.append(e.data.get("checkpoint_save_s"))
+            memory.append(e.data)
+            if "failure" not in marks:
+                recorded.append(e.data["iteration"])
             if e.data["iteration"] == 3 and "kill" not in marks:
                 rank3 = next(p for p in placements[-1][1] if p["rank"] == 3)
                 marks["kill"] = time.time()
@@ -73,6 +92,17 @@ def child_raytron(ckpt_dir: str) -> dict:
         result = start_job(job, launcher=RayLauncher(session), on_event=on_event).wait()
     placed_t, placed = placements[-1]
     load = max(p.get("load_s") or 0.0 for p in placed)
+    resumed = int(placed[0].get("resumed_iteration") or 0)
+    figures = {"iterations_lost": max(recorded) - resumed, "resumed_iteration": resumed,
+               "resumed_from": placed[0].get("resumed_from"), "reused_ranks": [p["rank"] for p in placed if p.get("reused")]}
+    if mode == "memory":
+        snap = [m for m in memory if "memory_bytes_sent" in m]
+        return {"state": result["state"], "restarts": result["restarts"], **figures,
+                "detect_and_teardown_s": marks["failure"] - marks["kill"], "replan_s": marks["starting"] - marks["failure"],
+                "restart_s": placed_t - marks["starting"] - load, "restore_s": load,
+                "first_iteration_s": marks["next_iteration"] - placed_t, "total_s": marks["next_iteration"] - marks["kill"],
+                "snapshot_s_median": _median([m["memory_snapshot_s"] for m in snap]),
+                "bytes_sent_per_rank": snap[-1]["memory_bytes_sent"], "host_bytes_per_rank": snap[-1]["memory_host_bytes"]}
     sizes = {name: os.path.getsize(os.path.join(ckpt_dir, d, name))
              for d in sorted(os.listdir(ckpt_dir)) if d.startswith("iter_")
              for name in os.listdir(os.path.join(ckpt_dir, d)) if name.endswith(".bin")}
@@ -81,8 +111,31 @@ def child_raytron(ckpt_dir: str) -> dict:
             "restart_s": placed_t - marks["starting"] - load, "restore_s": load,
             "first_iteration_s": marks["next_iteration"] - placed_t, "total_s": marks["next_iteration"] - marks["kill"],
             "save_s_median": sorted(s for s in saves if s)[len([s for s in saves if s]) // 2],
-            "load_s_max": load, "bytes_per_rank": sorted(sizes.values()),
-            "reused_ranks": [p["rank"] for p in placed if p.get("reused")]}
+            "load_s_max": load, "bytes_per_rank": sorted(sizes.values()), **figures}
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def child_steps(ckpt_dir: str, interval: int) -> dict:
+    """An undisturbed run of 30 iterations with a snapshot every ``interval`` iterations (0: none): the
+    ranks' time per iteration (train step plus the snapshot's own time) and the wall time per iteration."""
+    from service.control.jobs import start_job
+    from service.ranks.ray_cluster import ray_session
+    from service.ranks.ray_launcher import RayLauncher
+    from service.spec.spec import parse_spec, to_job_config
+
+    spec = memory_spec(ckpt_dir, interval)
+    spec = {**spec, "training": {**spec["training"], "train_iters": 30}}
+    times: list = []
+    with ray_session() as session:
+        start_job(to_job_config(parse_spec(spec)), launcher=RayLauncher(session),
+                  on_event=lambda e: times.append((e.time, e.data)) if e.kind == "iteration" else None).wait()
+    steady = times[5:]
+    return {"rank_step_s": _median([d["step_time_s"] + d.get("memory_snapshot_s", 0.0) for _, d in steady]),
+            "wall_per_iteration_s": (steady[-1][0] - steady[0][0]) / (len(steady) - 1)}
 
 
 def _ray_train_fn(config: dict) -> None:
@@ -149,26 +202,48 @@ def _launch(args: list[str], env: dict) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        out = child_raytron(sys.argv[3]) if sys.argv[2] == "raytron" else child_ray_train(int(sys.argv[3]))
+        kind, arg = sys.argv[2], sys.argv[3]
+        if kind == "ray_train":
+            out = child_ray_train(int(arg))
+        elif kind == "steps":
+            out = child_steps(tempfile.mkdtemp(prefix="raytron-bench-steps-"), int(arg))
+        else:
+            out = child_raytron(arg, "memory" if kind == "memory" else "disk")
         print(json.dumps(out))
         return
     from service.ranks.ray_cluster import simulated_cluster
 
     with tempfile.TemporaryDirectory(prefix="raytron-bench-") as tmp, simulated_cluster(4, 2) as session:
         env = {**os.environ, "RAY_ADDRESS": session.address}
+        mem = _launch(["memory", os.path.join(tmp, "mem")], env)
+        print("raytron memory:", json.dumps(mem), file=sys.stderr)
         ours = _launch(["raytron", os.path.join(tmp, "ckpt")], env)
-        print("raytron:", json.dumps(ours), file=sys.stderr)
+        print("raytron disk:", json.dumps(ours), file=sys.stderr)
+        plain, replicated = _launch(["steps", "0"], env), _launch(["steps", "1"], env)
+        print("steps:", json.dumps([plain, replicated]), file=sys.stderr)
         time.sleep(3)
         theirs = _launch(["ray_train", "8"], env)
         print("ray_train:", json.dumps(theirs), file=sys.stderr)
-    print(f"\n{'kill -9 of rank 3 -> next step done, 8 ranks on 4x2':<52}{'raytron':>10}{'Ray Train':>11}")
+    print(f"\n{'kill -9 of rank 3 -> next step done, 8 ranks on 4x2':<46}{'memory':>9}{'disk':>9}{'Ray Train':>11}")
     for key in ("detect_and_teardown_s", "replan_s", "restart_s", "restore_s", "first_iteration_s"):
-        print(f"  {key:<50}{ours[key]:>10.2f}{'':>11}")
-    print(f"  {'total':<50}{ours['total_s']:>10.2f}{theirs['total_s']:>11.2f}")
-    print(f"  {'ratio raytron / Ray Train (target <= 0.50)':<50}{ours['total_s'] / theirs['total_s']:>10.2f}")
-    print(f"restarted in place: ranks {ours['reused_ranks']} ({len(ours['reused_ranks'])} of 8; the others new actors)")
+        print(f"  {key:<44}{mem[key]:>9.2f}{ours[key]:>9.2f}{'':>11}")
+    print(f"  {'total':<44}{mem['total_s']:>9.2f}{ours['total_s']:>9.2f}{theirs['total_s']:>11.2f}")
+    print(f"  {'iterations lost':<44}{mem['iterations_lost']:>9}{ours['iterations_lost']:>9}")
+    print(f"  {'ratio memory / disk (target < 0.3)':<44}{mem['total_s'] / ours['total_s']:>9.2f}")
+    print(f"  {'ratio memory / Ray Train (target < 0.1)':<44}{mem['total_s'] / theirs['total_s']:>9.2f}")
+    print(f"  {'ratio disk / Ray Train':<44}{ours['total_s'] / theirs['total_s']:>9.2f}")
+    print(f"restarted in place: ranks {ours['reused_ranks']} (disk), {mem['reused_ranks']} (memory); "
+          f"restored from {mem['resumed_from']} at iteration {mem['resumed_iteration']}")
     print(f"checkpoint: save {ours['save_s_median']:.3f}s (rank 0, median), load {ours['load_s_max']:.3f}s "
           f"(slowest rank), bytes per rank {ours['bytes_per_rank']}")
+    print(f"replication every iteration: snapshot {mem['snapshot_s_median'] * 1000:.1f} ms (rank 0, median), "
+          f"{mem['bytes_sent_per_rank']} bytes sent per rank per iteration, {mem['host_bytes_per_rank']} bytes "
+          f"of host memory per rank")
+    print(f"step time without / with replication: rank {plain['rank_step_s'] * 1000:.1f} / "
+          f"{replicated['rank_step_s'] * 1000:.1f} ms ({replicated['rank_step_s'] / plain['rank_step_s']:.2f}x, target "
+          f"<= 1.10x), wall per iteration {plain['wall_per_iteration_s'] * 1000:.1f} / "
+          f"{replicated['wall_per_iteration_s'] * 1000:.1f} ms "
+          f"({replicated['wall_per_iteration_s'] / plain['wall_per_iteration_s']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -273,6 +273,14 @@ class JobConfig:
     relayout_spec: str | None = None
     """The job's spec as JSON when fault_tolerance.relayout_on_resize: what the cost model re-plans a
     resize from (service.control.relayout). None: a resize changes dp only."""
+    memory_interval: int = 0
+    """Every this many iterations each rank's state is copied to host memory and replicated off-node
+    (fault_tolerance.memory_interval; 0: off)."""
+    memory_replicas: int = 1
+    """Replicas of each rank's in-memory state, each on another node (fault_tolerance.memory_replicas)."""
+    memory_upto: int | None = None
+    """Set by the controller for one attempt: the newest iteration it recorded, so the newest one an
+    in-memory restore may go back to (None: any)."""
 
 
 def stable_seed(seed: int, name: str) -> int:

@@ -198,7 +198,7 @@ def follow(client, job_id: str, as_json: bool, *, from_now: bool = False) -> int
                 d = event["data"]
                 bar.set_postfix(progress_postfix(d), refresh=False)
                 bar.update(d.get("iteration", bar.n + 1) - bar.n)
-            elif event["kind"] in ("state", "failure", "resize", "waiting", "runner", "layout"):
+            elif event["kind"] in ("state", "failure", "resize", "waiting", "runner", "layout", "restore"):
                 bar.write(f"{job_id}: {event['state']} {event['message']}".rstrip(), file=sys.stderr)
             if event["kind"] == "state":
                 state = event["state"]

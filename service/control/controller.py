@@ -40,6 +40,7 @@ from service.control.events import JobEvent, JobState, retention_message
 from service.spec.placement import check_tp_in_node
 from service.control.relayout import ElasticRelayout
 from service.control.trials import layout_message
+from service.control.recovery import restore_event
 from service.control.policy import Decision, ElasticDataParallel, FailurePolicy, RestartUpTo, ScalingPolicy
 from service.control.rank_group import RankGroup
 from service.control.result import result_object
@@ -115,7 +116,9 @@ class JobController:
                            nodes_available)
         self._make_group, self._on_event, self._release = make_group, on_event, release
         self.policy = failure_policy or RestartUpTo(job.max_restarts)
-        self.calls = CallSizer(max(1, iterations_per_call), call_target_s, job.checkpoint.save_interval)
+        # Calls end where a restart can resume: at a disk save, or at an in-memory snapshot.
+        ends = [i for i in (job.checkpoint.save_interval, job.memory_interval) if i]
+        self.calls = CallSizer(max(1, iterations_per_call), call_target_s, min(ends) if ends else None)
         check_ranks(faults, grid.world_size)
         self.faults = list(faults)
         self.events: list[JobEvent] = []
@@ -204,7 +207,7 @@ class JobController:
                                      "new": {"num_nodes": job.num_nodes, "sizes": grid.sizes()}}))
         self.current, self.grid = job, grid
         source = self._resume_source()
-        job = replace(job, checkpoint=replace(job.checkpoint, resume_from=source))
+        job = replace(job, checkpoint=replace(job.checkpoint, resume_from=source), memory_upto=len(self.metrics))
         number = 1 + sum(1 for e in self.events if e.kind == "state" and e.state is JobState.STARTING)
         attempt = f" (attempt {number})" if number > 1 else ""  # numbered as the job store numbers attempts
         self._transition(JobState.STARTING, "placing ranks" + attempt + (f" from {source}" if source else ""),
@@ -221,6 +224,8 @@ class JobController:
             raise JobError(f"tensor-parallel groups {split} span several nodes")
         self._emit(JobEvent.now("placement", self.state, f"{len(self.placement)} ranks placed",
                                 {"placement": self.placement}))
+        if job.memory_interval and self.attempts > 1:
+            self._emit(restore_event(self.state, start, source, self.placement))
         self._transition(JobState.RUNNING, "training")
         total = self.job.training.train_iters
         while self.iteration < total:

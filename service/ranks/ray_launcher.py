@@ -22,7 +22,9 @@ process groups, free the trainer) and wait, with the placement group, in the lau
 (:class:`WarmRanks`). The next attempt of the same size reuses them and creates actors only for
 the ranks that died, in their bundles: it pays one torch import instead of one per rank (the
 bulk of a restart). A rank that does not answer within ``LauncherConfig.reuse_wait_s`` (hung,
-stopped) is killed like the dead ones; a lost node or a resize means a full teardown.
+stopped) is killed like the dead ones; a resize means a full teardown, and so does a lost node
+unless the job keeps its state in memory (``fault_tolerance.memory_interval``): then the ranks on
+the nodes left stay, and the lost node's ranks start in its bundle, which Ray moves to another node.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ class RayRankGroup:
                                    what="rendezvous")[0]
         timeout = float(job.collective_timeout_s)
         records = self._collect(
-            [a.setup.remote(job, addr, port, self.grid.world_size, p.local, timeout, tuple(faults))
+            [a.setup.remote(job, addr, port, self.grid.world_size, p.local, timeout, tuple(faults), p.node)
              for a, p in zip(self.actors, self.plan)], cfg.start_timeout_s, what="start")
         self.placement = [replace(rec, node=p.node, reused=p.rank in kept) for rec, p in zip(records, self.plan)]
         return [record.to_dict() for record in self.placement]
@@ -177,7 +179,11 @@ class RayRankGroup:
         if not self._ran or self.pg is None or len(self._inflight) != len(self.actors):
             return {}
         nodes = {p.node_id for p in self.placement}
-        if nodes & dead_nodes():
+        # A lost node: Ray moves its bundle to another node. Without in-memory state the attempt
+        # starts over; with it (fault_tolerance.memory_interval) the ranks on the nodes left keep
+        # their snapshots and the replicas they hold, and only the lost node's ranks are new.
+        in_memory = bool(self.job.memory_interval)
+        if nodes & dead_nodes() and not in_memory:
             return {}  # the placement group is being rescheduled: start over
         deadline = time.monotonic() + self.config.reuse_wait_s
         calls = dict(zip(self._inflight, range(len(self.actors))))  # ref -> rank
@@ -211,7 +217,7 @@ class RayRankGroup:
                         kept[rank] = self.actors[rank]
                     except Exception:  # noqa: BLE001 - not reusable: killed with the dead
                         pass
-        return {} if node_suspect or nodes & dead_nodes() else kept
+        return {} if (node_suspect or nodes & dead_nodes()) and not in_memory else kept
 
     def _drain(self) -> None:
         """Read the answers a failed call left behind, so Ray does not log them as unhandled errors."""

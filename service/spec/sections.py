@@ -313,3 +313,8 @@ class FaultToleranceSpec(BaseModel):
     relayout_on_resize: bool = Field(False, description="when the job shrinks, let the cost model re-pick tp, pp, "
                                      "vpp, cp, ep and sp among the layouts of the nodes left, when it predicts a gain "
                                      "over changing dp alone (with resources.min_nodes below num_nodes)")
+    memory_interval: int = Field(0, ge=0, description="every this many iterations each rank copies its complete "
+                                 "state to host memory and sends a replica to a rank on another node; after a rank "
+                                 "failure the job goes on from the newest iteration held in memory (0: off)")
+    memory_replicas: int = Field(1, ge=1, description="replicas of each rank's in-memory state, each on another "
+                                 "node (with memory_interval); the job needs more nodes than this")

@@ -219,6 +219,11 @@ def spec_problems(spec: JobSpec) -> list[str]:
         out.append(f"fault_tolerance.relayout_on_resize re-picks the layout when an elastic job shrinks, but "
                    f"resources.min_nodes {res.min_nodes} is not below num_nodes {res.num_nodes}: set min_nodes "
                    f"below num_nodes, or drop relayout_on_resize")
+    ft = spec.fault_tolerance
+    if ft.memory_interval and ft.memory_replicas >= res.num_nodes:
+        out.append(f"fault_tolerance.memory_replicas {ft.memory_replicas} needs more than {ft.memory_replicas} "
+                   f"node(s) (each replica on another node), but resources.num_nodes is {res.num_nodes}: add nodes, "
+                   f"lower memory_replicas, or set memory_interval 0")
     if not out:
         try:
             check_memory(to_job_config(spec))
@@ -318,4 +323,5 @@ def to_job_config(spec: JobSpec) -> JobConfig:
         max_restarts=spec.fault_tolerance.max_restarts,
         collective_timeout_s=spec.fault_tolerance.collective_timeout_s,
         relayout_spec=spec.model_dump_json() if spec.fault_tolerance.relayout_on_resize else None,
+        memory_interval=spec.fault_tolerance.memory_interval, memory_replicas=spec.fault_tolerance.memory_replicas,
     )

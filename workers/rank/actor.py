@@ -19,7 +19,9 @@ and the dashboard, each in its node's placement-group bundle with one GPU. Its l
    drill blocked in, or "" (the controller asks a rank that stopped answering).
 6. ``reset()``: after a failed attempt, a rank that survived it forgets the attempt (its trainer
    and process groups) but keeps its process, torch imported, so that the next attempt starts
-   it again with ``setup`` instead of a new actor (see ``service/ranks/ray_launcher.py``).
+   it again with ``setup`` instead of a new actor (see ``service/ranks/ray_launcher.py``). It
+   keeps its in-memory snapshots and the replicas it holds (``fault_tolerance.memory_interval``,
+   :mod:`workers.rank.replicas`): the next attempt restores from them.
 
 Nothing here imports torch or ray at module level: the driver imports this module only to name
 the class.
@@ -62,6 +64,7 @@ class RankActor:
 
         self.rank, self.job_id = rank, job_id
         self.runner = None
+        self.memory = None  # in-memory snapshots and replicas (workers.rank.replicas), kept across reset()
         self.stalled_in = ""
         self._gauges: dict = {}
 
@@ -75,7 +78,7 @@ class RankActor:
         return ip, free_port(ip)
 
     def setup(self, job: JobConfig, master_addr: str, master_port: int, world_size: int, local_rank: int,
-              collective_timeout_s: float, faults: tuple[Fault, ...] = ()) -> PlacementRecord:
+              collective_timeout_s: float, faults: tuple[Fault, ...] = (), node: int | None = None) -> PlacementRecord:
         """Join the process group and build the trainer of ``job`` (this attempt's: its size and the
         checkpoint to resume from); returns this rank's placement record."""
         import ray
@@ -89,8 +92,12 @@ class RankActor:
         backend = init_distributed(self.rank, world_size, master_addr, master_port, timeout_s=collective_timeout_s)
         if self.runner is not None:
             raise RuntimeError(f"rank {self.rank}: setup() twice without reset()")
+        if job.memory_interval and self.memory is None:
+            from workers.rank.replicas import MemoryStore
+
+            self.memory = MemoryStore()
         self.runner = RankRunner(job, self.rank, world_size, device=device, faults=faults,
-                                 on_stall=self._stalled)
+                                 on_stall=self._stalled, node=node, memory=self.memory)
         self._make_gauges(self.runner.trainer.coords)
         ctx = ray.get_runtime_context()
         return self.runner.placement(

@@ -38,7 +38,7 @@ class RankRunner:
     """
 
     def __init__(self, job: JobConfig, rank: int, world_size: int, device=None, *, faults=(),
-                 on_stall: Callable[[str], None] | None = None):
+                 on_stall: Callable[[str], None] | None = None, node=None, memory=None):
         from workers.train.trainer import Trainer
 
         self.rank, self.job = rank, job
@@ -48,14 +48,17 @@ class RankRunner:
         self.on_stall = on_stall
         self.trainer = Trainer(job, rank, world_size, device=device)
         ckpt = job.checkpoint
-        self.resumed = {"iteration": 0, "path": None, "load_s": 0.0}
-        if ckpt.resume_from:
+        self.resumed = {"iteration": 0, "path": None, "load_s": 0.0, "note": None}
+        self.replicator = None
+        if job.memory_interval and world_size > 1:
+            self.resumed.update(self._recover_from_memory(node, memory))
+        if ckpt.resume_from and not (self.resumed["path"] or "").startswith("memory"):
             from workers.checkpoint.reader import load_checkpoint
             from workers.hf.interop import open_source
 
             t0 = time.perf_counter()
             loaded = load_checkpoint(self.trainer, open_source(ckpt.resume_from))
-            self.resumed = {**loaded, "load_s": time.perf_counter() - t0}
+            self.resumed.update(loaded, load_s=time.perf_counter() - t0)
         self.checkpointer = None
         if ckpt.save_interval and ckpt.dir:
             from workers.checkpoint.checkpointer import Checkpointer
@@ -71,6 +74,25 @@ class RankRunner:
             self.hf_copies = HFCopies(ckpt.dir, ckpt.save_hf_interval, total - total % ckpt.save_interval,
                                       tokenizer=ckpt.hf_tokenizer)
 
+    def _recover_from_memory(self, node, memory) -> dict:
+        """Join the in-memory replication (:mod:`workers.rank.replicas`) and restore the newest iteration
+        complete in memory when it is not older than the disk checkpoint the controller chose
+        (collective). Returns what ``self.resumed`` takes."""
+        from workers.rank.replicas import MemoryStore, Replicator
+
+        job, t0 = self.job, time.perf_counter()
+        node = self.rank // max(1, job.gpus_per_node) if node is None else node
+        self.replicator = Replicator(MemoryStore() if memory is None else memory, self.trainer, node,
+                                     job.memory_replicas)
+        got = self.replicator.recover(job.memory_upto)
+        disk = disk_iteration(job.checkpoint.resume_from)
+        if got["iteration"] is None:
+            return {"note": got["why"] if job.memory_upto else None}
+        if disk is not None and disk > got["iteration"]:
+            return {"note": f"the disk checkpoint of iteration {disk} is newer than memory's {got['iteration']}"}
+        return {"iteration": got["iteration"], "path": f"memory ({got['source']})", "load_s": time.perf_counter() - t0,
+                "note": f"ranks {got['from_replicas']} from their replicas" if got["from_replicas"] else None}
+
     def placement(self, **where) -> PlacementRecord:
         """This rank's placement record: this process (host, pid, device), its grid coordinates
         and the checkpoint this attempt started from; ``where`` adds what the caller knows
@@ -80,7 +102,7 @@ class RankRunner:
             rank=self.rank, hostname=socket.gethostname(), pid=os.getpid(), device=str(self.trainer.device),
             **{k: c[k] for k in (*COORDS, "etp", "expert_dp")},
             resumed_iteration=self.resumed["iteration"], resumed_from=self.resumed["path"],
-            load_s=round(self.resumed["load_s"], 4), **where)
+            load_s=round(self.resumed["load_s"], 4), restore_note=self.resumed["note"], **where)
 
     def run(self, iterations: int, on_metrics: Callable[[dict], None] | None = None) -> list[dict]:
         """``iterations`` iterations; returns their metrics. On any error the groups are torn down."""
@@ -92,10 +114,14 @@ class RankRunner:
                     trigger(fault, self.on_stall)
                 metrics = self.trainer.train_step()
                 self._maybe_save(metrics)
+                if self.replicator is not None and self.trainer.iteration % self.job.memory_interval == 0:
+                    metrics.update(self.replicator.snapshot())
                 if on_metrics is not None:
                     on_metrics(metrics)
                 out.append(metrics)
         except BaseException:
+            if self.replicator is not None:
+                self.replicator.store.settle(wait=False)  # keep the replicas that arrived whole
             abort_process_groups()
             raise
         return out
@@ -138,6 +164,14 @@ class RankRunner:
                 self.hf_copies.wait()
         finally:
             self.trainer.close()
+
+
+def disk_iteration(path: str | None) -> int | None:
+    """The iteration of a checkpoint directory ``.../iter_0000010`` (None: not one)."""
+    import re
+
+    found = re.search(r"iter_(\d+)/*$", path or "")
+    return int(found.group(1)) if found else None
 
 
 def abort_process_groups() -> None:

@@ -51,6 +51,8 @@ class PlacementRecord:
     """The checkpoint this attempt loaded, or None."""
     load_s: float = 0.0
     """Seconds the load took."""
+    restore_note: str | None = None
+    """How the restore went beyond its source: the ranks that took replicas, or why memory was not used."""
     node: int | None = None
     """The rank's node index in the attempt's placement plan (set by the launcher)."""
     reused: bool | None = None

@@ -46,7 +46,8 @@ PAIRS = [("model", spec.ModelSpec, config.ModelConfig), ("parallel", spec.Parall
                                                                    config.CheckpointConfig)]
 # Sections the JobConfig holds flat.
 FLAT = [("resources", spec.ResourcesSpec), ("fault_tolerance", spec.FaultToleranceSpec)]
-JOB_ONLY = {"name", "model", "parallel", "training", "checkpoint", "world_size", "relayout_spec"}
+JOB_ONLY = {"name", "model", "parallel", "training", "checkpoint", "world_size", "relayout_spec",
+            "memory_upto"}
 
 
 def kinds(annotation) -> frozenset:

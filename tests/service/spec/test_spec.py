@@ -184,3 +184,11 @@ def test_checkpoint_and_elastic_fields_reach_the_job_config():
 def test_example_spec_saves_checkpoints():
     job = load_spec("examples/tiny-5d.yaml")
     assert job.checkpoint.save_interval and job.resources.min_nodes
+
+
+def test_memory_replicas_need_another_node():
+    refused(base(resources={"num_nodes": 1, "gpus_per_node": 8}, fault_tolerance={"memory_interval": 1}),
+            "fault_tolerance.memory_replicas 1 needs more than 1 node(s)", "resources.num_nodes is 1")
+    refused(base(fault_tolerance={"memory_interval": 1, "memory_replicas": 2}), "memory_replicas 2", "num_nodes is 2")
+    job = to_job_config(parse_spec(base(fault_tolerance={"memory_interval": 2})))
+    assert (job.memory_interval, job.memory_replicas, job.memory_upto) == (2, 1, None)

@@ -1,0 +1,105 @@
+"""In-memory checkpoints: one rank's complete state packed into one host buffer, and restored from it bit for bit.
+
+A snapshot holds what the disk checkpointer saves of a rank (:func:`workers.checkpoint.checkpointer.local_pieces`:
+the model shard and its buffers, the optimizer's moments and fp32 master; the trainer state of
+:meth:`Trainer.state_for_checkpoint`: data position, successful updates, LR schedule position,
+skipped steps, the fp16 loss scaler; the RNG states), but every piece the rank holds, not only
+those it writes, in this rank's own layout. A snapshot therefore restores the same rank of the same
+layout (a restart in place, the case of :mod:`workers.rank.replicas`); another layout is the disk
+checkpoint's job.
+
+The buffer (``torch.uint8``, on the host): ``[8 bytes: meta length][meta JSON, padded to
+META_BYTES][every piece's bytes, back to back]``. Its size is a function of the layout alone
+(:func:`snapshot_nbytes`), so a peer can receive a replica into a buffer it allocated beforehand.
+The meta carries the iteration, the rank, the layout and a fingerprint of the pieces, checked on
+restore.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import torch
+
+from workers.checkpoint.checkpointer import local_pieces, rng_state, set_rng_state
+from workers.checkpoint.layout import param_views
+from workers.grid import COORDS
+
+META_BYTES = 64 * 1024  # the meta JSON's room: RNG states and the trainer state are ~25 KB
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _fingerprint(pieces) -> int:
+    described = [(p.key, p.shape, p.offsets, p.lengths, p.flat, str(d.dtype)) for p, d in pieces]
+    return zlib.crc32(repr(described).encode())
+
+
+def layout_key(trainer) -> dict:
+    """What a snapshot must agree with to restore into ``trainer``: rank, world size, grid sizes."""
+    return {"rank": trainer.rank, "world_size": trainer.grid.world_size,
+            **{k: getattr(trainer.grid, k) for k in COORDS}, "vpp": trainer.vpp}
+
+
+def snapshot_nbytes(trainer) -> int:
+    """The size of ``trainer``'s snapshot buffer (a function of its layout)."""
+    return 8 + META_BYTES + sum(d.numel() * d.element_size() for _, d in local_pieces(trainer))
+
+
+@torch.no_grad()
+def pack(trainer, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``trainer``'s state now, as one host buffer (``out`` is reused when it has the right size)."""
+    pieces = local_pieces(trainer)
+    total = 8 + META_BYTES + sum(d.numel() * d.element_size() for _, d in pieces)
+    if out is None or out.numel() != total:
+        out = torch.empty(total, dtype=torch.uint8)
+    offset = 8 + META_BYTES
+    for _, data in pieces:
+        raw = _flat_bytes(data)
+        out[offset : offset + raw.numel()].copy_(raw)
+        offset += raw.numel()
+    meta = json.dumps({"iteration": trainer.iteration, "layout": layout_key(trainer),
+                       "fingerprint": _fingerprint(pieces), "nbytes": total,
+                       "trainer_state": trainer.state_for_checkpoint(), "rng": rng_state()}).encode()
+    if len(meta) > META_BYTES:
+        raise ValueError(f"snapshot meta of {len(meta)} bytes exceeds its room of {META_BYTES}")
+    out[: 8 + META_BYTES].zero_()
+    out[:8].copy_(torch.frombuffer(bytearray(len(meta).to_bytes(8, "little")), dtype=torch.uint8))
+    out[8 : 8 + len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+    return out
+
+
+def read_meta(buf: torch.Tensor) -> dict:
+    """The meta of a snapshot buffer (iteration, layout, fingerprint, trainer state, RNG)."""
+    n = int.from_bytes(bytes(buf[:8].tolist()), "little")
+    if not 0 < n <= META_BYTES:
+        raise ValueError("not a snapshot buffer (its meta length is out of range)")
+    return json.loads(buf[8 : 8 + n].numpy().tobytes())
+
+
+@torch.no_grad()
+def restore(trainer, buf: torch.Tensor) -> int:
+    """Put the state of snapshot ``buf`` into ``trainer`` (the same rank of the same layout); returns
+    its iteration. Param padding becomes 0, as a disk checkpoint's load leaves it."""
+    meta = read_meta(buf)
+    if meta["layout"] != layout_key(trainer):
+        raise ValueError(f"a snapshot of {meta['layout']} cannot restore {layout_key(trainer)}")
+    pieces = local_pieces(trainer)
+    if meta["fingerprint"] != _fingerprint(pieces) or meta["nbytes"] != buf.numel():
+        raise ValueError("the snapshot's pieces are not this trainer's (another model or optimizer)")
+    for v in param_views(trainer):
+        v.param.detach().view(-1)[v.box.numel :].zero_()
+    offset = 8 + META_BYTES
+    for _, data in pieces:
+        n = data.numel() * data.element_size()
+        data.copy_(buf[offset : offset + n].view(data.dtype).view(data.shape))
+        offset += n
+    trainer.load_state_from_checkpoint(meta["trainer_state"])
+    set_rng_state(meta["rng"])
+    return int(meta["iteration"])
+
+
+__all__ = ["META_BYTES", "layout_key", "pack", "read_meta", "restore", "snapshot_nbytes"]

@@ -1,0 +1,229 @@
+"""In-memory checkpoints replicated off-node (``fault_tolerance.memory_interval``, ``memory_replicas``): the peers, the exchange, the recovery.
+
+Every ``memory_interval`` iterations each rank packs its complete state into host memory
+(:mod:`workers.checkpoint.memory`) and sends a copy to each of its ``memory_replicas`` holders,
+through a gloo group of its own with ``isend``/``irecv``: the transfer runs in gloo's threads while
+the next iterations compute, and is waited for at the next snapshot. The holders are a pure
+function of where the ranks run (:func:`replica_holders`): rank r's j-th replica goes to the rank
+in r's slot on the j-th node after r's, so no node holds two copies of a rank's state.
+
+A :class:`MemoryStore` outlives an attempt (a Ray rank actor keeps it across ``reset``): a rank's
+own two newest snapshots and the two newest replicas it holds of each of its sources (the newest
+may still be in flight when a failure strikes). At the next attempt every rank tells what it holds
+(:meth:`Replicator.recover`), they agree on the newest iteration of which every rank's state is
+held somewhere alive (:func:`plan_restore`), the holders send the replicas of the ranks that lost
+theirs (a replacement starts empty), and every rank restores that iteration. When some rank's
+state is held nowhere, nothing is restored from memory and the rank falls back to the disk
+checkpoint, with the reason.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+
+from workers.checkpoint.memory import layout_key, pack, read_meta, restore, snapshot_nbytes
+
+SETTLE_S = 1.0  # after a failure: how long a replica still arriving from a live peer is waited for
+KEEP = 2  # snapshots kept per rank: the newest (maybe still in flight) and the one before
+
+
+def replica_holders(nodes: list, replicas: int) -> list[list[int]]:
+    """``holders[r]``: the ranks that hold rank r's replicas, given each rank's node (any hashable).
+
+    Nodes are ordered by their lowest rank; rank r, i-th of its node, sends its j-th replica
+    (j = 1..replicas) to the (i mod size)-th rank of the j-th node after its own (cyclically). No
+    holder shares r's node and the holders' nodes are distinct; with equal node sizes each rank
+    holds exactly ``replicas`` replicas.
+    """
+    order = list(dict.fromkeys(nodes))
+    if replicas >= len(order):
+        raise ValueError(f"fault_tolerance.memory_replicas {replicas} needs more than {replicas} node(s); "
+                         f"the job runs on {len(order)}: lower memory_replicas or add nodes")
+    members = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
+    out = []
+    for r, n in enumerate(nodes):
+        i, k = members[n].index(r), order.index(n)
+        out.append([members[m][i % len(members[m])] for m in (order[(k + j) % len(order)]
+                                                               for j in range(1, replicas + 1))])
+    return out
+
+
+def plan_restore(inventories: list[dict], upto: int | None) -> tuple[int | None, dict[int, int | None], str]:
+    """The newest iteration (<= ``upto``) of which every rank's state is held by a live rank.
+
+    ``inventories[r]``: ``{"own": [iterations], "held": {source rank: [iterations]}}``. Returns
+    ``(iteration, source, why)``: ``source[r]`` None when rank r restores its own copy, else the
+    lowest rank that holds its replica; ``(None, {}, why)`` when no iteration is complete."""
+    world = len(inventories)
+    have: list[dict[int, int | None]] = [{} for _ in range(world)]  # rank -> iteration -> holder
+    for r, inv in enumerate(inventories):
+        for it in inv.get("own", []):
+            have[r][int(it)] = None
+    for h, inv in enumerate(inventories):
+        for src, its in inv.get("held", {}).items():
+            for it in its:
+                slot = have[int(src)]
+                if int(it) not in slot or (slot[int(it)] is not None and h < slot[int(it)]):
+                    slot[int(it)] = h  # an own copy (None) wins; else the lowest holder
+    candidates = sorted({it for h in have for it in h if upto is None or it <= upto}, reverse=True)
+    for it in candidates:
+        if all(it in h for h in have):
+            return it, {r: have[r][it] for r in range(world)}, ""
+    if not candidates:
+        return None, {}, ("no live rank holds an in-memory state: every copy was on the ranks or nodes lost "
+                          "(a lost node takes every rank on it)")
+    newest = candidates[0]
+    lost = [r for r in range(world) if newest not in have[r]]
+    return None, {}, (f"both copies of rank(s) {lost}'s in-memory state are lost (its own and its replica's "
+                      f"holder), and no older iteration is complete in memory")
+
+
+class MemoryStore:
+    """A rank's in-memory snapshots, kept across attempts: its own and the replicas it holds."""
+
+    def __init__(self):
+        self.key: dict | None = None
+        self.own: dict[int, torch.Tensor] = {}
+        self.held: dict[int, dict[int, torch.Tensor]] = {}
+        self.pending: list = []  # (work, source or None, iteration, buffer) of the exchange in flight
+
+    def adopt(self, key: dict) -> None:
+        """Forget everything unless it was kept for this layout (``key``)."""
+        if key != self.key:
+            self.key, self.own, self.held, self.pending = key, {}, {}, []
+
+    def inventory(self) -> dict:
+        return {"own": sorted(self.own), "held": {s: sorted(its) for s, its in self.held.items()}}
+
+    def settle(self, wait: bool) -> None:
+        """Take the replicas whose receive finished (``wait``: wait for every one; else, as after a
+        failure, only those that arrive within ``SETTLE_S``: a peer lost mid-transfer fails at once).
+        (A gloo receive reports itself complete only once waited for, so it is waited for.)"""
+        pending, self.pending = self.pending, []
+        for work, source, iteration, buf in pending:
+            try:
+                if wait:
+                    work.wait()
+                else:
+                    work.wait(timedelta(seconds=SETTLE_S))
+            except Exception:  # noqa: BLE001 - a peer lost mid-transfer: that replica is not held
+                if wait:
+                    raise
+                continue
+            if source is not None:
+                _keep(self.held.setdefault(source, {}), iteration, buf)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of every snapshot kept and every replica kept or being received."""
+        return (sum(b.numel() for b in self.own.values()) + sum(b.numel() for its in self.held.values() for b in its.values())
+                + sum(buf.numel() for _, source, _, buf in self.pending if source is not None))
+
+
+def _keep(slots: dict, iteration: int, buf: torch.Tensor) -> None:
+    slots[iteration] = buf
+    for old in sorted(slots)[:-KEEP]:
+        del slots[old]
+
+
+def _spare(slots: dict, nbytes: int) -> torch.Tensor | None:
+    """The oldest buffer of ``slots`` when it is about to be dropped (reused, not reallocated)."""
+    if len(slots) < KEEP:
+        return None
+    buf = slots.pop(min(slots))
+    return buf if buf.numel() == nbytes else None
+
+
+class Replicator:
+    """One attempt's snapshots and their exchange, over a gloo group of the job's ranks.
+
+    Args:
+        store: the rank's :class:`MemoryStore` (kept by whoever outlives the attempt).
+        trainer: this rank's trainer (torch.distributed initialised, world size > 1).
+        node: this rank's node (anything comparable; the holders are chosen from every rank's).
+        replicas: ``fault_tolerance.memory_replicas``.
+    """
+
+    def __init__(self, store: MemoryStore, trainer, node, replicas: int):
+        import torch.distributed as dist
+
+        self.store, self.trainer, self.rank = store, trainer, trainer.rank
+        world = trainer.grid.world_size
+        self.group = dist.new_group(list(range(world)), backend="gloo")
+        nodes: list = [None] * world
+        dist.all_gather_object(nodes, node)
+        try:
+            self.holders = replica_holders(nodes, replicas)
+        except ValueError as e:  # an elastic job shrunk to too few nodes: no replicas this attempt
+            self.holders, self.off = [[] for _ in nodes], str(e)
+        else:
+            self.off = ""
+        self.sources = [s for s in range(world) if self.rank in self.holders[s]]
+        sizes: list = [None] * world
+        dist.all_gather_object(sizes, snapshot_nbytes(trainer))
+        self.sizes = sizes
+        store.adopt(layout_key(trainer))
+        self.bytes_sent = sizes[self.rank] * len(self.holders[self.rank])
+
+    def snapshot(self) -> dict:
+        """Pack this iteration's state and start sending it to the holders; returns its figures."""
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        store = self.store
+        store.settle(wait=True)  # the previous exchange (its buffers are reused below)
+        it = self.trainer.iteration
+        buf = pack(self.trainer, _spare(store.own, self.sizes[self.rank]))
+        _keep(store.own, it, buf)
+        for h in self.holders[self.rank]:
+            store.pending.append((dist.isend(buf, h, group=self.group), None, it, buf))
+        for s in self.sources:
+            into = _spare(store.held.setdefault(s, {}), self.sizes[s])
+            into = torch.empty(self.sizes[s], dtype=torch.uint8) if into is None else into
+            store.pending.append((dist.irecv(into, s, group=self.group), s, it, into))
+        return {"memory_snapshot_s": round(time.perf_counter() - t0, 4), "memory_bytes_sent": self.bytes_sent,
+                "memory_host_bytes": store.nbytes}
+
+    def recover(self, upto: int | None) -> dict:
+        """Agree on the newest iteration complete in memory (<= ``upto``) and restore it (collective).
+
+        Returns ``{"iteration", "source"}`` (``source``: "own" or "replica from rank H"), or
+        ``{"iteration": None, "why"}`` when the state is not complete in memory."""
+        import torch.distributed as dist
+
+        store = self.store
+        store.settle(wait=False)
+        world = len(self.sizes)
+        inventories: list = [None] * world
+        dist.all_gather_object(inventories, store.inventory())
+        iteration, source, why = plan_restore(inventories, upto)
+        if iteration is None:
+            return {"iteration": None, "why": why}
+        if iteration == 0:
+            return {"iteration": None, "why": "nothing to restore"}
+        for r in range(world):  # the same order on every rank: each pair meets in turn
+            h = source[r]
+            if h is None:
+                continue
+            if self.rank == h:
+                dist.send(store.held[r][iteration], r, group=self.group)
+            elif self.rank == r:
+                buf = torch.empty(self.sizes[r], dtype=torch.uint8)
+                dist.recv(buf, h, group=self.group)
+                _keep(store.own, iteration, buf)
+        buf = store.own[iteration]
+        if read_meta(buf)["iteration"] != iteration:
+            raise ValueError(f"rank {self.rank}: the snapshot kept as iteration {iteration} is not that iteration's")
+        for slots in (store.own, *store.held.values()):
+            for newer in [it for it in slots if it > iteration]:
+                del slots[newer]  # past what the job goes on from
+        restore(self.trainer, buf)
+        mine = source[self.rank]
+        return {"iteration": iteration, "source": "own" if mine is None else f"replica from rank {mine}",
+                "from_replicas": sorted(r for r, h in source.items() if h is not None)}
+
+
+__all__ = ["KEEP", "MemoryStore", "Replicator", "plan_restore", "replica_holders"]
