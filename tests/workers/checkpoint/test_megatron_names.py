@@ -102,3 +102,19 @@ def test_export_refuses_a_moe_checkpoint_in_one_line(tmp_path, capsys):
     assert ns.func(ns) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "num_moe_experts=2" in err[0] and "--format hf" in err[0]
+
+
+def test_the_starting_event_says_the_optimizer_starts_fresh(exported):
+    from service.control.controller import JobController
+    from service.control.events import JobState
+    from tests.helpers.controller import FakeGroup
+    from workers.grid import ParallelGrid
+
+    job = job_of({**spec_loading(f"megatron:{exported[1]}"), "training": {"train_iters": 1, "global_batch_size": 2,
+                                                                          "micro_batch_size": 1}})
+    events = []
+    JobController(job, ParallelGrid.from_config(job.parallel, 1), job_id="m1", on_event=events.append,
+                  make_group=lambda *_: FakeGroup(1)).run()
+    (start,) = [e for e in events if e.kind == "state" and e.state is JobState.STARTING]
+    assert start.data["fresh_optimizer"] and start.data["from_checkpoint"] == f"megatron:{exported[1]}"
+    assert "weights only: a fresh optimizer from iteration 0" in start.message
