@@ -87,13 +87,28 @@ def gpt_model(model: dict | None = None, *, seed: int = 1, sequence_parallel: bo
         attention_dropout=0.0, hidden_dropout=0.0, init_method_std=STD, use_cpu_initialization=True,
         params_dtype=torch.float32, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel and tp > 1,
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        pipeline_dtype=torch.float32)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        pipeline_dtype=torch.float32, **_moe(m))
+    spec = get_gpt_layer_local_spec(num_experts=m.get("num_moe_experts"), moe_grouped_gemm=False, normalization="RMSNorm")
+    gpt = GPTModel(config=config, transformer_layer_spec=spec,
                     vocab_size=m["vocab_size"], max_sequence_length=m["seq_length"],
                     pre_process=parallel_state.is_pipeline_first_stage(),
                     post_process=parallel_state.is_pipeline_last_stage(),
                     share_embeddings_and_output_weights=not m.get("untie_embeddings_and_output_weights", True),
                     position_embedding_type="rope", rotary_base=int(m.get("rotary_base", 10000)))
+    with torch.no_grad():  # norms away from 1 (the same on every tp rank), so a swapped norm shows
+        for name, p in gpt.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return gpt
+
+
+def _moe(m: dict) -> dict:
+    """megatron-core's MoE fields of raytron model fields ``m`` (Mixtral routing, dropless, no aux loss)."""
+    if not m.get("num_moe_experts"):
+        return {}
+    return {"num_moe_experts": m["num_moe_experts"], "moe_router_topk": m["moe_router_topk"],
+            "moe_ffn_hidden_size": m.get("moe_ffn_hidden_size") or m["ffn_hidden_size"], "moe_aux_loss_coeff": 0.0,
+            "moe_router_load_balancing_type": "none", "moe_token_dispatcher_type": "allgather"}
 
 
 @torch.no_grad()
@@ -120,8 +135,10 @@ def save_rank(rank, world_size, root: str, model: dict | None = None, tp: int = 
     ckpt_dir = Path(root) / "iter_0000005"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state = {"model": gpt.sharded_state_dict(), "iteration": 5, "checkpoint_version": 3.0}
-    if args is not None:
-        state["args"] = argparse.Namespace(**args)
+    if args is not None:  # as Megatron-LM keeps them: torch dtypes and megatron-core enums among them
+        from megatron.core.transformer.enums import AttnBackend
+
+        state["args"] = argparse.Namespace(**args, params_dtype=torch.float32, attention_backend=AttnBackend.auto)
     dist_checkpointing.save(state, str(ckpt_dir))
     if rank == 0:
         (Path(root) / "latest_checkpointed_iteration.txt").write_text("5")

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, LoadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from workers.checkpoint.layout import Box
-from workers.checkpoint.megatron_names import model_from_args, raytron_names
+from workers.checkpoint.megatron_names import model_from_args, raytron_names, stored_parts
 
 # one process reads (writes) its own part: torch.distributed need not be initialised, as it says each time
 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -145,8 +145,13 @@ class MegatronReader:
         self.path = checkpoint_dir(directory)
         self.reader = FileSystemReader(str(self.path))
         self.metadata = self.reader.read_metadata()
-        self.tensors = {k: tuple(v.size) for k, v in self.metadata.state_dict_metadata.items()
-                        if isinstance(v, TensorStorageMetadata)}
+        self.tensors, layers_of = {}, {}
+        for k, v in self.metadata.state_dict_metadata.items():
+            if isinstance(v, TensorStorageMetadata):
+                self.tensors[k] = tuple(v.size)
+                layers_of[k] = {i for c in v.chunks for i in range(c.offsets[0], c.offsets[0] + c.sizes[0])} \
+                    if v.chunks and len(v.size) else set()
+        self.split_experts = self._split_experts(layers_of)
         qkv = self.tensors.get("decoder.layers.self_attention.linear_qkv.weight")
         embedding = self.tensors.get("embedding.word_embeddings.weight")
         if qkv is None or embedding is None:
@@ -159,13 +164,46 @@ class MegatronReader:
             from_args = model_from_args(vars(args)) if isinstance(args, argparse.Namespace) else {}
         except ValueError as e:
             raise ValueError(f"checkpoint.load megatron:{directory}: {e}") from None
-        fc2 = self.tensors["decoder.layers.mlp.linear_fc2.weight"]
+        self.names = raytron_names(layers_of, qkv[0])
         self.model = {"num_layers": qkv[0], "hidden_size": embedding[1], "vocab_size": embedding[0],
-                      "ffn_hidden_size": fc2[2], **from_args}
+                      **self._shape_fields(qkv[0], layers_of), **from_args}
         self.model.pop("untie_embeddings_and_output_weights", None)  # either kind of job may load it
-        self.names = raytron_names(self.tensors, qkv[0])
         self.names["output.weight"] = self.names.get("output.weight", self.names["embedding.weight"])
         self.iteration = int(self.common.get("iteration") or 0)
+
+    def _split_experts(self, layers_of: dict) -> set[str]:
+        """With ``singleton_local_shards`` each expert has keys of its own
+        (``decoder.layers.mlp.experts.E.linear_fc1.weight``): each such set, seen as the stacked
+        ``[L, E, ...]`` key of the default format. Returns those stacked keys."""
+        out = set()
+        for which in ("linear_fc1.weight", "linear_fc2.weight"):
+            e = 0
+            while f"decoder.layers.mlp.experts.{e}.{which}" in self.tensors:
+                e += 1
+            if e:
+                first = f"decoder.layers.mlp.experts.0.{which}"
+                key = f"decoder.layers.mlp.experts.{which}"
+                size = self.tensors[first]
+                self.tensors[key] = (size[0], e, *size[1:])
+                layers_of[key] = layers_of[first]
+                out.add(key)
+        return out
+
+    def _shape_fields(self, layers: int, layers_of: dict) -> dict:
+        """The model fields the stored shapes give: the dense and the expert ffn, the experts, which
+        layers are MoE."""
+        out = {}
+        if "decoder.layers.mlp.linear_fc2.weight" in self.tensors:
+            out["ffn_hidden_size"] = self.tensors["decoder.layers.mlp.linear_fc2.weight"][2]
+        router = self.tensors.get("decoder.layers.mlp.router.weight")
+        if router is not None:
+            out["num_moe_experts"] = router[1]
+            out["moe_ffn_hidden_size"] = self.tensors["decoder.layers.mlp.experts.linear_fc2.weight"][3]
+            moe = layers_of["decoder.layers.mlp.router.weight"]
+            out["moe_layer_freq"] = 1 if len(moe) == layers else tuple(int(i in moe) for i in range(layers))
+            if out["moe_ffn_hidden_size"] == out.get("ffn_hidden_size"):
+                out["moe_ffn_hidden_size"] = None  # raytron's default: the dense ffn
+        return out
 
     def _common(self) -> dict:
         """The common (non-sharded) state: ``common.pt`` (megatron-core < 0.19) or the DCP object."""
@@ -185,24 +223,35 @@ class MegatronReader:
         return key.startswith("model/") and key[6:] in self.names
 
     def shape(self, key: str) -> tuple[int, ...]:
-        mkey, layer = self.names[key[6:]]
+        name = key[6:]
+        mkey, layer = self.names[name]
         shape = self.tensors[mkey][0 if layer is None else 1 :]
-        return (2, shape[0] // 2, *shape[1:]) if key.endswith("mlp.gate_up.weight") else shape
+        if name.endswith("gate_up.weight"):
+            return (2, shape[0] // 2, *shape[1:])
+        if name.endswith(("experts.w_gate", "experts.w_up")):
+            return (shape[0], shape[1] // 2, *shape[2:])
+        return shape
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         """The ``box`` of logical tensor ``key``, from the stored chunks that overlap it."""
-        mkey, layer = self.names[key[6:]]
+        name = key[6:]
+        mkey, layer = self.names[name]
         out = torch.empty(box.lengths, dtype=torch.float32)
-        if key.endswith("mlp.gate_up.weight"):  # [2, F, h] box -> its gate rows and its up rows in [2F, h]
-            ffn = self.tensors[mkey][1] // 2
-            parts = [(out[j], ((box.offsets[0] + j) * ffn + box.offsets[1], box.offsets[2]))
-                     for j in range(box.lengths[0])]
-        else:
-            parts = [(out, box.offsets)]
         boxes = []
-        for target, offsets in parts:
-            if layer is not None:
-                target, offsets = target.unsqueeze(0), (layer, *offsets)
-            boxes.append((mkey, Box(tuple(offsets), tuple(target.shape)), target))
+        for j, offsets in stored_parts(name, box.offsets, box.lengths, self.tensors[mkey][0 if layer is None else 1 :]):
+            target = out if j is None else out[j]
+            if mkey in self.split_experts:  # one key per expert: dim 0 of the box, expert by expert
+                for e in range(target.shape[0]):
+                    one = mkey.replace(".experts.", f".experts.{offsets[0] + e}.")
+                    boxes.append(_stored_box(one, layer, offsets[1:], target[e]))
+            else:
+                boxes.append(_stored_box(mkey, layer, offsets, target))
         dcp_load({}, storage_reader=self.reader, planner=_BoxPlanner(boxes), no_dist=True)
         return out
+
+
+def _stored_box(key: str, layer: int | None, offsets: tuple, target: torch.Tensor) -> tuple[str, Box, torch.Tensor]:
+    """A read of ``target`` from ``key`` at ``offsets`` (in layer ``layer`` of a stacked key)."""
+    if layer is not None:
+        target, offsets = target.unsqueeze(0), (layer, *offsets)
+    return key, Box(tuple(offsets), tuple(target.shape)), target

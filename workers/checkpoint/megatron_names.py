@@ -19,11 +19,19 @@ layers.i.attention.proj.weight              decoder.layers.self_attention.linear
 layers.i.post_norm.weight                   decoder.layers.mlp.linear_fc1.layer_norm_weight             L
 layers.i.mlp.gate_up.weight [2, F, h]       decoder.layers.mlp.linear_fc1.weight [L, 2F, h]: gate rows, then up
 layers.i.mlp.down.weight                    decoder.layers.mlp.linear_fc2.weight                        L
+MoE layer (import): post_norm.weight        decoder.layers.pre_mlp_layernorm.weight                     L
+  mlp.router.weight [E, h], .expert_bias    decoder.layers.mlp.router.weight, .expert_bias              L
+  mlp.experts.w_gate, w_up [E, F, h]        decoder.layers.mlp.experts.linear_fc1.weight [L, E, 2F, h]
+  mlp.experts.w_down [E, h, F]              decoder.layers.mlp.experts.linear_fc2.weight [L, E, h, F]
+  mlp.shared_mlp.gate_up / down             decoder.layers.mlp.shared_experts.linear_fc1 / fc2.weight   L
 final_norm.weight                           decoder.final_layernorm.weight
 output.weight                               output_layer.weight (absent when tied)
 ==========================================  ==================================================
 
-Megatron's vocabulary is the padded one (``padded_vocab_size``): raytron's ``vocab_size`` is it.
+The experts' keys are one for the sequential MLP and the grouped GEMM (megatron-core makes them
+interchangeable); with ``singleton_local_shards`` each expert has its own key
+(``decoder.layers.mlp.experts.E.linear_fc1.weight``), read as the same ``[E, ...]`` tensor. Megatron's
+vocabulary is the padded one (``padded_vocab_size``): raytron's ``vocab_size`` is it.
 """
 
 from __future__ import annotations
@@ -40,6 +48,18 @@ LAYER_KEYS = {
     "mlp.gate_up.weight": "mlp.linear_fc1.weight",
     "mlp.down.weight": "mlp.linear_fc2.weight",
 }
+# an MoE layer's (import only): the norm before the MLP is a module of its own; the experts are stacked
+# [L, E, ...] under one key whether Megatron ran them as a sequential MLP or a grouped GEMM
+MOE_KEYS = {
+    "post_norm.weight": "pre_mlp_layernorm.weight",
+    "mlp.router.weight": "mlp.router.weight",
+    "mlp.router.expert_bias": "mlp.router.expert_bias",
+    "mlp.experts.w_gate": "mlp.experts.linear_fc1.weight",
+    "mlp.experts.w_up": "mlp.experts.linear_fc1.weight",
+    "mlp.experts.w_down": "mlp.experts.linear_fc2.weight",
+    "mlp.shared_mlp.gate_up.weight": "mlp.shared_experts.linear_fc1.weight",
+    "mlp.shared_mlp.down.weight": "mlp.shared_experts.linear_fc2.weight",
+}
 TOP_KEYS = {"embedding.weight": "embedding.word_embeddings.weight", "final_norm.weight": "decoder.final_layernorm.weight",
             "output.weight": "output_layer.weight"}
 # the layer linears whose (empty) ``_extra_state`` Megatron-Core keeps beside the weight, one object a layer
@@ -47,8 +67,8 @@ EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.l
 
 
 def megatron_key(name: str) -> tuple[str, int | None]:
-    """``(key, layer)`` of raytron logical tensor ``name``: the Megatron-Core key and, for a decoder
-    layer's tensor, its index in the stacked leading dim (None for the others).
+    """``(key, layer)`` of raytron logical tensor ``name`` of a dense model: the Megatron-Core key and,
+    for a decoder layer's tensor, its index in the stacked leading dim (None for the others).
 
     Raises:
         ValueError: a tensor the format has no key for here (MoE experts, MLA, MTP).
@@ -62,18 +82,33 @@ def megatron_key(name: str) -> tuple[str, int | None]:
                      f"no MoE experts, MLA or MTP)")
 
 
-def raytron_names(keys, num_layers: int) -> dict[str, tuple[str, int | None]]:
-    """Every raytron logical tensor a checkpoint with Megatron-Core ``keys`` holds, with its
-    :func:`megatron_key`; the keys no raytron tensor comes from (optimizer state, RNG, extra state)
-    are left out."""
-    keys, out = set(keys), {}
-    for name, key in TOP_KEYS.items():
-        if key in keys:
-            out[name] = (key, None)
-    for rest, key in LAYER_KEYS.items():
-        if f"decoder.layers.{key}" in keys:
-            out.update({f"layers.{i}.{rest}": (f"decoder.layers.{key}", i) for i in range(num_layers)})
+def raytron_names(layers_of: dict[str, set[int]], num_layers: int) -> dict[str, tuple[str, int | None]]:
+    """Every raytron logical tensor a checkpoint holds, with its ``(key, layer)``, given each stored key's
+    layers (``layers_of``: the stacked dim's indices its chunks cover; any set for the others). The keys
+    no raytron tensor comes from (optimizer state, RNG, extra state) are left out."""
+    out = {name: (key, None) for name, key in TOP_KEYS.items() if key in layers_of}
+    for i in range(num_layers):
+        for table in (LAYER_KEYS, MOE_KEYS):  # an MoE layer's post_norm: pre_mlp_layernorm
+            for rest, key in table.items():
+                if i in layers_of.get(f"decoder.layers.{key}", ()):
+                    out[f"layers.{i}.{rest}"] = (f"decoder.layers.{key}", i)
     return out
+
+
+def stored_parts(name: str, box_offsets: tuple[int, ...], box_lengths: tuple[int, ...],
+                 stored: tuple[int, ...]) -> list[tuple[int | None, tuple[int, ...]]]:
+    """Where a box of raytron tensor ``name`` starts in one layer's stored tensor (shape ``stored``):
+    ``[(j, offsets)]``, j the index along the box's dim 0 of a gate/up part read apart (``gate_up
+    [2, F, h]`` is the rows ``[j * F + f]`` of ``[2F, h]``), None for the whole box. ``w_gate`` /
+    ``w_up [E, F, h]`` are the first / second half of the rows of ``[E, 2F, h]``."""
+    if name.endswith("gate_up.weight"):
+        ffn = stored[0] // 2
+        return [(j - box_offsets[0], (j * ffn + box_offsets[1], *box_offsets[2:]))
+                for j in range(box_offsets[0], box_offsets[0] + box_lengths[0])]
+    if name.endswith(("experts.w_gate", "experts.w_up")):
+        ffn = stored[1] // 2 if name.endswith("w_up") else 0
+        return [(None, (box_offsets[0], ffn + box_offsets[1], *box_offsets[2:]))]
+    return [(None, box_offsets)]
 
 
 # Megatron-LM argument -> raytron ModelConfig field, where only the name differs
@@ -84,8 +119,15 @@ ARG_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hid
               "untie_embeddings_and_output_weights": "untie_embeddings_and_output_weights"}
 # what raytron's decoder is: a Megatron-LM argument with another value is a model raytron does not run
 REQUIRED_ARGS = {"swiglu": True, "normalization": "RMSNorm", "add_bias_linear": False, "position_embedding_type": "rope",
-                 "rotary_interleaved": False, "rotary_percent": 1.0, "num_experts": None,
-                 "multi_latent_attention": False, "mtp_num_layers": None}
+                 "rotary_interleaved": False, "rotary_percent": 1.0, "multi_latent_attention": False,
+                 "mtp_num_layers": None}
+MOE_ARGS = {"num_experts": "num_moe_experts", "moe_router_topk": "moe_router_topk",
+            "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+            "moe_shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+            "moe_router_score_function": "moe_router_score_function", "moe_router_pre_softmax": "moe_router_pre_softmax",
+            "moe_router_topk_scaling_factor": "moe_router_topk_scaling_factor",
+            "moe_router_num_groups": "moe_router_num_groups", "moe_router_group_topk": "moe_router_group_topk",
+            "moe_router_enable_expert_bias": "moe_router_enable_expert_bias"}
 
 
 def model_from_args(args: dict) -> dict:
@@ -99,6 +141,11 @@ def model_from_args(args: dict) -> dict:
     if bad:
         raise ValueError(f"a model raytron's decoder does not run: {', '.join(bad)}")
     out = {field: args[k] for k, field in ARG_FIELDS.items() if args.get(k) is not None}
+    if args.get("num_experts"):
+        out.update({field: args[k] for k, field in MOE_ARGS.items() if args.get(k) is not None})
+        if isinstance(args.get("moe_layer_freq"), (int, list)):
+            out["moe_layer_freq"] = args["moe_layer_freq"] if isinstance(args["moe_layer_freq"], int) else \
+                tuple(args["moe_layer_freq"])
     if "num_attention_heads" in out:
         out["num_query_groups"] = (args.get("num_query_groups") if args.get("group_query_attention")
                                    else None) or out["num_attention_heads"]

@@ -14,8 +14,8 @@ stand_ins()
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.procs
 
-# Megatron-LM's arguments of MODEL as its pretrain_gpt.py keeps them in the checkpoint (an enum of
-# megatron-core's among them: the reader builds no class of it)
+# Megatron-LM's arguments of MODEL as its pretrain_gpt.py keeps them in the checkpoint (save_rank adds a
+# torch dtype and an enum of megatron-core's: the reader builds no class of it)
 ARGS = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4,
         "group_query_attention": True, "num_query_groups": 2, "kv_channels": 16, "padded_vocab_size": 128,
         "swiglu": True, "normalization": "RMSNorm", "add_bias_linear": False, "position_embedding_type": "rope",
@@ -38,16 +38,11 @@ def first_batch(job):
 @pytest.fixture(scope="module")
 def mcore_ckpt(tmp_path_factory):
     """A Megatron-LM-style root saved by megatron-core at tp2, and megatron-core's loss on the batch."""
-    import torch
-
-    from megatron.core.transformer.enums import AttnBackend
-
     from tests.helpers.megatron import save_rank
     from tests.helpers.ranks import run_ranks
 
     root = tmp_path_factory.mktemp("mcore")
-    args = {**ARGS, "params_dtype": torch.float32, "attention_backend": AttnBackend.auto}
-    losses = run_ranks(save_rank, 2, args=(str(root), None, 2, 1), kwargs={"args": args, "batch": first_batch(
+    losses = run_ranks(save_rank, 2, args=(str(root), None, 2, 1), kwargs={"args": ARGS, "batch": first_batch(
         job_of(spec()))}, timeout_s=300)
     assert losses[0] == losses[1]
     return root, losses[0]
@@ -92,3 +87,4 @@ def test_another_model_is_refused_naming_the_fields(mcore_ckpt):
     assert "model.num_query_groups: 2 there, 4 in this job" in str(e.value)
     assert "model.ffn_hidden_size: 96 there, 128 in this job" in str(e.value)
     assert "\n" not in str(e.value)
+

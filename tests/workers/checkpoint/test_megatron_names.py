@@ -24,7 +24,10 @@ def test_every_dense_tensor_has_one_key_and_comes_back():
     keys = {name: megatron_key(name) for name in names}
     assert keys["layers.1.mlp.gate_up.weight"] == ("decoder.layers.mlp.linear_fc1.weight", 1)
     assert keys["layers.0.input_norm.weight"] == ("decoder.layers.self_attention.linear_qkv.layer_norm_weight", 0)
-    assert raytron_names({k for k, _ in keys.values()}, 2) == keys
+    layers_of = {}
+    for key, layer in keys.values():
+        layers_of.setdefault(key, set()).add(layer)
+    assert raytron_names(layers_of, 2) == keys
     with pytest.raises(ValueError, match="no Megatron-Core torch_dist key"):
         megatron_key("layers.0.mlp.experts.w_gate")
 
