@@ -244,8 +244,10 @@ class JobController:
                 if retention is not None:
                     self._emit(JobEvent.now("checkpoint", self.state, retention_message(retention), retention))
                 for copy in hf_copies:
-                    self._emit(JobEvent.now("checkpoint", self.state, f"Hugging Face copy of iteration "
-                                            f"{copy['iteration']} written to {copy['path']}", {"hf": copy}))
+                    kind = copy.get("format", "hf")
+                    what = "Megatron-Core torch_dist copy" if kind == "megatron" else "Hugging Face copy"
+                    self._emit(JobEvent.now("checkpoint", self.state, f"{what} of iteration "
+                                            f"{copy['iteration']} written to {copy['path']}", {kind: copy}))
             if self.iteration < total and self.sizer.should_grow(self.current, self.iteration):
                 self._shutdown_group()
                 self._transition(JobState.RESTARTING, f"nodes returned: growing back to {self.job.num_nodes} "

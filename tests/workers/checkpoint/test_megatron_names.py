@@ -121,3 +121,31 @@ def test_the_starting_event_says_the_optimizer_starts_fresh(exported):
     (start,) = [e for e in events if e.kind == "state" and e.state is JobState.STARTING]
     assert start.data["fresh_optimizer"] and start.data["from_checkpoint"] == f"megatron:{exported[1]}"
     assert "weights only: a fresh optimizer from iteration 0" in start.message
+
+
+def test_save_format_megatron_copies_every_committed_checkpoint(tmp_path):
+    from workers.checkpoint.checkpointer import Checkpointer
+    from workers.checkpoint.megatron_import import MegatronReader
+    from workers.rank.hf_copies import HFCopies
+
+    t, ck = trainer(MODEL), Checkpointer(str(tmp_path))
+    copies = HFCopies(str(tmp_path), 2, 2, hf=False, megatron=True)  # the HF interval is not the copies'
+    for it in (1, 2):
+        t.train_step()
+        ck.save(t)
+        copies.committed(it)
+        copies.wait()
+        (done,) = copies.take_done()
+        assert done["format"] == "megatron" and done["iteration"] == it
+    root = tmp_path / "megatron"
+    assert {p.name for p in root.iterdir()} == {"iter_0000001", "iter_0000002", "latest_checkpointed_iteration.txt"}
+    assert MegatronReader(str(root)).iteration == 2 and not (tmp_path / "hf").exists()
+
+
+def test_save_format_megatron_is_refused_where_it_cannot_write(tmp_path):
+    base = tiny_spec(model=MODEL)
+    line = refusal({**base, "checkpoint": {"save_format": "megatron"}})
+    assert "checkpoint.save_format megatron needs checkpoint.save_interval" in line
+    moe = tiny_spec(model={**MODEL, "num_moe_experts": 2, "moe_router_topk": 1})
+    line = refusal({**moe, "checkpoint": {"save_format": "megatron", "save_interval": 1}})
+    assert "writes dense GPT/Llama models" in line and "model.num_moe_experts" in line
