@@ -135,7 +135,7 @@ class _BoxPlanner(LoadPlanner):
 
 
 class MegatronReader:
-    """A Megatron-Core torch_dist checkpoint of a dense GPT/Llama model as a checkpoint source
+    """A Megatron-Core torch_dist checkpoint of a GPT/Llama model (dense or MoE) as a checkpoint source
     (weights only). A tied model also loads into an untied job: its output layer starts as a copy
     of the embedding."""
 
@@ -149,8 +149,9 @@ class MegatronReader:
         for k, v in self.metadata.state_dict_metadata.items():
             if isinstance(v, TensorStorageMetadata):
                 self.tensors[k] = tuple(v.size)
+                stacked = k.startswith("decoder.layers.")  # dim 0: the global layer number
                 layers_of[k] = {i for c in v.chunks for i in range(c.offsets[0], c.offsets[0] + c.sizes[0])} \
-                    if v.chunks and len(v.size) else set()
+                    if stacked else set()
         self.split_experts = self._split_experts(layers_of)
         qkv = self.tensors.get("decoder.layers.self_attention.linear_qkv.weight")
         embedding = self.tensors.get("embedding.word_embeddings.weight")
@@ -173,16 +174,16 @@ class MegatronReader:
 
     def _split_experts(self, layers_of: dict) -> set[str]:
         """With ``singleton_local_shards`` each expert has keys of its own
-        (``decoder.layers.mlp.experts.E.linear_fc1.weight``): each such set, seen as the stacked
+        (``decoder.layers.mlp.experts.experts.E.linear_fc1.weight``): each such set, seen as the stacked
         ``[L, E, ...]`` key of the default format. Returns those stacked keys."""
         out = set()
         for which in ("linear_fc1.weight", "linear_fc2.weight"):
             e = 0
-            while f"decoder.layers.mlp.experts.{e}.{which}" in self.tensors:
+            while f"decoder.layers.mlp.experts.experts.{e}.{which}" in self.tensors:
                 e += 1
             if e:
-                first = f"decoder.layers.mlp.experts.0.{which}"
-                key = f"decoder.layers.mlp.experts.{which}"
+                first = f"decoder.layers.mlp.experts.experts.0.{which}"
+                key = f"decoder.layers.mlp.experts.experts.{which}"
                 size = self.tensors[first]
                 self.tensors[key] = (size[0], e, *size[1:])
                 layers_of[key] = layers_of[first]
@@ -198,7 +199,7 @@ class MegatronReader:
         router = self.tensors.get("decoder.layers.mlp.router.weight")
         if router is not None:
             out["num_moe_experts"] = router[1]
-            out["moe_ffn_hidden_size"] = self.tensors["decoder.layers.mlp.experts.linear_fc2.weight"][3]
+            out["moe_ffn_hidden_size"] = self.tensors["decoder.layers.mlp.experts.experts.linear_fc2.weight"][3]
             moe = layers_of["decoder.layers.mlp.router.weight"]
             out["moe_layer_freq"] = 1 if len(moe) == layers else tuple(int(i in moe) for i in range(layers))
             if out["moe_ffn_hidden_size"] == out.get("ffn_hidden_size"):
@@ -242,7 +243,7 @@ class MegatronReader:
             target = out if j is None else out[j]
             if mkey in self.split_experts:  # one key per expert: dim 0 of the box, expert by expert
                 for e in range(target.shape[0]):
-                    one = mkey.replace(".experts.", f".experts.{offsets[0] + e}.")
+                    one = mkey.replace(".experts.experts.", f".experts.experts.{offsets[0] + e}.")
                     boxes.append(_stored_box(one, layer, offsets[1:], target[e]))
             else:
                 boxes.append(_stored_box(mkey, layer, offsets, target))

@@ -21,8 +21,8 @@ layers.i.mlp.gate_up.weight [2, F, h]       decoder.layers.mlp.linear_fc1.weight
 layers.i.mlp.down.weight                    decoder.layers.mlp.linear_fc2.weight                        L
 MoE layer (import): post_norm.weight        decoder.layers.pre_mlp_layernorm.weight                     L
   mlp.router.weight [E, h], .expert_bias    decoder.layers.mlp.router.weight, .expert_bias              L
-  mlp.experts.w_gate, w_up [E, F, h]        decoder.layers.mlp.experts.linear_fc1.weight [L, E, 2F, h]
-  mlp.experts.w_down [E, h, F]              decoder.layers.mlp.experts.linear_fc2.weight [L, E, h, F]
+  mlp.experts.w_gate, w_up [E, F, h]        decoder.layers.mlp.experts.experts.linear_fc1.weight [L, E, 2F, h]
+  mlp.experts.w_down [E, h, F]              decoder.layers.mlp.experts.experts.linear_fc2.weight [L, E, h, F]
   mlp.shared_mlp.gate_up / down             decoder.layers.mlp.shared_experts.linear_fc1 / fc2.weight   L
 final_norm.weight                           decoder.final_layernorm.weight
 output.weight                               output_layer.weight (absent when tied)
@@ -30,7 +30,7 @@ output.weight                               output_layer.weight (absent when tie
 
 The experts' keys are one for the sequential MLP and the grouped GEMM (megatron-core makes them
 interchangeable); with ``singleton_local_shards`` each expert has its own key
-(``decoder.layers.mlp.experts.E.linear_fc1.weight``), read as the same ``[E, ...]`` tensor. Megatron's
+(``decoder.layers.mlp.experts.experts.E.linear_fc1.weight``), read as the same ``[E, ...]`` tensor. Megatron's
 vocabulary is the padded one (``padded_vocab_size``): raytron's ``vocab_size`` is it.
 """
 
@@ -54,9 +54,9 @@ MOE_KEYS = {
     "post_norm.weight": "pre_mlp_layernorm.weight",
     "mlp.router.weight": "mlp.router.weight",
     "mlp.router.expert_bias": "mlp.router.expert_bias",
-    "mlp.experts.w_gate": "mlp.experts.linear_fc1.weight",
-    "mlp.experts.w_up": "mlp.experts.linear_fc1.weight",
-    "mlp.experts.w_down": "mlp.experts.linear_fc2.weight",
+    "mlp.experts.w_gate": "mlp.experts.experts.linear_fc1.weight",
+    "mlp.experts.w_up": "mlp.experts.experts.linear_fc1.weight",
+    "mlp.experts.w_down": "mlp.experts.experts.linear_fc2.weight",
     "mlp.shared_mlp.gate_up.weight": "mlp.shared_experts.linear_fc1.weight",
     "mlp.shared_mlp.down.weight": "mlp.shared_experts.linear_fc2.weight",
 }

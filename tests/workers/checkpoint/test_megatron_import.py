@@ -88,3 +88,21 @@ def test_another_model_is_refused_naming_the_fields(mcore_ckpt):
     assert "model.ffn_hidden_size: 96 there, 128 in this job" in str(e.value)
     assert "\n" not in str(e.value)
 
+
+
+MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48}
+
+
+@pytest.mark.parametrize("world,parallel", [(1, {}), (2, {"expert_model_parallel_size": 2})], ids=["ep1", "ep2"])
+def test_an_moe_checkpoint_loads_with_megatron_cores_loss(tmp_path, world, parallel):
+    """Mixtral-style experts (megatron-core's sequential MLP; the grouped GEMM's keys are the same)."""
+    from tests.helpers.checkpoints import train_ranks
+    from tests.helpers.megatron import save_rank
+    from tests.helpers.ranks import run_ranks
+
+    job = job_of(spec(world, parallel, **MOE))
+    (want,) = run_ranks(save_rank, 1, args=(str(tmp_path), MOE), kwargs={"batch": first_batch(job)}, timeout_s=300)
+    out = run_ranks(train_ranks, world, args=(job,), kwargs={"load": f"megatron:{tmp_path}", "until": 1},
+                    timeout_s=300)
+    got = out[0]["losses"][0]
+    assert abs(got - want) <= 1e-5 * want, (got, want)
