@@ -246,8 +246,10 @@ class CheckpointConfig:
     save_hf_interval: int = 1
     hf_tokenizer: str | None = None
     """A tokenizer directory whose files each HF copy also gets (default: the chat tokenizer or model.from_hf)."""
+    save_format: str = "raytron"
+    """megatron: each committed checkpoint is also written as a Megatron-Core torch_dist checkpoint under dir/megatron/."""
     load: str | None = None
-    """A raytron checkpoint (dir or root) or ``hf:DIR`` to start from when ``dir`` holds none."""
+    """A raytron checkpoint (dir or root), ``hf:DIR`` or ``megatron:DIR`` to start from when ``dir`` holds none."""
     resume_from: str | None = None
     """Set by the controller for one attempt: the checkpoint its ranks load (None: from the seed)."""
 

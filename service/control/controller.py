@@ -210,8 +210,12 @@ class JobController:
         job = replace(job, checkpoint=replace(job.checkpoint, resume_from=source), memory_upto=len(self.metrics))
         number = 1 + sum(1 for e in self.events if e.kind == "state" and e.state is JobState.STARTING)
         attempt = f" (attempt {number})" if number > 1 else ""  # numbered as the job store numbers attempts
-        self._transition(JobState.STARTING, "placing ranks" + attempt + (f" from {source}" if source else ""),
-                         {"from_checkpoint": source, "num_nodes": job.num_nodes, "sizes": grid.sizes()})
+        # hf:DIR and megatron:DIR hold weights only: the attempt starts a fresh optimizer, and says so
+        fresh = bool(source) and source.startswith(("hf:", "megatron:"))
+        self._transition(JobState.STARTING, "placing ranks" + attempt + (f" from {source}" if source else "")
+                         + (" (weights only: a fresh optimizer from iteration 0)" if fresh else ""),
+                         {"from_checkpoint": source, "num_nodes": job.num_nodes, "sizes": grid.sizes(),
+                          "fresh_optimizer": fresh})
         self._group = self._make_group(self.restarts, job, grid)
         if self._cancel.is_set():
             raise JobCancelled(self._cancel_reason)
@@ -245,8 +249,10 @@ class JobController:
                 if retention is not None:
                     self._emit(JobEvent.now("checkpoint", self.state, retention_message(retention), retention))
                 for copy in hf_copies:
-                    self._emit(JobEvent.now("checkpoint", self.state, f"Hugging Face copy of iteration "
-                                            f"{copy['iteration']} written to {copy['path']}", {"hf": copy}))
+                    kind = copy.get("format", "hf")
+                    what = "Megatron-Core torch_dist copy" if kind == "megatron" else "Hugging Face copy"
+                    self._emit(JobEvent.now("checkpoint", self.state, f"{what} of iteration "
+                                            f"{copy['iteration']} written to {copy['path']}", {kind: copy}))
             if self.iteration < total and self.sizer.should_grow(self.current, self.iteration):
                 self._shutdown_group()
                 self._transition(JobState.RESTARTING, f"nodes returned: growing back to {self.job.num_nodes} "

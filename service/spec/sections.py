@@ -261,8 +261,14 @@ class CheckpointSpec(BaseModel):
     save_hf_interval: int = Field(1, ge=1, description="with save_hf: every this many checkpoints (and the last)")
     hf_tokenizer: str | None = Field(None, min_length=1, description="with save_hf: a tokenizer directory whose "
                                      "files each copy also gets (default training.chat_tokenizer or model.from_hf)")
-    load: str | None = Field(None, min_length=1, description="start from a raytron checkpoint (dir or root) or "
-                             "hf:DIR when checkpoint.dir holds none")
+    save_format: Literal["raytron", "megatron"] = Field(
+        "raytron", description="megatron: each committed checkpoint is also written as a Megatron-Core torch_dist "
+        "checkpoint under DIR/megatron (a Megatron-LM --save root), in the background (dense models; raytron's own "
+        "checkpoint is still what a restart resumes from)")
+    load: str | None = Field(None, min_length=1, description="start from a raytron checkpoint (dir or root), "
+                             "hf:DIR (a Hugging Face model directory) or megatron:DIR (a Megatron-Core torch_dist "
+                             "checkpoint or Megatron-LM --save root; weights only, a fresh optimizer) when "
+                             "checkpoint.dir holds none")
 
 
 class ResourcesSpec(BaseModel):

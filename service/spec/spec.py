@@ -29,6 +29,7 @@ from service.spec.documents import document_problems
 from service.spec.chat import chat_problems
 from service.spec.fp8 import fp8_problems
 from service.spec.from_hf import from_hf_problems
+from service.spec.megatron_load import megatron_load_problems, megatron_save_problems
 from service.spec.limits import MAX_PRIORITY, check_memory, check_world_size
 from service.spec.mla import mla_problems
 from service.spec.moe import moe_problems
@@ -211,6 +212,8 @@ def spec_problems(spec: JobSpec) -> list[str]:
     out.extend(fp8_problems(m, p, t))
     out.extend(chat_problems(t, m))
     out.extend(retention_problems(spec.checkpoint, t))
+    out.extend(megatron_load_problems(spec.checkpoint, m))
+    out.extend(megatron_save_problems(spec.checkpoint, m))
     out.extend(resources_problems(res))
     if res.min_nodes is not None and res.min_nodes > res.num_nodes:
         out.append(f"resources.min_nodes {res.min_nodes} > resources.num_nodes {res.num_nodes}: the elastic floor "

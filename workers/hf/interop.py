@@ -254,10 +254,15 @@ class HFReader:
 
 
 def open_source(load: str):
-    """``checkpoint.load``: ``hf:DIR`` (a Hugging Face model directory), a checkpoint
-    directory, or a checkpoint root (its latest complete checkpoint)."""
+    """``checkpoint.load``: ``hf:DIR`` (a Hugging Face model directory), ``megatron:DIR`` (a
+    Megatron-Core torch_dist checkpoint), a checkpoint directory, or a checkpoint root (its latest
+    complete checkpoint)."""
     if load.startswith("hf:"):
         return HFReader(load[3:])
+    if load.startswith("megatron:"):
+        from workers.checkpoint.megatron_import import MegatronReader
+
+        return MegatronReader(load[len("megatron:"):])
     from workers.checkpoint.reader import CheckpointReader
 
     return CheckpointReader.open(load)

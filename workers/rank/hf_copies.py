@@ -1,8 +1,11 @@
-"""Hugging Face copies of a job's checkpoints as it trains (``checkpoint.save_hf``).
+"""Hugging Face and Megatron-Core copies of a job's checkpoints as it trains (``checkpoint.save_hf``,
+``checkpoint.save_format: megatron``).
 
 Rank 0, once a checkpoint is committed, writes every ``save_hf_interval``-th one and the job's last
 one as a Hugging Face model directory (``config.json``, ``model.safetensors``) under
-``checkpoint.dir/hf/iter_N``, with the exporter of ``raytron export --format hf``, in a background
+``checkpoint.dir/hf/iter_N``, with the exporter of ``raytron export --format hf``, and (save_format
+megatron) every one as a Megatron-Core torch_dist checkpoint under the Megatron-LM ``--save`` root
+``checkpoint.dir/megatron``, with the exporter of ``raytron export --format megatron``, in a background
 thread: training goes on while it reads the committed files. The next save waits for it, so no
 checkpoint is pruned while it is being read. The copies are not pruned with the checkpoints.
 """
@@ -23,11 +26,14 @@ class HFCopies:
         interval: copy every this many committed checkpoints.
         last_iteration: the iteration of the job's last checkpoint, which is always copied.
         tokenizer: a directory whose tokenizer files each copy also gets.
+        hf: write the HF copies (``save_hf``).
+        megatron: write a Megatron-Core copy of every committed checkpoint.
     """
 
-    def __init__(self, root: str, interval: int, last_iteration: int, tokenizer: str | None = None):
+    def __init__(self, root: str, interval: int, last_iteration: int, tokenizer: str | None = None, *,
+                 hf: bool = True, megatron: bool = False):
         self.root, self.interval, self.last_iteration = root, interval, last_iteration
-        self.tokenizer = tokenizer
+        self.tokenizer, self.hf, self.megatron = tokenizer, hf, megatron
         self._commits = 0
         self._background = Background()
         self._done: list[dict] = []
@@ -35,22 +41,28 @@ class HFCopies:
     def committed(self, iteration: int) -> None:
         """A checkpoint of ``iteration`` was committed: copy it if it is due."""
         self._commits += 1
-        if self._commits % self.interval and iteration != self.last_iteration:
-            return
-        self._background.start(self._copy, iteration)
+        hf = self.hf and (self._commits % self.interval == 0 or iteration == self.last_iteration)
+        if hf or self.megatron:
+            self._background.start(self._copy, iteration, hf)
 
-    def _copy(self, iteration: int) -> None:
+    def _copy(self, iteration: int, hf: bool) -> None:
+        from workers.checkpoint.megatron_export import export_megatron
         from workers.hf.export import export_hf
 
         name = checkpoint_name(iteration)
-        self._done.append(export_hf(os.path.join(self.root, name), os.path.join(self.root, "hf", name),
-                                    tokenizer=self.tokenizer))
+        if hf:
+            self._done.append(export_hf(os.path.join(self.root, name), os.path.join(self.root, "hf", name),
+                                        tokenizer=self.tokenizer))
+        if self.megatron:
+            done = export_megatron(os.path.join(self.root, name), os.path.join(self.root, "megatron"))
+            self._done.append({**done, "format": "megatron"})
 
     def wait(self) -> None:
         """Block until the copy in progress is written; re-raises its error."""
         self._background.wait()
 
     def take_done(self) -> list[dict]:
-        """The copies written since the last call: ``export_hf``'s ``{"iteration", "architecture", "bytes", "path"}``."""
+        """The copies written since the last call: ``export_hf``'s ``{"iteration", "architecture", "bytes", "path"}``,
+        ``export_megatron``'s with ``"format": "megatron"``."""
         done, self._done = self._done, []
         return done

@@ -67,12 +67,13 @@ class RankRunner:
                                              best_metric=ckpt.best_metric, async_save=ckpt.async_save,
                                              timeout_s=max(60.0, 2 * job.collective_timeout_s))
         self.hf_copies = None
-        if self.checkpointer is not None and ckpt.save_hf and rank == 0:
+        megatron = ckpt.save_format == "megatron"
+        if self.checkpointer is not None and (ckpt.save_hf or megatron) and rank == 0:
             from workers.rank.hf_copies import HFCopies
 
             total = job.training.train_iters
             self.hf_copies = HFCopies(ckpt.dir, ckpt.save_hf_interval, total - total % ckpt.save_interval,
-                                      tokenizer=ckpt.hf_tokenizer)
+                                      tokenizer=ckpt.hf_tokenizer, hf=ckpt.save_hf, megatron=megatron)
 
     def _recover_from_memory(self, node, memory) -> dict:
         """Join the in-memory replication (:mod:`workers.rank.replicas`) and restore the newest iteration

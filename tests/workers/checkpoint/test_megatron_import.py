@@ -1,0 +1,108 @@
+"""``checkpoint.load: megatron:DIR``: a checkpoint megatron-core's own ``dist_checkpointing.save`` wrote
+from its own GPTModel (tp2, Megatron-LM's directory layout and ``args``) loads into raytron at
+tp1, tp2+sp, pp2 and tp2 x pp2 x dp2, and the first iteration's loss is megatron-core's own on that
+batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.megatron import MODEL, stand_ins
+from tests.helpers.parity import job_of, tiny_spec
+
+stand_ins()
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.procs
+
+# Megatron-LM's arguments of MODEL as its pretrain_gpt.py keeps them in the checkpoint (save_rank adds a
+# torch dtype and an enum of megatron-core's: the reader builds no class of it)
+ARGS = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4,
+        "group_query_attention": True, "num_query_groups": 2, "kv_channels": 16, "padded_vocab_size": 128,
+        "swiglu": True, "normalization": "RMSNorm", "add_bias_linear": False, "position_embedding_type": "rope",
+        "rotary_base": 10000, "rotary_percent": 1.0, "norm_epsilon": 1e-5,
+        "untie_embeddings_and_output_weights": True, "seq_length": 16}
+
+
+def spec(world: int = 1, parallel: dict | None = None, **model) -> dict:
+    return tiny_spec(world=world, parallel=parallel, model={**MODEL, **model}, training={"train_iters": 1})
+
+
+def first_batch(job):
+    from workers.data.dataset import GlobalSampler
+
+    t = job.training
+    return GlobalSampler(t.data, job.model.seq_length, t.seed, t.global_batch_size, split=t.split).batch(
+        0, 0, t.global_batch_size)
+
+
+@pytest.fixture(scope="module")
+def mcore_ckpt(tmp_path_factory):
+    """A Megatron-LM-style root saved by megatron-core at tp2, and megatron-core's loss on the batch."""
+    from tests.helpers.megatron import save_rank
+    from tests.helpers.ranks import run_ranks
+
+    root = tmp_path_factory.mktemp("mcore")
+    losses = run_ranks(save_rank, 2, args=(str(root), None, 2, 1), kwargs={"args": ARGS, "batch": first_batch(
+        job_of(spec()))}, timeout_s=300)
+    assert losses[0] == losses[1]
+    return root, losses[0]
+
+
+@pytest.mark.parametrize("world,parallel", [
+    (1, {}),
+    (2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    (2, {"pipeline_model_parallel_size": 2}),
+    (8, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}),
+], ids=["tp1", "tp2-sp", "pp2", "tp2-pp2-dp2"])
+def test_first_loss_is_megatron_cores_at_every_layout(mcore_ckpt, world, parallel):
+    from tests.helpers.checkpoints import train_ranks
+    from tests.helpers.ranks import run_ranks
+
+    root, want = mcore_ckpt
+    job = job_of(spec(world, parallel))
+    out = run_ranks(train_ranks, world, args=(job,), kwargs={"load": f"megatron:{root}", "until": 1}, timeout_s=300)
+    got = out[0]["losses"][0]
+    assert out[0]["start"] == 0  # weights only: a fresh optimizer from iteration 0
+    assert abs(got - want) <= 1e-5 * want, (got, want)
+
+
+def test_model_fields_come_from_the_checkpoints_args(mcore_ckpt):
+    from workers.checkpoint.megatron_import import MegatronReader
+
+    reader = MegatronReader(str(mcore_ckpt[0]))
+    assert reader.iteration == 5 and reader.path.name == "iter_0000005"
+    want = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4, "num_query_groups": 2,
+            "vocab_size": 128, "rotary_base": 10000, "norm_epsilon": 1e-5}
+    assert {k: reader.model[k] for k in want} == want
+
+
+def test_another_model_is_refused_naming_the_fields(mcore_ckpt):
+    from workers.checkpoint.reader import load_checkpoint
+    from workers.hf.interop import open_source
+    from workers.train.trainer import Trainer
+
+    t = Trainer(job_of(spec(num_query_groups=4, ffn_hidden_size=128)), 0, 1)
+    with pytest.raises(ValueError) as e:
+        load_checkpoint(t, open_source(f"megatron:{mcore_ckpt[0]}"))
+    assert "model.num_query_groups: 2 there, 4 in this job" in str(e.value)
+    assert "model.ffn_hidden_size: 96 there, 128 in this job" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+
+MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48}
+
+
+@pytest.mark.parametrize("world,parallel", [(1, {}), (2, {"expert_model_parallel_size": 2})], ids=["ep1", "ep2"])
+def test_an_moe_checkpoint_loads_with_megatron_cores_loss(tmp_path, world, parallel):
+    """Mixtral-style experts (megatron-core's sequential MLP; the grouped GEMM's keys are the same)."""
+    from tests.helpers.checkpoints import train_ranks
+    from tests.helpers.megatron import save_rank
+    from tests.helpers.ranks import run_ranks
+
+    job = job_of(spec(world, parallel, **MOE))
+    (want,) = run_ranks(save_rank, 1, args=(str(tmp_path), MOE), kwargs={"batch": first_batch(job)}, timeout_s=300)
+    out = run_ranks(train_ranks, world, args=(job,), kwargs={"load": f"megatron:{tmp_path}", "until": 1},
+                    timeout_s=300)
+    got = out[0]["losses"][0]
+    assert abs(got - want) <= 1e-5 * want, (got, want)
