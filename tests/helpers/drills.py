@@ -8,6 +8,7 @@ import time
 import pytest
 
 from service.control.jobs import start_job
+from service.ranks.proc_tree import matching
 from service.ranks.process_launcher import ProcessLauncher
 from service.spec.spec import parse_spec, to_job_config
 from tests.helpers.server import Server
@@ -110,3 +111,16 @@ def _raylet_of(node_id: str) -> tuple[int, bool]:
             socket = next(a for a in argv if a.startswith("--raylet_socket_name="))
             return int(pid), socket.endswith("/raylet")
     raise AssertionError(f"no raylet of node {node_id}")
+
+
+def processes_named(*argv_prefix: str) -> list[int]:
+    """Pids whose argv starts with a program ending in ``argv_prefix[0]`` followed by the rest."""
+    return matching(lambda argv: argv[0].endswith(argv_prefix[0])
+                    and argv[1:len(argv_prefix)] == list(argv_prefix[1:]))
+
+
+def whole_and_once(api, job_id: str) -> list[dict]:
+    """The job's events, after checking each sequence number is there once, in order."""
+    log = events(api, job_id)
+    assert [e["seq"] for e in log] == list(range(1, len(log) + 1))
+    return log

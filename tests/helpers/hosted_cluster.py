@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from service.ranks.proc_tree import marked
+from service.ranks.proc_tree import marked, matching
 from service.ranks.ray_cluster import CLUSTER_MARK
 from tests.helpers.paths import ROOT
 
@@ -53,15 +53,23 @@ class HostedCluster:
         """Every process of the cluster (its mark is in their environment)."""
         return marked(CLUSTER_MARK, self.data["cluster_id"])
 
+    def _gcs_alive(self) -> bool:
+        mine = self.processes()
+        return any(p in mine for p in matching(lambda argv: argv[0].endswith("gcs_server")))
+
     def close(self) -> None:
         """Stop the cluster, and check that nothing of it is left."""
         from service.ranks.ray_cluster import stop_marked_cluster
 
         if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
+            if self._gcs_alive():
+                self.proc.stdin.close()
+                try:
+                    self.proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+            else:  # the head was lost: the host's shutdown would only wait on it (~15 s); reaped below
                 self.proc.kill()
+                self.proc.wait()
         stop_marked_cluster(self.data["cluster_id"], self.data["temp_dir"], self.record)
         assert self.processes() == set()

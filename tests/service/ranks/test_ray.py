@@ -149,8 +149,15 @@ def test_restart_after_exit_and_hang_gives_the_undisturbed_curve(cluster):
     assert failures[1]["group"] == "pp" and failures[1]["pp"] == 1
 
 
+@pytest.fixture(scope="module")
+def tp2_dp2_curve(cluster) -> list[float]:
+    """The undisturbed losses of the restart drills' job (tp 2 x dp 2 on 2 nodes, 3 iterations), once."""
+    job, _ = make_job(tp=2, pp=1, nodes=2, gpus=2, iters=3, gbs=4, max_restarts=1)
+    return run_job(job, cluster)[0]["losses"]
+
+
 @pytest.mark.parametrize("kind", ["exit", "raise"])
-def test_a_restart_starts_again_on_the_ranks_that_survived(cluster, kind):
+def test_a_restart_starts_again_on_the_ranks_that_survived(cluster, tp2_dp2_curve, kind):
     """After rank 1 dies (or raises), the second attempt takes over the other ranks' actors: same
     processes (reset, no new torch import), a new actor only for a dead rank, the same curve.
     tp 2 x dp 2: rank 2 waits in a dp all-reduce for rank 0, which failed in a tp all-reduce with
@@ -158,14 +165,13 @@ def test_a_restart_starts_again_on_the_ranks_that_survived(cluster, kind):
     from service.control.rank_group import LauncherConfig
 
     job, grid = make_job(tp=2, pp=1, nodes=2, gpus=2, iters=3, gbs=4, max_restarts=1)
-    reference, _ = run_job(job, cluster)
     events = []
     # A wide reuse window (the cascade takes about a second) keeps the test deterministic on a
     # loaded machine; without the cascade rank 2 would wait for the 300 s collective timeout.
     config = LauncherConfig(placement_timeout_s=30, reuse_wait_s=60)
     result, _ = run_job(job, cluster, config=config, faults=[Fault(1, 2, kind)], on_event=events.append)
     assert result["state"] == "SUCCEEDED" and result["restarts"] == 1
-    assert result["losses"] == reference["losses"]
+    assert result["losses"] == tp2_dp2_curve
     first, second = [e.data["placement"] for e in events if e.kind == "placement"]
     survived = [r != 1 or kind == "raise" for r in range(4)]
     assert [p["reused"] for p in first] == [False] * 4 and [p["reused"] for p in second] == survived

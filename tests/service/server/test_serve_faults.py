@@ -1,11 +1,12 @@
 """Fault drills through `raytron serve --simulate 4x2 --launcher ray` (issue 11's acceptance):
 a real server, jobs as Ray Jobs, ranks as Ray actors on a simulated 4-node cluster that the
-tests share. Each drill breaks a running job from outside (kill -9, SIGSTOP, a raylet killed)
-or from inside (a crash while saving, through `serve --fault`, on a server of its own; exhausted
-restarts); the job must end as stated, with the loss curve of an undisturbed run (computed here
-on local processes: layout invariance) and events that tell what happened. The crash-in-save
-drill runs first, its server stopped before the shared one starts (one simulated cluster at a
-time); the lost-node drill runs last: it leaves the cluster a node short.
+tests share. Each drill breaks a running job from outside (kill -9 or SIGSTOP of a rank, the
+job's runner killed, a raylet killed) or from inside (a crash while saving, through
+`serve --fault`, on a server of its own; exhausted restarts); the job must end as stated, with
+the loss curve of an undisturbed run (computed here on local processes: layout invariance) and
+events that tell what happened. The crash-in-save drill runs first, its server stopped before
+the shared one starts (one simulated cluster at a time); the lost-node drill runs last: it
+leaves the cluster a node short.
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ import time
 
 import pytest
 
-from service.control.jobs import start_job
-from service.ranks.process_launcher import ProcessLauncher
-from service.spec.spec import parse_spec, to_job_config
 from tests.helpers.server import Server, job_losses, wait_for
-from tests.helpers.drills import DONE, _raylet_of, api, close, events, failures, spec, story, submit, undisturbed, wait_iteration  # noqa: F401
+from tests.helpers.drills import (DONE, _raylet_of, api, close, events, failures, processes_named,  # noqa: F401
+                                  spec, story, submit, undisturbed, wait_iteration, whole_and_once)
 
 pytestmark = pytest.mark.ray
 
@@ -133,25 +132,92 @@ def test_max_restarts_exhausted_fails_with_the_reason(api):
     assert job["error"]["code"] == "rank_died" and "rank 2" in job["error"]["message"], job["error"]
 
 
-def test_lost_node_shrinks_dp_with_the_same_global_batch_and_curve(api):
-    """Runs last: the cluster stays a node short."""
-    s = spec("shrink", nodes=4, gpus=1, tp=1, gbs=8, iters=30, min_nodes=1, grace=5.0)
+def runner_killed_at(api, s: dict, iteration: int) -> tuple[str, dict, list[float]]:
+    """Submit ``s``, SIGKILL its runner once it reaches ``iteration``, wait for the end: the job id,
+    the job and its losses, after checking it SUCCEEDED on the undisturbed curve."""
     job_id = submit(api, s)
-    wait_iteration(api, job_id, 3)
-    ranks = api.get(f"/jobs/{job_id}/placement").json()["ranks"]
-    for victim in sorted(ranks, key=lambda r: -r["rank"]):
-        raylet, head = _raylet_of(victim["node_id"])
-        if not head:
-            break
+    wait_iteration(api, job_id, iteration)
+    runners = processes_named("python", "-m", "service.server.job_main", job_id)
+    assert len(runners) == 1, runners
+    os.kill(runners[0], signal.SIGKILL)
+    expected = undisturbed(s)
+    job = wait_for(api, job_id, DONE, timeout_s=300)
+    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+    losses = job_losses(api, job_id)
+    assert close(losses, expected), story(api, job_id, losses, expected)
+    return job_id, job, losses
+
+
+def test_a_killed_runner_is_started_again_and_goes_on_from_the_record(api, tmp_path):
+    """SIGKILL of the job's runner (the Ray Job's entry point) at iteration 6: the scheduler starts a
+    new runner (a Ray Job of its own), which replays the job's events and resumes from the last
+    recorded checkpoint: one restart, the curve whole. The job's MLflow run (a real ``mlflow server``
+    on 127.0.0.1) is the same one under both runners, its loss history the job's curve, each step once."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.helpers.mlflow_server import mlflow_server
+
+    with mlflow_server(tmp_path) as uri:
+        s = spec("runnerkill", nodes=2, gpus=2, tp=2, iters=20)
+        s["tracking"] = {"mlflow": {"tracking_uri": uri}}
+        job_id, job, losses = runner_killed_at(api, s, 6)
+        log = whole_and_once(api, job_id)
+        started = [e for e in log if e["kind"] == "runner"]
+        assert len(started) == 1 and started[0]["data"]["reason"] == "runner_exited", started
+        assert job["restarts"] == 1 and job["ray_job_id"].endswith(f"{job_id}-2")
+        froms = [a["from_checkpoint"] for a in job["attempts"]]
+        assert len(froms) == 2 and froms[1] and "iter_" in froms[1], froms
+        opened = [e["data"] for e in log if e["kind"] == "tracking" and "run_id" in e["data"]]
+        assert [o["resumed"] for o in opened] == [False, True] and opened[0]["run_id"] == opened[1]["run_id"], opened
+        client = MlflowClient(uri)
+        # The tracker delivers in the background, in order: the run ends FINISHED after the last metrics,
+        # a moment after the job's final event.
+        deadline = time.monotonic() + 30
+        while client.get_run(opened[0]["run_id"]).info.status != "FINISHED" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert client.get_run(opened[0]["run_id"]).info.status == "FINISHED"
+        history = sorted((m.step, m.value) for m in client.get_metric_history(opened[0]["run_id"], "loss"))
+        assert [step for step, _ in history] == list(range(1, 21))
+        assert close([v for _, v in history], losses)
+
+
+def test_a_chat_job_whose_runner_is_killed_goes_on_at_the_next_unseen_row(api, tmp_path):
+    """Chat fine-tuning on the serve path (streamed records, Llama-3 template, packed rows): the
+    job's runner SIGKILLed at iteration 4; the new runner resumes from the last checkpoint at the next
+    unseen row, and the curve is the undisturbed one."""
+    from tests.helpers.chat import CONVERSATIONS, chat_tokenizer, write_jsonl
+
+    s = spec("chatkill", nodes=2, gpus=2, tp=2, iters=10)
+    s["model"] = {**s["model"], "vocab_size": 320}
+    records = [{"messages": c} for c in CONVERSATIONS] * 20
+    s["training"].update({"chat_data": write_jsonl(tmp_path / "chat.jsonl", records),
+                          "chat_tokenizer": chat_tokenizer(tmp_path / "tok", "llama3"), "chat_streaming": True})
+    _, job, losses = runner_killed_at(api, s, 4)
+    assert job["restarts"] == 1 and len(losses) == 10
+
+
+def test_a_lost_node_shrinks_dp_with_the_same_global_batch_and_curve_under_the_same_runner(api):
+    """A worker node's raylet killed (4x2, tp2 x dp4, 40 iterations, a checkpoint every 2,
+    min_nodes 2 below num_nodes 4): the runner lives on the head node, so the job shrinks to dp 2
+    with the same global batch, under the same runner, and finishes on the same curve with every
+    event once. Runs last: the cluster stays a node short."""
+    s = spec("lostnode", nodes=4, gpus=2, tp=2, gbs=8, iters=40, min_nodes=2, grace=5.0)
+    job_id = submit(api, s)
+    wait_iteration(api, job_id, 4)
+    victim = rank_record(api, job_id, 7)
+    raylet, head = _raylet_of(victim["node_id"])
+    assert not head  # the head holds no ranks
     os.kill(raylet, signal.SIGKILL)
     expected = undisturbed(s)
     job = wait_for(api, job_id, DONE, timeout_s=400)
     assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
-    assert job["sizes"]["dp"] == 2 and job["sizes"]["tp"] == 1  # 3 nodes left: dp 3 does not divide 8
+    assert job["sizes"]["dp"] == 2 and job["sizes"]["tp"] == 2  # 3 nodes left: dp 3 does not divide 8
     assert job["spec"]["training"]["global_batch_size"] == 8
     losses = job_losses(api, job_id)
     assert close(losses, expected), story(api, job_id, losses, expected)
-    resize = [e for e in events(api, job_id) if e["kind"] == "resize"]
+    log = whole_and_once(api, job_id)
+    resize = [e for e in log if e["kind"] == "resize"]
     assert resize and resize[0]["data"]["old"]["sizes"]["dp"] == 4 and resize[0]["data"]["new"]["sizes"]["dp"] == 2
-    assert len(api.get(f"/jobs/{job_id}/placement").json()["ranks"]) == 2
+    assert len(api.get(f"/jobs/{job_id}/placement").json()["ranks"]) == 4
     assert any(f.get("node_id") == victim["node_id"] for f in failures(api, job_id)), failures(api, job_id)
+    assert [e for e in log if e["kind"] == "runner"] == []  # the runner lived on
