@@ -145,7 +145,8 @@ def save_rank(rank, world_size, root: str, model: dict | None = None, tp: int = 
     return mcore_loss(gpt, *batch) if batch is not None else None
 
 
-def load_rank(rank, world_size, ckpt_dir: str, model: dict | None = None, tp: int = 1, batch=None) -> dict:
+def load_rank(rank, world_size, ckpt_dir: str, model: dict | None = None, tp: int = 1, batch=None,
+              strict: str = "raise_all") -> dict:
     """A rank function: megatron-core's GPTModel at ``tp`` loads ``ckpt_dir`` (the ``model`` part of a
     Megatron-LM checkpoint) with its own ``dist_checkpointing.load``, strict (every key of both sides),
     then ``load_state_dict(strict=True)``; returns its ``loss`` on ``batch`` (tokens, labels), and at
@@ -157,7 +158,7 @@ def load_rank(rank, world_size, ckpt_dir: str, model: dict | None = None, tp: in
     # Megatron-LM's checkpointing lets torch.load build its args namespace (torch >= 2.6 loads weights only)
     torch.serialization.add_safe_globals([argparse.Namespace])
     gpt = gpt_model(model, seed=99)  # other weights than any checkpoint's
-    state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, ckpt_dir, strict=StrictHandling.RAISE_ALL)
+    state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, ckpt_dir, strict=StrictHandling(strict))
     gpt.load_state_dict(state["model"], strict=True)
     out = {"loss": mcore_loss(gpt, *batch), "args": vars(state.get("args") or argparse.Namespace())}
     if tp == 1:
