@@ -103,7 +103,7 @@ class MemoryStore:
         failure, only those that arrive within ``SETTLE_S``: a peer lost mid-transfer fails at once).
         (A gloo receive reports itself complete only once waited for, so it is waited for.)"""
         pending, self.pending = self.pending, []
-        for work, source, iteration, buf in pending:
+        for i, (work, source, iteration, buf) in enumerate(pending):
             try:
                 if wait:
                     work.wait()
@@ -111,6 +111,7 @@ class MemoryStore:
                     work.wait(timedelta(seconds=SETTLE_S))
             except Exception:  # noqa: BLE001 - a peer lost mid-transfer: that replica is not held
                 if wait:
+                    self.pending = pending[i + 1 :]  # the others may still arrive whole
                     raise
                 continue
             if source is not None:
