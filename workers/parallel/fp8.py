@@ -128,11 +128,12 @@ class _Cast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hp, dequantized):
         ctx.dtype = hp.dtype
+        ctx.set_materialize_grads(False)  # a zero-bubble B defers the weight's GEMM: no gradient yet
         return dequantized
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.to(ctx.dtype), None
+        return None if grad is None else grad.to(ctx.dtype), None
 
 
 class _GradCast(torch.autograd.Function):
@@ -200,7 +201,9 @@ def quantize_operands(layer, x: torch.Tensor, weight: torch.Tensor) -> tuple[tor
     if q is None:
         return x, weight
     xq, wq = q.qdq([x, weight], E4M3, slice(0, 2), (False, True))
-    return _Cast.apply(x, xq), _Cast.apply(weight, wq)
+    wq = _Cast.apply(weight, wq)
+    wq.wgrad_param = weight  # whose gradient a deferred weight-gradient GEMM is (workers.parallel.wgrad)
+    return _Cast.apply(x, xq), wq
 
 
 def quantize_grad(layer, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
