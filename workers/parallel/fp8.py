@@ -9,7 +9,8 @@ cast and scale arithmetic these functions repeat to the bit (``tests/workers/par
 judges by it). The same code runs on gloo/CPU and nccl/GPU; the GEMMs stay the linears' own
 (:mod:`workers.parallel.tensor`), so gradient-accumulation fusion's structure, the TP/SP
 collectives and a deferred weight gradient are untouched: the layer hands them quantised
-operands (:func:`quantize_operands`, a straight-through cast) and quantises the gradient
+operands (:func:`quantize_operands`, a straight-through cast; the weight's copy names its
+parameter, ``wgrad_param``, for a zero-bubble ``W``) and quantises the gradient
 arriving at its GEMM output (:func:`quantize_grad`). The input gradient and the weight gradient
 use the one quantised output gradient, as Transformer Engine and torchao do.
 
