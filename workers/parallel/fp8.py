@@ -9,7 +9,8 @@ cast and scale arithmetic these functions repeat to the bit (``tests/workers/par
 judges by it). The same code runs on gloo/CPU and nccl/GPU; the GEMMs stay the linears' own
 (:mod:`workers.parallel.tensor`), so gradient-accumulation fusion's structure, the TP/SP
 collectives and a deferred weight gradient are untouched: the layer hands them quantised
-operands (:func:`quantize_operands`, a straight-through cast) and quantises the gradient
+operands (:func:`quantize_operands`, a straight-through cast; the weight's copy names its
+parameter, ``wgrad_param``, for a zero-bubble ``W``) and quantises the gradient
 arriving at its GEMM output (:func:`quantize_grad`). The input gradient and the weight gradient
 use the one quantised output gradient, as Transformer Engine and torchao do.
 
@@ -128,11 +129,12 @@ class _Cast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hp, dequantized):
         ctx.dtype = hp.dtype
+        ctx.set_materialize_grads(False)  # a zero-bubble B defers the weight's GEMM: no gradient yet
         return dequantized
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.to(ctx.dtype), None
+        return None if grad is None else grad.to(ctx.dtype), None
 
 
 class _GradCast(torch.autograd.Function):
@@ -200,7 +202,9 @@ def quantize_operands(layer, x: torch.Tensor, weight: torch.Tensor) -> tuple[tor
     if q is None:
         return x, weight
     xq, wq = q.qdq([x, weight], E4M3, slice(0, 2), (False, True))
-    return _Cast.apply(x, xq), _Cast.apply(weight, wq)
+    wq = _Cast.apply(weight, wq)
+    wq.wgrad_param = weight  # whose gradient a deferred weight-gradient GEMM is (workers.parallel.wgrad)
+    return _Cast.apply(x, xq), wq
 
 
 def quantize_grad(layer, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -42,9 +42,12 @@ backward summed in queue order, which is the order autograd's input buffer sums 
 hook folds the result into the fp32 main grad as it folds an unsplit ``.grad``. One exception:
 in bf16/fp16 a ``zero_out_wgrad`` weight (a lookup and a GEMM in one backward) keeps its GEMM in
 ``B``, since autograd rounds the lookup's and the GEMM's sum in the compute dtype before the
-hook sees it. The same GEMMs in the same microbatch order: the gradients do not change, bit for
-bit. Without ``main_grad`` (a module used on its own; under FP8, where the GEMM sees a
-dequantised copy of the weight) nothing is deferred and ``W`` has nothing to do.
+hook sees it. Under FP8 (:mod:`workers.parallel.fp8`) the GEMM's weight is a dequantised copy
+that names its parameter (``wgrad_param``): never fused, its deferred GEMM is handed back cast
+to the parameter's dtype, as the copy's straight-through cast hands it back in an unsplit
+backward. The same GEMMs in the same microbatch order: the gradients do not change, bit for
+bit. Without ``main_grad`` (a module used on its own) nothing is deferred and ``W`` has nothing
+to do.
 """
 
 from __future__ import annotations
@@ -56,17 +59,20 @@ import torch.nn.functional as F
 
 
 def grad_owner(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` when this forward's backward hands its gradient to :func:`weight_grad`'s
-    protocol (a ``main_grad``, of any dtype, and a graph being recorded); else ``None``."""
-    if getattr(weight, "main_grad", None) is None or not (weight.requires_grad and torch.is_grad_enabled()):
+    """The parameter whose gradient this forward's backward hands to :func:`weight_grad`'s
+    protocol (it has a ``main_grad``, of any dtype, and a graph is being recorded): ``weight``
+    itself, or, for an FP8 linear's dequantised copy (:mod:`workers.parallel.fp8`), the
+    parameter it names as ``wgrad_param``; else ``None``."""
+    param = getattr(weight, "wgrad_param", weight)
+    if getattr(param, "main_grad", None) is None or not (weight.requires_grad and torch.is_grad_enabled()):
         return None
-    return weight
+    return param
 
 
 def fuses(weight: torch.Tensor) -> bool:
     """Whether this forward's backward accumulates ``weight``'s gradient straight into its
-    ``main_grad`` (a buffer view of the weight's dtype, and a graph being recorded)."""
-    return grad_owner(weight) is not None and _fp32_path(weight)
+    ``main_grad`` (the parameter itself, a buffer view of its dtype, and a graph being recorded)."""
+    return grad_owner(weight) is weight and _fp32_path(weight)
 
 
 def _fp32_path(weight: torch.Tensor) -> bool:
@@ -76,23 +82,24 @@ def _fp32_path(weight: torch.Tensor) -> bool:
 
 
 def weight_grad(grad: torch.Tensor, x: torch.Tensor, owner: torch.Tensor | None) -> torch.Tensor | None:
-    """``dL/dW`` of ``y = x @ W.T`` (``grad^T @ x`` over every token). ``owner``: the weight,
-    where :func:`grad_owner` held in the forward; then, inside :func:`deferred_wgrads`, the GEMM
-    is queued and ``None`` returned, and otherwise, on the fp32 path, accumulated into
+    """``dL/dW`` of ``y = x @ W.T`` (``grad^T @ x`` over every token). ``owner``: the GEMM's
+    weight where :func:`grad_owner` held in the forward; then, inside :func:`deferred_wgrads`,
+    the GEMM is queued and ``None`` returned, and otherwise, on the fp32 path, accumulated into
     ``owner.main_grad`` and a dummy returned (see the module docstring)."""
     grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-    if owner is None or torch.is_grad_enabled() or getattr(owner, "main_grad", None) is None:
+    param = None if owner is None else getattr(owner, "wgrad_param", owner)
+    if param is None or torch.is_grad_enabled() or getattr(param, "main_grad", None) is None:
         return grad_2d.t().matmul(x_2d)  # create_graph, or no buffer (any more): plain autograd
-    fp32 = _fp32_path(owner)
-    if _deferred is not None and (fp32 or not getattr(owner, "zero_out_wgrad", False)):
+    fused = param is owner and _fp32_path(param)  # an FP8 copy's gradient goes through its cast
+    if _deferred is not None and (fused or not getattr(param, "zero_out_wgrad", False)):
         # A zero-bubble B: the GEMM waits for run_wgrads, autograd gets nothing for the weight.
-        _deferred.append((owner, grad_2d, x_2d))
-        owner.wgrad_deferred = getattr(owner, "wgrad_deferred", 0) + 1  # GEMMs queued, not yet run
+        _deferred.append((param, grad_2d, x_2d, fused))
+        param.wgrad_deferred = getattr(param, "wgrad_deferred", 0) + 1  # GEMMs queued, not yet run
         return None
-    if not fp32:  # bf16/fp16: autograd's AccumulateGrad and the hook fold it into main_grad
+    if not fused:  # bf16/fp16, FP8: autograd (the cast's backward), AccumulateGrad and the hook take it
         return grad_2d.t().matmul(x_2d)
-    owner.main_grad.addmm_(grad_2d.t(), x_2d)
-    return _dummy(owner)
+    param.main_grad.addmm_(grad_2d.t(), x_2d)
+    return _dummy(param)
 
 
 def _dummy(fused: torch.Tensor) -> torch.Tensor:
@@ -123,17 +130,18 @@ def deferred_wgrads():
 
 def run_wgrads(queue: list) -> None:
     """Run the GEMMs :func:`deferred_wgrads` queued (in their order), then hand each weight its
-    gradient through autograd (the fp32 path's dummy; in bf16/fp16 the GEMM itself, a weight's
-    several GEMMs summed in queue order as autograd's input buffer sums them), so its
-    post-accumulate hook runs as after an unsplit backward."""
+    gradient through autograd (the fp32 path's dummy; otherwise the GEMM itself, in the
+    parameter's dtype as an FP8 copy's cast hands it back, a weight's several GEMMs summed in
+    queue order as autograd's input buffer sums them), so its post-accumulate hook runs as after
+    an unsplit backward."""
     grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     with torch.no_grad():
-        for weight, grad_2d, x_2d in queue:
-            if _fp32_path(weight):
+        for weight, grad_2d, x_2d, fused in queue:
+            if fused:
                 weight.main_grad.addmm_(grad_2d.t(), x_2d)
                 grads[id(weight)] = (weight, None)
             else:
-                gemm = grad_2d.t().matmul(x_2d)
+                gemm = grad_2d.t().matmul(x_2d).to(weight.dtype)
                 _, held = grads.get(id(weight), (weight, None))
                 grads[id(weight)] = (weight, gemm if held is None else held + gemm)
             weight.wgrad_deferred -= 1

@@ -1,13 +1,14 @@
-"""Zero-bubble pipelines in bf16/fp16: the B/W split defers the weight-gradient GEMMs in low
-precision too, and the gradients are the unsplit backward's bit for bit.
+"""Zero-bubble pipelines in bf16/fp16 and FP8: the B/W split defers the weight-gradient GEMMs
+there too, and the gradients are the unsplit backward's bit for bit.
 
 Checked: the no-TP linear through its custom Function is ``F.linear`` bit for bit; a deferred
 bf16/fp16 backward (each GEMM queued in B, run in W in microbatch order, a weight used by three
 GEMMs summed as autograd sums them) fills the fp32 main-grad buffer with exactly the unsplit
 backward's bits, and its hooks run at W; a tied table (lookup + GEMM in one backward) keeps its
 GEMM in B; the whole model at pp 2 gives 1F1B's losses, grad norms, iteration-0 gradients and
-final params bit for bit (ZB-H1), ZBV the same V layout's with its backwards unsplit, and both
-agree with the single bf16 process within the bf16 tolerances.
+final params bit for bit (ZB-H1), ZBV the same V layout's with its backwards unsplit, in bf16,
+fp16 and FP8 (over bf16 and fp32), and both agree with the single bf16 process within the bf16
+tolerances.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ _LAYOUTS = {  # name: (parallel, W deferred)
     "zbv": (_ZBV, True),
     "zbv-unsplit": (_ZBV, False),  # the same V table, each B a whole backward (W has nothing to run)
 }
-_PRECISIONS = {"bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**10}}
+_PRECISIONS = {"bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**10},
+               "fp8-bf16": {"bf16": True, "fp8": "hybrid"}, "fp8-fp32": {"fp8": "e4m3"}}
 _SAME = ("loss", "grad_norm", "mtp_loss", "loss_scale", "skipped", "val_loss")
 
 
@@ -200,7 +202,8 @@ def _assert_bit_identical(got: list[dict], want: list[dict]) -> None:
 def test_low_precision_zero_bubble_is_its_unsplit_schedule_bit_for_bit(lowp_runs, precision, name, baseline):
     """ZB-H1 at pp 2 gives 1F1B's losses, grad norms, iteration-0 gradients and final params bit
     for bit, ZBV its own V layout's with whole backwards; with the W steps running the linears'
-    weight-gradient GEMMs (the baselines' W steps run none)."""
+    weight-gradient GEMMs (the baselines' W steps run none; under FP8 the GEMMs of the
+    dequantised weight copies, handed back in the parameter's dtype as the cast does)."""
     got, want = lowp_runs[(precision, name)], lowp_runs[(precision, baseline)]
     _assert_bit_identical(got, want)
     for a, b in zip(got, want):
