@@ -149,18 +149,28 @@ def runner_killed_at(api, s: dict, iteration: int) -> tuple[str, dict, list[floa
 
 
 def test_a_killed_runner_is_started_again_and_goes_on_from_the_record(api, tmp_path):
-    """SIGKILL of the job's runner (the Ray Job's entry point) at iteration 6: the scheduler starts a
-    new runner (a Ray Job of its own), which replays the job's events and resumes from the last
-    recorded checkpoint: one restart, the curve whole. The job's MLflow run (a real ``mlflow server``
-    on 127.0.0.1) is the same one under both runners, its loss history the job's curve, each step once."""
+    """A chat fine-tuning job on the serve path (streamed records, Llama-3 template, packed rows),
+    tracked in a real ``mlflow server`` on 127.0.0.1; its runner (the Ray Job's entry point)
+    SIGKILLed at iteration 6: the scheduler starts a new runner (a Ray Job of its own), which replays
+    the job's events and resumes from the last recorded checkpoint at the next unseen row: one
+    restart, the undisturbed curve. The MLflow run is the same one under both runners, its loss
+    history the job's curve, each step once. (A runner killed in a job without chat data: the
+    chaos drill, tests/test_chaos.py.)"""
     from mlflow.tracking import MlflowClient
 
+    from tests.helpers.chat import CONVERSATIONS, chat_tokenizer, write_jsonl
     from tests.helpers.mlflow_server import mlflow_server
 
     with mlflow_server(tmp_path) as uri:
-        s = spec("runnerkill", nodes=2, gpus=2, tp=2, iters=20)
+        iters = 12
+        s = spec("runnerkill", nodes=2, gpus=2, tp=2, iters=iters)
+        s["model"] = {**s["model"], "vocab_size": 320}
+        records = [{"messages": c} for c in CONVERSATIONS] * 30
+        s["training"].update({"chat_data": write_jsonl(tmp_path / "chat.jsonl", records),
+                              "chat_tokenizer": chat_tokenizer(tmp_path / "tok", "llama3"), "chat_streaming": True})
         s["tracking"] = {"mlflow": {"tracking_uri": uri}}
         job_id, job, losses = runner_killed_at(api, s, 6)
+        assert len(losses) == iters
         log = whole_and_once(api, job_id)
         started = [e for e in log if e["kind"] == "runner"]
         assert len(started) == 1 and started[0]["data"]["reason"] == "runner_exited", started
@@ -177,23 +187,8 @@ def test_a_killed_runner_is_started_again_and_goes_on_from_the_record(api, tmp_p
             time.sleep(0.5)
         assert client.get_run(opened[0]["run_id"]).info.status == "FINISHED"
         history = sorted((m.step, m.value) for m in client.get_metric_history(opened[0]["run_id"], "loss"))
-        assert [step for step, _ in history] == list(range(1, 21))
+        assert [step for step, _ in history] == list(range(1, iters + 1))
         assert close([v for _, v in history], losses)
-
-
-def test_a_chat_job_whose_runner_is_killed_goes_on_at_the_next_unseen_row(api, tmp_path):
-    """Chat fine-tuning on the serve path (streamed records, Llama-3 template, packed rows): the
-    job's runner SIGKILLed at iteration 4; the new runner resumes from the last checkpoint at the next
-    unseen row, and the curve is the undisturbed one."""
-    from tests.helpers.chat import CONVERSATIONS, chat_tokenizer, write_jsonl
-
-    s = spec("chatkill", nodes=2, gpus=2, tp=2, iters=10)
-    s["model"] = {**s["model"], "vocab_size": 320}
-    records = [{"messages": c} for c in CONVERSATIONS] * 20
-    s["training"].update({"chat_data": write_jsonl(tmp_path / "chat.jsonl", records),
-                          "chat_tokenizer": chat_tokenizer(tmp_path / "tok", "llama3"), "chat_streaming": True})
-    _, job, losses = runner_killed_at(api, s, 4)
-    assert job["restarts"] == 1 and len(losses) == 10
 
 
 def test_a_lost_node_shrinks_dp_with_the_same_global_batch_and_curve_under_the_same_runner(api):
