@@ -88,6 +88,7 @@ class RayRankGroup:
         self.reused: list[int] = []  # ranks this attempt took over from the previous one
         self._inflight: list = []  # refs of the last call, drained at shutdown
         self._ran = False  # run() was called: the in-flight refs are one per rank
+        self._setup_sent = False  # start() sent its setup calls: a kept rank may be in this attempt's groups
 
     def start(self, faults: list[Fault]) -> list[dict]:
         cfg, job = self.config, self.job
@@ -105,6 +106,7 @@ class RayRankGroup:
         addr, port = self._collect([self.actors[0].rendezvous_address.remote()], cfg.start_timeout_s,
                                    what="rendezvous")[0]
         timeout = float(job.collective_timeout_s)
+        self._setup_sent = True
         records = self._collect(
             [a.setup.remote(job, addr, port, self.grid.world_size, p.local, timeout, tuple(faults), p.node)
              for a, p in zip(self.actors, self.plan)], cfg.start_timeout_s, what="start")
@@ -176,6 +178,8 @@ class RayRankGroup:
         import ray
         from ray.exceptions import ActorUnavailableError, RayActorError
 
+        if not self._ran and not self._setup_sent and self.job.memory_interval and self.pg is not None:
+            return self._untouched()
         if not self._ran or self.pg is None or len(self._inflight) != len(self.actors):
             return {}
         nodes = {p.node_id for p in self.placement}
@@ -218,6 +222,25 @@ class RayRankGroup:
                     except Exception:  # noqa: BLE001 - not reusable: killed with the dead
                         pass
         return {} if (node_suspect or nodes & dead_nodes()) and not in_memory else kept
+
+    def _untouched(self) -> dict:
+        """With in-memory state, after an attempt that failed before its setup calls went out (a
+        new rank cancelled while Ray moves a lost node's bundle): the ranks it kept are as the last
+        attempt left them, reset and holding their snapshots and replicas; keep those that answer."""
+        import ray
+
+        if not self.reused:
+            return {}
+        refs = {self.actors[rank].reset.remote(): rank for rank in self.reused}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.config.reuse_wait_s)
+        kept = {}
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+                kept[refs[ref]] = self.actors[refs[ref]]
+            except Exception:  # noqa: BLE001 - gone: started again with the others
+                pass
+        return kept
 
     def _drain(self) -> None:
         """Read the answers a failed call left behind, so Ray does not log them as unhandled errors."""
