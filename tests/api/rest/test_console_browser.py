@@ -375,6 +375,7 @@ def test_the_user_logged_in_and_an_owner_column_for_admins(server, browser, api,
     log_in(TOKEN)
     wait(browser, lambda d: d.find_element(By.ID, "whoami").text == "admin (admin)", 30, "the admin's name")
     wait(browser, lambda d: visible(d, "#jobs th.owner-col"), 30, "the owner column")
-    cells = browser.find_elements(By.CSS_SELECTOR, "#jobs tbody tr td.owner-col")
-    assert cells and all(c.is_displayed() and c.text == "admin" for c in cells)
+    # inside a wait: the list redraws as it polls, so a row found a moment ago may be gone or not drawn yet
+    wait(browser, lambda d: (cells := d.find_elements(By.CSS_SELECTOR, "#jobs tbody tr td.owner-col"))
+         and all(c.is_displayed() and c.text == "admin" for c in cells), 30, "every row's owner: admin")
     shoot(browser, artifacts, "teams-admin")
