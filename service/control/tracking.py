@@ -9,7 +9,8 @@ job never waits on a tracker. The trackers' runs are :mod:`service.control.track
   iterations again, to the same values) is not logged twice, so the run's history is the job's curve.
 * every other event but placements (states, restarts, resizes, checkpoints, failures): a note
   ``raytron.event.<ms>.<kind>`` holding the job's state and the event's message (an MLflow tag, a
-  W&B summary entry).
+  W&B summary entry). Keys are unique: an event in the same millisecond as the one before it gets
+  the next millisecond.
 * at the end, the run is ended with the job's final state.
 
 The run is found again by the job's id (MLflow: its tag ``raytron.job_id``; W&B: its run id): a
@@ -88,6 +89,7 @@ class Tracking:
         self.record, self.lock = record, threading.Lock()
         self.state = JobState(state)  # the job's state now: the tracker's own events carry it
         self.deliveries = [_Delivery(run, self._emit) for run in runs]
+        self._note_ms = 0  # the last note's key time: keys strictly increase, one per event
         for d in self.deliveries:
             d.start()
 
@@ -125,7 +127,12 @@ class Tracking:
         elif event.kind in ("placement", "tracking"):
             item = None
         else:
-            item = ("note", f"raytron.event.{int(event.time * 1000)}.{event.kind}", f"{event.state.value}: {event.message}")
+            # Two events in one millisecond (a failure, RESTARTING and STARTING often are) each keep
+            # their note: the key's time moves on by 1 ms. A replayed history gets the same keys.
+            with self.lock:
+                self._note_ms = max(int(event.time * 1000), self._note_ms + 1)
+                key = f"raytron.event.{self._note_ms}.{event.kind}"
+            item = ("note", key, f"{event.state.value}: {event.message}")
         if item is not None:
             for d in self.deliveries:
                 d.items.put(item)
