@@ -209,7 +209,7 @@ def spec_problems(spec: JobSpec) -> list[str]:
                    f"model.seq_length {m.seq_length}; use at most {max(m.seq_length - 2, 1)} MTP layers")
     out.extend(mla_problems(m))
     out.extend(training_problems(t) + document_problems(t, m.vocab_size, m.mtp_num_layers))
-    out.extend(fp8_problems(m, p, t))
+    out.extend(fp8_problems(m, p, t, spec.resources.gpu_type))
     out.extend(chat_problems(t, m))
     out.extend(retention_problems(spec.checkpoint, t))
     out.extend(megatron_load_problems(spec.checkpoint, m))
