@@ -3,67 +3,15 @@ ones: bit for bit where the quantisation is exact (power-of-two scales, integer 
 the rounding the module docstring names elsewhere; ``auto``'s choice; the spec's refusals; one
 layout (tp2 with SP) against the single process. torchao's ``Float8Linear`` with
 ``emulate=False`` judges the scaled_mm linear bit for bit in test_fp8.py; tests/test_gpu.py runs
-:func:`assert_scaled_mm_is_emulated_on_exact_operands` on CUDA."""
+the exact-operand check on CUDA (tests/helpers/fp8.py)."""
 
 import pytest
 import torch
 
 from service.spec.spec import parse_spec
-from workers.parallel.fp8 import E4M3, Fp8Recipe, LinearFp8, amax_to_scale, dequantize, gemm_mode, quantize
-from workers.parallel.fp8 import update_delayed_scales
-from workers.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-
-
-def _operands(exact: bool, grad_dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
-    """A weight ``[48, 32]``, an input ``[8, 2, 32]`` and an output gradient ``[8, 2, 48]`` (16
-    tokens: every dim a multiple of 16). ``exact``: integers scaled so each amax is 7 / 2^k and
-    every scale a power of two (e4m3 448 / 7 = 64, e5m2 57344 / 7 = 8192), each its own, so a
-    scale used for the wrong operand shows; the FP8 casts, the products and the sums are exact."""
-    g = torch.Generator().manual_seed(0)
-    if not exact:
-        return (torch.randn(48, 32, generator=g) * 0.05, torch.randn(8, 2, 32, generator=g),
-                torch.randn(8, 2, 48, generator=g) * 1e-3)
-    out = []
-    for shape, unit in (((48, 32), 0.5), ((8, 2, 32), 1.0), ((8, 2, 48), 4.0 if grad_dtype == E4M3 else 0.25)):
-        t = torch.randint(-7, 8, shape, generator=g).float()
-        t.view(-1)[0] = 7  # the amax
-        out.append(t * unit)
-    return tuple(t.to(device) for t in out)
-
-
-def linear_runs(cls, fp8: str, recipe: str, dtype: torch.dtype, exact: bool, device="cpu") -> dict:
-    """``{gemm: [(output, input gradient, weight gradient)] per iteration}``: two iterations
-    (delayed: the second scales from the first's amax history) of one linear, emulated and
-    through ``_scaled_mm``."""
-    r = Fp8Recipe(fp8=fp8, recipe=recipe)
-    w, x, dy = _operands(exact, r.grad_dtype, device)
-    runs = {}
-    for gemm in ("emulated", "scaled_mm"):
-        layer = cls(w, None).to(device=device, dtype=dtype)
-        layer.fp8 = LinearFp8(Fp8Recipe(fp8=fp8, recipe=recipe, gemm=gemm), None)
-        runs[gemm] = []
-        for it in range(2):
-            xi = (x * (it + 1)).to(dtype).requires_grad_()
-            layer.weight.grad = None
-            y = layer(xi)
-            y.backward(dy.to(dtype))
-            runs[gemm].append((y.detach(), xi.grad, layer.weight.grad))
-            update_delayed_scales([layer], None)
-    return runs
-
-
-def assert_scaled_mm_is_emulated_on_exact_operands(device="cpu") -> None:
-    """Every recipe and format, fp32 and bf16, column and row linear: bit for bit."""
-    for cls in (ColumnParallelLinear, RowParallelLinear):
-        for fp8 in ("hybrid", "e4m3"):
-            for recipe in ("tensorwise", "delayed"):
-                for dtype in (torch.float32, torch.bfloat16):
-                    runs = linear_runs(cls, fp8, recipe, dtype, exact=True, device=device)
-                    for it, (emulated, scaled) in enumerate(zip(runs["emulated"], runs["scaled_mm"])):
-                        for what, a, b in zip(("output", "input gradient", "weight gradient"), emulated, scaled):
-                            assert a.dtype == b.dtype == dtype and torch.equal(a, b), (
-                                f"{cls.__name__} {fp8} {recipe} {dtype} iteration {it} {what}: "
-                                f"max diff {(a.float() - b.float()).abs().max()}")
+from tests.helpers.fp8 import assert_scaled_mm_is_emulated_on_exact_operands, linear_runs, operands
+from workers.parallel.fp8 import E4M3, amax_to_scale, dequantize, gemm_mode, quantize
+from workers.parallel.tensor import ColumnParallelLinear
 
 
 def test_scaled_mm_is_the_emulated_gemm_bit_for_bit_on_exact_operands():
@@ -79,7 +27,7 @@ def test_scaled_mm_differs_from_the_emulated_gemm_by_its_rounding_only():
     fp32 in their own order. Each element is within ``(2K + 8) 2^-24 sum |a||b|`` of the other,
     over the dequantised operands (tensorwise, fp32, one linear: the operands are known here)."""
     runs = linear_runs(ColumnParallelLinear, "hybrid", "tensorwise", torch.float32, exact=False)
-    w, x, dy = _operands(False, None, "cpu")
+    w, x, dy = operands(False, None, "cpu")
     xd, wd, gd = (dequantize(quantize(t, s, f), s) for t, f in ((x, E4M3), (w, E4M3), (dy, torch.float8_e5m2))
                   for s in [amax_to_scale(t.abs().amax(), f)])
     xd, gd = xd.reshape(-1, 32), gd.reshape(-1, 48)
