@@ -87,8 +87,16 @@ def _block_problems(m, p, block: int) -> list[str]:
 FP32_TFLOPS = {"A100": 19.5, "H100": 67.0, "H200": 67.0, "B200": 80.0}
 """Dense fp32 (non-tensor-core) peaks, the datasheets beside service.spec.cost.GPU_FIGURES's bf16."""
 FP8_TFLOPS = {"H100": 1979.0, "H200": 1979.0, "B200": 4500.0}
-"""Dense FP8 tensor-core peaks (2x bf16), what ``torch._scaled_mm`` GEMMs would reach; unused while
-the FP8 linears are emulated (workers/parallel/fp8.py: no ``_scaled_mm`` path yet)."""
+"""Dense FP8 tensor-core peaks (2x bf16), what the ``torch._scaled_mm`` GEMMs run at."""
+
+
+def runs_scaled_mm(t, gpu_type: str | None) -> bool:
+    """Whether the FP8 linears' GEMMs run ``torch._scaled_mm`` on ``gpu_type``: ``fp8_gemm``
+    ``scaled_mm``, or ``auto`` on FP8 tensor cores, with a per-tensor recipe (the workers' choice,
+    :func:`workers.parallel.fp8.gemm_mode`, on that device)."""
+    if t.fp8_recipe == "blockwise" or t.fp8_gemm == "emulated":
+        return False
+    return t.fp8_gemm == "scaled_mm" or gpu_type in FP8_GPUS
 
 
 def fp8_linear_flops(s, batch: int, t) -> float:
@@ -106,12 +114,16 @@ def fp8_linear_flops(s, batch: int, t) -> float:
 
 
 def fp8_seconds(s, t, gpu_type: str | None, peak_flops: float, efficiency: float, world: int) -> float:
-    """What the FP8 linears add to a step on accelerators, as the code runs them: emulated, each
-    GEMM in fp32 on dequantised operands, so those FLOPs go at the fp32 peak instead of the bf16
-    one the step's compute was costed at (an unknown accelerator: H100's fp32 / bf16 ratio), plus
-    nothing for the elementwise casts (memory-bound, small beside the GEMMs)."""
+    """What the FP8 linears add to a step on accelerators (negative: what they save), as the code
+    runs them: through ``_scaled_mm`` (:func:`runs_scaled_mm`) those FLOPs go at the FP8 peak
+    instead of the bf16 one the step's compute was costed at; emulated, each GEMM in fp32 on
+    dequantised operands, at the fp32 peak (an unknown accelerator: H100's fp32 / bf16 ratio).
+    Nothing for the elementwise casts (memory-bound, small beside the GEMMs)."""
     flops = fp8_linear_flops(s, t.global_batch_size, t)
     if not flops:
         return 0.0
-    fp32 = FP32_TFLOPS[gpu_type] * 1e12 if gpu_type in FP32_TFLOPS else peak_flops * FP32_TFLOPS["H100"] / 989.0
-    return flops / world * (1 / (fp32 * efficiency) - 1 / (peak_flops * efficiency))
+    if runs_scaled_mm(t, gpu_type):
+        fast = FP8_TFLOPS.get(gpu_type, 2 * peak_flops / 1e12) * 1e12
+    else:
+        fast = FP32_TFLOPS[gpu_type] * 1e12 if gpu_type in FP32_TFLOPS else peak_flops * FP32_TFLOPS["H100"] / 989.0
+    return flops / world * (1 / (fast * efficiency) - 1 / (peak_flops * efficiency))

@@ -121,7 +121,10 @@ def test_the_spec_takes_every_recipe():
         parse_spec({**BASE, "training": {"fp8": "hybrid", "fp8_recipe": recipe, "bf16": True, **extra}})
 
 
-def test_the_plan_costs_the_emulated_fp8_gemms_at_the_fp32_peak():
+def test_the_plan_costs_the_fp8_gemms_as_they_run():
+    """Emulated: the linears' GEMMs moved from the bf16 to the fp32 peak; through ``_scaled_mm``
+    (``fp8_gemm: auto`` on an H100, a per-tensor recipe): to the FP8 peak, a saving; blockwise
+    under ``auto`` stays emulated."""
     from service.spec import cost
     from service.spec.plan import plan_job
 
@@ -129,9 +132,11 @@ def test_the_plan_costs_the_emulated_fp8_gemms_at_the_fp32_peak():
                       "seq_length": 2048},
             "training": {"bf16": True, "global_batch_size": 8, "micro_batch_size": 1},
             "resources": {"gpus_per_node": 8, "gpu_type": "H100"}, "parallel": {"tensor_model_parallel_size": 2}}
+    emulated = {"fp8": "hybrid", "fp8_gemm": "emulated"}
     steps = {}
-    for name, extra in (("bf16", {}), ("fp8", {"fp8": "hybrid"}),
-                        ("fp8-first-last", {"fp8": "hybrid", "first_last_layers_bf16": True})):
+    for name, extra in (("bf16", {}), ("fp8", emulated), ("fp8-first-last", {**emulated, "first_last_layers_bf16": True}),
+                        ("scaled_mm", {"fp8": "hybrid", "fp8_recipe": "tensorwise"}),
+                        ("blockwise", {"fp8": "hybrid", "fp8_recipe": "blockwise"})):
         parsed = parse_spec({**spec, "training": {**spec["training"], **extra}})
         steps[name] = plan_job(parsed)["cost"]["step_seconds"]
     bf16, fp8, first_last = steps["bf16"], steps["fp8"], steps["fp8-first-last"]
@@ -143,6 +148,9 @@ def test_the_plan_costs_the_emulated_fp8_gemms_at_the_fp32_peak():
     assert fp8["fp8"] == pytest.approx(want, rel=1e-9)
     assert fp8["total"] == pytest.approx(bf16["total"] + want, rel=1e-9)
     assert first_last["fp8"] == pytest.approx(want * 6 / 8, rel=1e-9)
+    assert steps["scaled_mm"]["fp8"] == pytest.approx(flops / 8 * (1 / 1979e12 - 1 / 989e12) / cost.EFFICIENCY, rel=1e-9)
+    assert steps["scaled_mm"]["total"] < bf16["total"] < fp8["total"]
+    assert steps["blockwise"]["fp8"] == pytest.approx(want, rel=1e-9)
 
 
 @pytest.mark.parametrize("recipe, gemm", [("tensorwise", "emulated"), ("delayed", "emulated"), ("delayed", "scaled_mm")])
