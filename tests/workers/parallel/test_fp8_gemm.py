@@ -1,7 +1,7 @@
 """The FP8 GEMMs through ``torch._scaled_mm`` (workers/parallel/fp8_gemm.py) against the emulated
 ones: bit for bit where the quantisation is exact (power-of-two scales, integer products), within
-the rounding the module docstring names elsewhere; ``auto``'s choice; the spec's refusals; one
-layout (tp2 with SP) against the single process. torchao's ``Float8Linear`` with
+the rounding the module docstring names elsewhere; ``auto``'s choice; the spec's refusals (the
+layouts against the single process: test_fp8_parity.py's ``*-scaled_mm`` recipes). torchao's ``Float8Linear`` with
 ``emulate=False`` judges the scaled_mm linear bit for bit in test_fp8.py; tests/test_gpu.py runs
 the exact-operand check on CUDA (tests/helpers/fp8.py)."""
 
@@ -74,15 +74,3 @@ def test_the_spec_takes_scaled_mm_on_cpu_and_emulated_anywhere():
     parse_spec({"model": {**BASE["model"], "ffn_hidden_size": 72}, "resources": {"gpu_type": "H100"},
                 "training": {**BASE["training"], "fp8_gemm": "emulated"}})
     parse_spec({**BASE, "resources": {"gpu_type": "H100"}})
-
-
-@pytest.mark.slow
-def test_scaled_mm_tp2_sp_matches_the_single_scaled_mm_process():
-    """tp2 with SP through ``_scaled_mm`` against the single process's ``_scaled_mm`` run, with
-    test_fp8_parity.py's tolerances (its docstring says why TP's are looser)."""
-    from tests.helpers.parity import assert_same_curve, check_layout, reference, tiny_spec
-
-    training = {"fp8": "hybrid", "fp8_recipe": "tensorwise", "fp8_gemm": "scaled_mm"}
-    got = check_layout(tiny_spec(world=2, parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True},
-                                 training=training), None, training, loss_rtol=1e-4, grad_rtol=1e-2, norm_rtol=1e-2)[0]
-    assert_same_curve(got["losses"][:1], reference(None, training)["losses"][:1])
