@@ -196,11 +196,11 @@ def test_a_killed_runner_is_started_again_and_goes_on_from_the_record(api, tmp_p
 
 
 def test_a_lost_node_shrinks_dp_with_the_same_global_batch_and_curve_under_the_same_runner(api):
-    """A worker node's raylet killed (4x2, tp2 x dp4, 40 iterations, a checkpoint every 2,
+    """A worker node's raylet killed (4x2, tp2 x dp4, 24 iterations, a checkpoint every 2,
     min_nodes 2 below num_nodes 4): the runner lives on the head node, so the job shrinks to dp 2
     with the same global batch, under the same runner, and finishes on the same curve with every
     event once. Runs last: the cluster stays a node short."""
-    s = spec("lostnode", nodes=4, gpus=2, tp=2, gbs=8, iters=40, min_nodes=2, grace=5.0)
+    s = spec("lostnode", nodes=4, gpus=2, tp=2, gbs=8, iters=24, min_nodes=2, grace=5.0)
     job_id = submit(api, s)
     wait_iteration(api, job_id, 4)
     victim = rank_record(api, job_id, 7)
