@@ -152,10 +152,10 @@ def runner_killed_at(api, s: dict, iteration: int) -> tuple[str, dict, list[floa
     return job_id, job, losses
 
 
-def test_a_killed_runner_is_started_again_and_goes_on_from_the_record(api, tmp_path):
+def test_a_killed_runner_is_started_again_and_goes_on_from_the_record(api, tmp_path, mlflow_uri):
     """A chat fine-tuning job on the serve path (streamed records, Llama-3 template, packed rows),
-    tracked in a real ``mlflow server`` on 127.0.0.1; its runner (the Ray Job's entry point)
-    SIGKILLed at iteration 6: the scheduler starts a new runner (a Ray Job of its own), which replays
+    tracked in the session's real ``mlflow server`` on 127.0.0.1; its runner (the Ray Job's entry
+    point) SIGKILLed at iteration 6: the scheduler starts a new runner (a Ray Job of its own), which replays
     the job's events and resumes from the last recorded checkpoint at the next unseen row: one
     restart, the undisturbed curve. The MLflow run is the same one under both runners, its loss
     history the job's curve, each step once. (A runner killed in a job without chat data: the
@@ -163,36 +163,34 @@ def test_a_killed_runner_is_started_again_and_goes_on_from_the_record(api, tmp_p
     from mlflow.tracking import MlflowClient
 
     from tests.helpers.chat import CONVERSATIONS, chat_tokenizer, write_jsonl
-    from tests.helpers.mlflow_server import mlflow_server
-
-    with mlflow_server(tmp_path) as uri:
-        iters = 12
-        s = spec("runnerkill", nodes=2, gpus=2, tp=2, iters=iters)
-        s["model"] = {**s["model"], "vocab_size": 320}
-        records = [{"messages": c} for c in CONVERSATIONS] * 30
-        s["training"].update({"chat_data": write_jsonl(tmp_path / "chat.jsonl", records),
-                              "chat_tokenizer": chat_tokenizer(tmp_path / "tok", "llama3"), "chat_streaming": True})
-        s["tracking"] = {"mlflow": {"tracking_uri": uri}}
-        job_id, job, losses = runner_killed_at(api, s, 6)
-        assert len(losses) == iters
-        log = whole_and_once(api, job_id)
-        started = [e for e in log if e["kind"] == "runner"]
-        assert len(started) == 1 and started[0]["data"]["reason"] == "runner_exited", started
-        assert job["restarts"] == 1 and job["ray_job_id"].endswith(f"{job_id}-2")
-        froms = [a["from_checkpoint"] for a in job["attempts"]]
-        assert len(froms) == 2 and froms[1] and "iter_" in froms[1], froms
-        opened = [e["data"] for e in log if e["kind"] == "tracking" and "run_id" in e["data"]]
-        assert [o["resumed"] for o in opened] == [False, True] and opened[0]["run_id"] == opened[1]["run_id"], opened
-        client = MlflowClient(uri)
-        # The tracker delivers in the background, in order: the run ends FINISHED after the last metrics,
-        # a moment after the job's final event.
-        deadline = time.monotonic() + 30
-        while client.get_run(opened[0]["run_id"]).info.status != "FINISHED" and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert client.get_run(opened[0]["run_id"]).info.status == "FINISHED"
-        history = sorted((m.step, m.value) for m in client.get_metric_history(opened[0]["run_id"], "loss"))
-        assert [step for step, _ in history] == list(range(1, iters + 1))
-        assert close([v for _, v in history], losses)
+    uri = mlflow_uri
+    iters = 12
+    s = spec("runnerkill", nodes=2, gpus=2, tp=2, iters=iters)
+    s["model"] = {**s["model"], "vocab_size": 320}
+    records = [{"messages": c} for c in CONVERSATIONS] * 30
+    s["training"].update({"chat_data": write_jsonl(tmp_path / "chat.jsonl", records),
+                          "chat_tokenizer": chat_tokenizer(tmp_path / "tok", "llama3"), "chat_streaming": True})
+    s["tracking"] = {"mlflow": {"tracking_uri": uri}}
+    job_id, job, losses = runner_killed_at(api, s, 6)
+    assert len(losses) == iters
+    log = whole_and_once(api, job_id)
+    started = [e for e in log if e["kind"] == "runner"]
+    assert len(started) == 1 and started[0]["data"]["reason"] == "runner_exited", started
+    assert job["restarts"] == 1 and job["ray_job_id"].endswith(f"{job_id}-2")
+    froms = [a["from_checkpoint"] for a in job["attempts"]]
+    assert len(froms) == 2 and froms[1] and "iter_" in froms[1], froms
+    opened = [e["data"] for e in log if e["kind"] == "tracking" and "run_id" in e["data"]]
+    assert [o["resumed"] for o in opened] == [False, True] and opened[0]["run_id"] == opened[1]["run_id"], opened
+    client = MlflowClient(uri)
+    # The tracker delivers in the background, in order: the run ends FINISHED after the last metrics,
+    # a moment after the job's final event.
+    deadline = time.monotonic() + 30
+    while client.get_run(opened[0]["run_id"]).info.status != "FINISHED" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert client.get_run(opened[0]["run_id"]).info.status == "FINISHED"
+    history = sorted((m.step, m.value) for m in client.get_metric_history(opened[0]["run_id"], "loss"))
+    assert [step for step, _ in history] == list(range(1, iters + 1))
+    assert close([v for _, v in history], losses)
 
 
 def test_a_lost_node_shrinks_dp_with_the_same_global_batch_and_curve_under_the_same_runner(api):
