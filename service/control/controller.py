@@ -258,7 +258,9 @@ class JobController:
                     what = "Megatron-Core torch_dist copy" if kind == "megatron" else "Hugging Face copy"
                     self._emit(JobEvent.now("checkpoint", self.state, f"{what} of iteration "
                                             f"{copy['iteration']} written to {copy['path']}", {kind: copy}))
-            notice = self.preemption.check(self.placement) if self.iteration < total else None
+            sigterms = getattr(self._group, "notices", None)  # ranks that got a SIGTERM (local processes)
+            notice = (self.preemption.check(self.placement, sigterms() if sigterms else None)
+                      if self.iteration < total else None)
             if notice is not None:
                 return self._preempt(notice)
             if self.iteration < total and self.sizer.should_grow(self.current, self.iteration):
@@ -289,7 +291,7 @@ class JobController:
             self.error = JobError(f"preempted {number} times; fault_tolerance.max_preemptions is {limit}")
             self._transition(JobState.FAILED, str(self.error))
         else:
-            self._transition(JobState.RESTARTING, f"moving off the drained node(s) from iteration {self.iteration}",
+            self._transition(JobState.RESTARTING, f"moving off the node(s) being preempted from iteration {self.iteration}",
                              {"preempted": True, "nodes": list(notice.nodes)})
 
     def _judge(self, exc: BaseException) -> tuple["Outcome", JobError]:

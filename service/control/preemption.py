@@ -25,32 +25,45 @@ from service.control.events import JobEvent, JobState
 
 @dataclass(frozen=True)
 class Notice:
-    """A drain of nodes that hold ranks: their ids, the ranks on them, the earliest deadline
-    (seconds since the epoch; None: none given) and when the controller saw it."""
+    """Nodes about to go that hold ranks: their ids, the ranks on them, the earliest deadline
+    (seconds since the epoch; None: none given), when the controller saw it, and the ranks that got
+    a SIGTERM (empty: a drain of the nodes)."""
 
     nodes: tuple[str, ...]
     ranks: tuple[int, ...]
     deadline: float | None
     seen: float
+    signalled: tuple[int, ...] = ()
+
+
+def node_of(record: dict) -> str:
+    """A placement record's node: its Ray node id, else its plan node (a local process)."""
+    return record.get("node_id") or f"node {record.get('node')}"
 
 
 class PreemptionWatch:
-    """Turns a launcher's drain notices (node id -> deadline) into a :class:`Notice` for the nodes of a placement."""
+    """Turns a launcher's drain notices (node id -> deadline) and a rank group's SIGTERM notices
+    (rank -> deadline) into a :class:`Notice` for the nodes of a placement."""
 
     def __init__(self, notices: Callable[[], dict[str, float | None]] | None):
         self._notices = notices
 
-    def check(self, placement: list[dict]) -> Notice | None:
-        """The notice for the nodes of ``placement`` (per-rank records with ``node_id``), or None."""
-        if self._notices is None or not placement:
+    def check(self, placement: list[dict], signalled: dict[int, float | None] | None = None) -> Notice | None:
+        """The notice for the nodes of ``placement`` (per-rank records with ``node_id``), or None.
+        ``signalled``: the ranks that got a SIGTERM (their whole node leaves, as a drain would)."""
+        if not placement:
             return None
-        draining = self._notices()
-        hit = sorted({p["node_id"] for p in placement if p.get("node_id") in draining})
+        draining = dict(self._notices()) if self._notices is not None else {}
+        for p in placement:
+            if p["rank"] in (signalled or {}):
+                node, deadline = node_of(p), signalled[p["rank"]]
+                draining[node] = min((d for d in (draining.get(node), deadline) if d), default=None)
+        hit = sorted({node_of(p) for p in placement if node_of(p) in draining})
         if not hit:
             return None
         deadlines = [draining[n] for n in hit if draining[n]]
-        return Notice(tuple(hit), tuple(p["rank"] for p in placement if p.get("node_id") in hit),
-                      min(deadlines) if deadlines else None, time.time())
+        return Notice(tuple(hit), tuple(p["rank"] for p in placement if node_of(p) in hit),
+                      min(deadlines) if deadlines else None, time.time(), tuple(sorted(signalled or ())))
 
 
 def save_before_leaving(group) -> dict:
@@ -75,7 +88,8 @@ def preempted_event(state: JobState, notice: Notice, saved: dict, checkpoint: st
     """The ``preempted`` event: what was drained, what was saved, and whether it beat the deadline."""
     done = time.time()
     nodes = ", ".join(n[:8] for n in notice.nodes)
-    head = f"node(s) {nodes} (ranks {list(notice.ranks)}) drained"
+    head = f"node(s) {nodes} (ranks {list(notice.ranks)}) " + (
+        f"leaving: rank(s) {list(notice.signalled)} got SIGTERM" if notice.signalled else "drained")
     if notice.deadline is not None:
         head += f" with {notice.deadline - notice.seen:.1f} s to the deadline"
     if saved:
@@ -85,7 +99,8 @@ def preempted_event(state: JobState, notice: Notice, saved: dict, checkpoint: st
         what = "nothing saved (no checkpoint.dir, or no iteration yet): the job goes on from its last checkpoint"
     then = ("moving the ranks off" if number <= limit
             else f"fault_tolerance.max_preemptions {limit} is spent: the job fails (raise it to let the job move on)")
-    data = {"nodes": list(notice.nodes), "ranks": list(notice.ranks), "deadline": notice.deadline,
+    data = {"nodes": list(notice.nodes), "ranks": list(notice.ranks), "signalled": list(notice.signalled),
+            "deadline": notice.deadline,
             "notice_time": notice.seen, "saved_time": done if saved else None, "iteration": saved.get("iteration"),
             "save_s": saved.get("save_s"), "checkpoint": checkpoint if saved else None,
             "before_deadline_s": None if notice.deadline is None or not saved else round(notice.deadline - done, 3),
@@ -94,4 +109,4 @@ def preempted_event(state: JobState, notice: Notice, saved: dict, checkpoint: st
                         f"{limit})", data)
 
 
-__all__ = ["Notice", "PreemptionWatch", "count_preemptions", "is_preemption", "preempted_event", "save_before_leaving"]
+__all__ = ["Notice", "PreemptionWatch", "node_of", "count_preemptions", "is_preemption", "preempted_event", "save_before_leaving"]

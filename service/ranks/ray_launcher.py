@@ -323,6 +323,7 @@ class RayLauncher:
 
     name = "ray"
     drain_notices = staticmethod(draining_nodes)  # nodes Ray is draining -> deadlines (a preemption notice)
+    saves_on_notice = True  # a drain notice saves a checkpoint: jobs get a checkpoint.dir
 
     def __init__(self, session: RaySession, config: LauncherConfig | None = None):
         self.session = session

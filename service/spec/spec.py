@@ -306,6 +306,7 @@ def to_job_config(spec: JobSpec) -> JobConfig:
         name=spec.name, model=model, parallel=parallel, training=training, world_size=spec.world_size,
         num_nodes=spec.resources.num_nodes, gpus_per_node=spec.resources.gpus_per_node,
         max_restarts=spec.fault_tolerance.max_restarts, max_preemptions=spec.fault_tolerance.max_preemptions,
+        sigterm_grace_s=spec.fault_tolerance.sigterm_grace_s,
         collective_timeout_s=spec.fault_tolerance.collective_timeout_s,
         relayout_spec=spec.model_dump_json() if spec.fault_tolerance.relayout_on_resize else None,
         memory_interval=spec.fault_tolerance.memory_interval, memory_replicas=spec.fault_tolerance.memory_replicas,

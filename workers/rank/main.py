@@ -151,8 +151,8 @@ class RankRunner:
         the last iteration waits for an async save so the job ends with a complete checkpoint."""
         if self.checkpointer is None:
             return
-        it = self.trainer.iteration
-        if it % self.job.checkpoint.save_interval == 0:
+        it, interval = self.trainer.iteration, self.job.checkpoint.save_interval
+        if interval and it % interval == 0:  # none: a checkpointer made by save_now alone
             fault = self.save_faults.pop(it, None)
             if fault is not None:
                 crash_in_save(self.checkpointer)
@@ -184,6 +184,33 @@ class RankRunner:
                 self.hf_copies.wait()
         finally:
             self.trainer.close()
+
+
+class SigtermNotice:
+    """A SIGTERM with a grace period, taken as a preemption notice: the rank does not exit, it
+    notes when the signal came and its deadline (``grace_s`` later, when whoever sent it kills the
+    process: Kubernetes' terminationGracePeriodSeconds, Slurm's KillWait); the rank's host tells the
+    driver after its call (:meth:`take`), and the job controller saves the current iteration and
+    leaves (:mod:`service.control.preemption`). Only a process's main thread can install it."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s, self._notice = grace_s, None
+
+    def install(self) -> "SigtermNotice":
+        import signal
+
+        signal.signal(signal.SIGTERM, self._received)
+        return self
+
+    def _received(self, signum, frame) -> None:
+        if self._notice is None:  # the first one sets the deadline
+            now = time.time()
+            self._notice = {"signal": "SIGTERM", "time": now, "deadline": now + self.grace_s}
+
+    def take(self) -> dict | None:
+        """The notice once (then None): ``{"signal", "time", "deadline"}``, or None when none came."""
+        notice, self._notice = self._notice, None
+        return notice
 
 
 def disk_iteration(path: str | None) -> int | None:

@@ -1,15 +1,24 @@
 """Preemption notices stepped against a fake rank group (milliseconds): a drain of a node holding
 ranks makes the controller save the current iteration, leave, record PREEMPTED and go on elsewhere,
-against its own budget, not max_restarts. (Through `raytron serve` with `ray drain-node`:
+against its own budget, not max_restarts; and the same through local rank processes, one of which
+gets a SIGTERM (seconds). (Through `raytron serve` with `ray drain-node`:
 tests/service/server/test_serve_faults.py.)"""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
+from pathlib import Path
+
+import pytest
 
 from service.control.controller import JobController, count_restarts
 from service.control.events import JobState
+from service.control.jobs import start_job
 from service.control.preemption import PreemptionWatch
+from service.ranks.process_launcher import ProcessLauncher
 from service.spec.spec import parse_spec, to_job_config
 from workers.grid import ParallelGrid
 from tests.helpers.elastic import MODEL
@@ -117,3 +126,52 @@ def test_a_notice_for_nodes_without_ranks_is_ignored():
     notice = PreemptionWatch(lambda: {"n0": None, "n1": 5.0}).check(
         [{"rank": 0, "node_id": "n0"}, {"rank": 1, "node_id": "n1"}])
     assert notice.nodes == ("n0", "n1") and notice.ranks == (0, 1) and notice.deadline == 5.0
+
+
+PROC_MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                  vocab_size=256, seq_length=16)
+
+
+def proc_job(iters=8):
+    return to_job_config(parse_spec({
+        "name": "sigterm", "model": PROC_MODEL, "parallel": {"tensor_model_parallel_size": 2},
+        "training": {"train_iters": iters, "global_batch_size": 4, "micro_batch_size": 1, "lr": 3e-3},
+        "resources": {"num_nodes": 2, "gpus_per_node": 2},
+        "fault_tolerance": {"max_restarts": 0, "sigterm_grace_s": 10, "collective_timeout_s": 10}}))
+
+
+@pytest.mark.procs
+def test_a_rank_process_that_gets_sigterm_saves_the_current_iteration_and_the_job_goes_on(tmp_path):
+    """Local rank processes (real gloo ranks): SIGTERM to rank 3 after iteration 2 is a preemption
+    notice with the job's 10 s grace: the ranks save iteration 3 (the call under way finishes first)
+    before the deadline, that attempt ends, the next resumes from the checkpoint, every iteration runs
+    once on the undisturbed curve (1e-6), one PREEMPTED event, and `restarts` stays 0 with max_restarts 0."""
+    events, sent = [], []
+
+    def on_event(e):
+        events.append(e)
+        if e.kind == "iteration" and e.data["iteration"] == 2 and not sent:
+            pid = next(p["pid"] for p in placement[-1] if p["rank"] == 3)
+            os.kill(pid, signal.SIGTERM)  # between calls: the rank is waiting for its next command
+            sent.append((pid, time.time()))
+        elif e.kind == "placement":
+            placement.append(e.data["placement"])
+
+    placement: list = []
+    result = start_job(proc_job(), launcher=ProcessLauncher(), on_event=on_event, background=False,
+                       checkpoint_root=str(tmp_path)).run()
+    clean = start_job(proc_job(), launcher=ProcessLauncher(), background=False).run()  # no checkpoints
+    assert result["state"] == "SUCCEEDED" and result["restarts"] == 0 and count_restarts(events) == 0, result
+    assert len(result["losses"]) == 8 and all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(result["losses"],
+                                                                                          clean["losses"]))
+    pre = [e for e in events if e.kind == "preempted"]
+    assert len(pre) == 1 and "rank(s) [3] got SIGTERM" in pre[0].message, [e.message for e in events]
+    data, (pid, when) = pre[0].data, sent[0]
+    assert data["signalled"] == [3] and data["ranks"] == [2, 3] and data["nodes"] == ["node 1"], data
+    assert data["iteration"] == 3 and when < data["saved_time"] < data["deadline"] <= when + 10.5, (when, data)
+    manifest = json.loads((Path(data["checkpoint"]) / "manifest.json").read_text())
+    assert manifest["iteration"] == 3 and manifest["created_unix"] < data["saved_time"]
+    assert [e.data["iteration"] for e in events if e.kind == "iteration"] == list(range(1, 9))
+    starts = [e.data for e in events if e.kind == "state" and e.state is JobState.STARTING]
+    assert len(starts) == 2 and starts[1]["from_checkpoint"] == data["checkpoint"]
+    assert pid not in {p["pid"] for p in placement[-1]}  # the signalled process left; new ones took over

@@ -248,7 +248,7 @@ def test_a_drained_node_is_left_with_a_checkpoint_of_the_current_iteration_befor
     assert job["restarts"] == 0 and failures(api, job_id) == []
     expected = undisturbed(s)
     losses = job_losses(api, job_id)
-    assert close(losses, expected), story(api, job_id, losses, expected)
+    assert close(losses, expected, rel=1e-6), story(api, job_id, losses, expected)
     log = whole_and_once(api, job_id)
     at = [i for i, e in enumerate(log) if e["kind"] == "preempted"]
     assert len(at) == 1, [e["message"] for e in log if e["kind"] != "iteration"]
