@@ -2,7 +2,10 @@
 
 A launcher that can tell (the Ray launcher's ``drain_notices``: the nodes Ray is draining, with their
 deadlines, :mod:`service.ranks.ray_drain`) is asked between calls, so within a call's time (about a
-second of iterations) of the notice. When a node holding ranks is being drained, the controller
+second of iterations) of the notice; so is a rank group that can tell (``notices()``: the local rank
+processes that got a SIGTERM, each with its deadline, ``fault_tolerance.sigterm_grace_s`` after it,
+:class:`workers.rank.main.SigtermNotice`; the whole node of such a rank leaves). When a node holding
+ranks is being drained, the controller
 (:meth:`~service.control.controller.JobController`) has every rank save a checkpoint of the
 iteration it finished (``save_now``, committed before the call returns), tears the attempt down,
 records a ``preempted`` event (the PREEMPTED line: the nodes, the ranks, the checkpoint, how long the

@@ -175,3 +175,22 @@ def test_a_rank_process_that_gets_sigterm_saves_the_current_iteration_and_the_jo
     starts = [e.data for e in events if e.kind == "state" and e.state is JobState.STARTING]
     assert len(starts) == 2 and starts[1]["from_checkpoint"] == data["checkpoint"]
     assert pid not in {p["pid"] for p in placement[-1]}  # the signalled process left; new ones took over
+
+
+@pytest.mark.parametrize("section, needle", [
+    ({"max_preemptions": -1}, "fault_tolerance.max_preemptions: Input should be greater than or equal to 0, got -1"),
+    ({"sigterm_grace_s": 0}, "fault_tolerance.sigterm_grace_s: Input should be greater than 0, got 0"),
+    ({"max_preemptions": 1.5}, "fault_tolerance.max_preemptions: Input should be a valid integer"),
+])
+def test_a_bad_preemption_budget_or_grace_is_refused_in_one_line_before_anything_starts(tmp_path, capsys, section,
+                                                                                        needle):
+    from api.cli.main import main
+
+    spec = {"name": "bad", "model": PROC_MODEL, "training": {"train_iters": 2, "global_batch_size": 2,
+                                                            "micro_batch_size": 1},
+            "resources": {"num_nodes": 1, "gpus_per_node": 1}, "fault_tolerance": section}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(spec))
+    assert main(["run", str(path), "--launcher", "processes"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], lines

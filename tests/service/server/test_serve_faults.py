@@ -253,6 +253,7 @@ def test_a_drained_node_is_left_with_a_checkpoint_of_the_current_iteration_befor
     at = [i for i, e in enumerate(log) if e["kind"] == "preempted"]
     assert len(at) == 1, [e["message"] for e in log if e["kind"] != "iteration"]
     pre = log[at[0]]["data"]
+    print(log[at[0]]["message"])  # the save's time and its margin to the deadline (with -s)
     assert pre["nodes"] == [victim["node_id"]] and 3 in pre["ranks"], pre
     before = [e["data"]["iteration"] for e in log[:at[0]] if e["kind"] == "iteration"]
     after = [e["data"]["iteration"] for e in log[at[0]:] if e["kind"] == "iteration"]
