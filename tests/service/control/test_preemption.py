@@ -128,6 +128,16 @@ def test_a_notice_for_nodes_without_ranks_is_ignored():
     assert notice.nodes == ("n0", "n1") and notice.ranks == (0, 1) and notice.deadline == 5.0
 
 
+
+def test_a_rank_that_got_sigterm_takes_its_whole_node_with_it():
+    local = [{"rank": r, "node_id": None, "node": r // 2} for r in range(4)]  # local processes: plan nodes
+    notice = PreemptionWatch(None).check(local, {3: 7.0})
+    assert notice.nodes == ("node 1",) and notice.ranks == (2, 3) and notice.signalled == (3,)
+    assert notice.deadline == 7.0 and PreemptionWatch(None).check(local, {}) is None
+    both = PreemptionWatch(lambda: {"node 1": 5.0}).check(local, {3: 7.0})  # the earlier deadline holds
+    assert both.deadline == 5.0 and both.nodes == ("node 1",)
+
+
 PROC_MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
                   vocab_size=256, seq_length=16)
 
