@@ -191,7 +191,8 @@ class SigtermNotice:
     notes when the signal came and its deadline (``grace_s`` later, when whoever sent it kills the
     process: Kubernetes' terminationGracePeriodSeconds, Slurm's KillWait); the rank's host tells the
     driver after its call (:meth:`take`), and the job controller saves the current iteration and
-    leaves (:mod:`service.control.preemption`). Only a process's main thread can install it."""
+    leaves (:mod:`service.control.preemption`). A second SIGTERM, or the deadline, ends the process.
+    Only a process's main thread can install it."""
 
     def __init__(self, grace_s: float):
         self.grace_s, self._notice = grace_s, None
@@ -203,9 +204,15 @@ class SigtermNotice:
         return self
 
     def _received(self, signum, frame) -> None:
+        import signal
+
         if self._notice is None:  # the first one sets the deadline
             now = time.time()
             self._notice = {"signal": "SIGTERM", "time": now, "deadline": now + self.grace_s}
+            # A second SIGTERM ends the process, and so does the deadline (SIGALRM's default action),
+            # so that a SIGTERM meant as "stop" (multiprocessing's terminate()) stops it in the end.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.setitimer(signal.ITIMER_REAL, self.grace_s)
 
     def take(self) -> dict | None:
         """The notice once (then None): ``{"signal", "time", "deadline"}``, or None when none came."""
