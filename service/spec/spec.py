@@ -206,9 +206,12 @@ def spec_problems(spec: JobSpec) -> list[str]:
     if m.mtp_num_layers and m.mtp_num_layers >= m.seq_length - 1:
         out.append(f"model.mtp_num_layers {m.mtp_num_layers} leaves no token with a target in a sequence of "
                    f"model.seq_length {m.seq_length}; use at most {max(m.seq_length - 2, 1)} MTP layers")
+    if not m.mtp_num_layers and m.mtp_loss_scaling_factor != type(m).model_fields["mtp_loss_scaling_factor"].default:
+        out.append(f"model.mtp_loss_scaling_factor {m.mtp_loss_scaling_factor} is set but model.mtp_num_layers is "
+                   f"null (no MTP loss to scale); set mtp_num_layers, or drop mtp_loss_scaling_factor")
     out.extend(mla_problems(m))
     out.extend(training_problems(t) + document_problems(t, m.vocab_size, m.mtp_num_layers))
-    out.extend(fp8_problems(m, p, t))
+    out.extend(fp8_problems(m, p, t, spec.resources.gpu_type))
     out.extend(chat_problems(t, m))
     out.extend(retention_problems(spec.checkpoint, t))
     out.extend(megatron_load_problems(spec.checkpoint, m))
