@@ -55,3 +55,11 @@ def clear_leftovers(job_id: str, world_size: int, wait_s: float = 30.0) -> None:
     deadline = time.monotonic() + wait_s
     while placement_group_table(pg).get("state") not in ("REMOVED", None) and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+def error_summary(exc: BaseException) -> str:
+    """First line of a Ray error, plus its last line when that is the underlying exception."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return lines[0] if len(lines) == 1 or lines[-1] in lines[0] else f"{lines[0]} ... {lines[-1]}"

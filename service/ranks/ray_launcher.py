@@ -38,8 +38,9 @@ from service.control.errors import InsufficientResources, RankDied, RankRaised
 from service.ranks.gather import collect
 from service.spec.placement import RankPlacement, plan_placement
 from service.ranks.ray_cluster import RaySession
-from service.ranks.ray_actors import clear_leftovers, kill_actors, kill_and_wait
-from service.ranks.ray_nodes import capacity_message, could_ever_fit, dead_nodes, node_totals
+from service.ranks.ray_actors import clear_leftovers, error_summary as _summary, kill_actors, kill_and_wait
+from service.ranks.ray_drain import draining_nodes, schedulable_totals
+from service.ranks.ray_nodes import capacity_message, could_ever_fit, dead_nodes
 from workers.config import JobConfig
 from workers.rank.faults import Fault
 from workers.grid import COORDS, ParallelGrid
@@ -145,6 +146,10 @@ class RayRankGroup:
         self._ran = True
         return self._collect([a.run.remote(iterations) for a in self.actors], None, stall_s=self.job.collective_timeout_s,
                              what="run")
+
+    def save_now(self) -> list[dict]:
+        """Every rank saves a checkpoint of the current iteration, committed when this returns (a preemption)."""
+        return self._collect([a.save_now.remote() for a in self.actors], self.config.start_timeout_s, what="save")
 
     def kill(self) -> None:
         kill_actors(list(self.actors))
@@ -317,6 +322,8 @@ class RayLauncher:
     """
 
     name = "ray"
+    drain_notices = staticmethod(draining_nodes)  # nodes Ray is draining -> deadlines (a preemption notice)
+    saves_on_notice = True  # a drain notice saves a checkpoint: jobs get a checkpoint.dir
 
     def __init__(self, session: RaySession, config: LauncherConfig | None = None):
         self.session = session
@@ -349,13 +356,5 @@ class RayLauncher:
             warm.release()
 
     def nodes_available(self, gpus_per_node: int) -> int:
-        """Alive nodes with at least ``gpus_per_node`` GPUs (what the scaling policy may use)."""
-        return sum(1 for r in node_totals() if r.get("GPU", 0) >= gpus_per_node)
-
-
-def _summary(exc: BaseException) -> str:
-    """First line of a Ray error, plus its last line when that is the underlying exception."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    if not lines:
-        return ""
-    return lines[0] if len(lines) == 1 or lines[-1] in lines[0] else f"{lines[0]} ... {lines[-1]}"
+        """Alive nodes with at least ``gpus_per_node`` GPUs, not being drained (what the scaling policy may use)."""
+        return sum(1 for r in schedulable_totals() if r.get("GPU", 0) >= gpus_per_node)

@@ -316,6 +316,11 @@ def resources_problems(r: ResourcesSpec) -> list[str]:
 class FaultToleranceSpec(BaseModel):
     model_config = STRICT
     max_restarts: int = Field(3, ge=0, description="new attempts after rank failures before the job fails")
+    max_preemptions: int = Field(10, ge=0, description="preemption or drain notices of nodes holding ranks that the "
+                                 "job saves a checkpoint for and moves off (not restarts) before the next one fails it")
+    sigterm_grace_s: float = Field(30.0, gt=0, description="after a SIGTERM to a rank process (a preemption "
+                                   "notice, like Kubernetes' terminationGracePeriodSeconds), how long the rank has "
+                                   "before it is killed: the deadline the PREEMPTED event measures the save against")
     collective_timeout_s: float = Field(300.0, ge=5, description="a peer silent this long inside a collective "
                                         "is a failure")
     node_grace_s: float = Field(60.0, ge=0, description="how long a lost node may take to come back before the "

@@ -15,9 +15,11 @@ and the dashboard, each in its node's placement-group bundle with one GPU. Its l
    coordinates, the checkpoint it resumed from).
 4. ``run(n)``: ``n`` iterations (through :class:`~workers.rank.main.RankRunner`, which also fires
    failure drills); returns their metrics and exports each as Ray metrics.
-5. ``stall()``: answered from a second thread while ``run`` is blocked: the group kind a hang
+5. ``save_now()``: a checkpoint of the current iteration, committed before it returns (the job
+   controller asks for one between calls when a node holding ranks is to be preempted).
+6. ``stall()``: answered from a second thread while ``run`` is blocked: the group kind a hang
    drill blocked in, or "" (the controller asks a rank that stopped answering).
-6. ``reset()``: after a failed attempt, a rank that survived it forgets the attempt (its trainer
+7. ``reset()``: after a failed attempt, a rank that survived it forgets the attempt (its trainer
    and process groups) but keeps its process, torch imported, so that the next attempt starts
    it again with ``setup`` instead of a new actor (see ``service/ranks/ray_launcher.py``). It
    keeps its in-memory snapshots and the replicas it holds (``fault_tolerance.memory_interval``,
@@ -123,6 +125,12 @@ class RankActor:
         error.__traceback__ = error.__context__ = error.__cause__ = None
         self.reset()
         raise error
+
+    def save_now(self) -> dict:
+        """A checkpoint of the current iteration, committed before this returns (a preemption notice)."""
+        if self.runner is None:
+            raise RuntimeError(f"rank {self.rank}: save_now() before setup()")
+        return self.runner.save_now()
 
     def stall(self) -> str:
         """The collective a hang drill blocked in ("tp all_reduce"), or ""."""
