@@ -1,6 +1,6 @@
 """Recovery time after a rank is killed: raytron next to Ray Train's FailureConfig (run by hand).
 
-On one simulated cluster of 4 nodes x 2 GPU slots (started here, shared by both), 8 ranks each:
+On one simulated cluster of 5 nodes x 2 GPU slots (the jobs use 4, the spare path 5) (started here, shared by both), 8 ranks each:
 
 * **raytron**: an 8-rank job (tp 2, dp 4, a small model, a checkpoint every iteration) through
   ``start_job`` on Ray; when iteration 3 ends, rank 3's process is killed with SIGKILL. Split
@@ -18,6 +18,8 @@ On one simulated cluster of 4 nodes x 2 GPU slots (started here, shared by both)
   the snapshot's time and bytes sent per rank per iteration, its host memory per rank; and, from two
   undisturbed 30-iteration runs, the time per iteration without and with replication (the ranks'
   train step plus snapshot, and the wall time per iteration the driver sees).
+* **raytron, in memory with a hot spare**: the same job with ``resources.spare_nodes: 1`` as well, rank 3
+  killed five times (``bench/recovery_spare.py``); the median of each figure over the kills.
 * **Ray Train**: ``TorchTrainer`` with 8 CPU workers and ``FailureConfig(max_failures=1)``; each
   step is a 1 MiB all-reduce; worker 3 is killed with SIGKILL after its third step. Measured:
   kill -> every restarted worker has finished its first all-reduce.
@@ -39,6 +41,7 @@ import threading
 import time
 
 from bench.child import run_child
+from bench.recovery_spare import median_split
 
 SPEC = {"name": "recovery", "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                                       "ffn_hidden_size": 128, "vocab_size": 256, "seq_length": 32},
@@ -196,6 +199,14 @@ def child_ray_train(workers: int) -> dict:
     return {"state": "SUCCEEDED" if ok else "FAILED", "total_s": max(firsts) - killed if firsts else None}
 
 
+def _print_spare(sp: dict) -> None:
+    print(f"memory+spare (one spare node), median over {len(sp['totals'])} kills: "
+          + ", ".join(f"{k} {sp[k]:.2f}" for k in ("detection_s", "replacement_s", "restore_s", "first_iteration_s",
+                                                    "total_s")))
+    print(f"  each kill's total {sp['totals']} s; iterations lost {sp['iterations_lost']}; "
+          f"a spare took the ranks in {sp['spare_taken']} of them")
+
+
 def _launch(args: list[str], env: dict) -> dict:
     return run_child("bench.recovery_bench", args, env)
 
@@ -205,6 +216,10 @@ def main() -> None:
         kind, arg = sys.argv[2], sys.argv[3]
         if kind == "ray_train":
             out = child_ray_train(int(arg))
+        elif kind == "spare":
+            from bench.recovery_spare import child_spare
+
+            out = child_spare(SPEC, kills=int(arg))
         elif kind == "steps":
             out = child_steps(tempfile.mkdtemp(prefix="raytron-bench-steps-"), int(arg))
         else:
@@ -213,8 +228,13 @@ def main() -> None:
         return
     from service.ranks.ray_cluster import simulated_cluster
 
-    with tempfile.TemporaryDirectory(prefix="raytron-bench-") as tmp, simulated_cluster(4, 2) as session:
+    with tempfile.TemporaryDirectory(prefix="raytron-bench-") as tmp, simulated_cluster(5, 2) as session:
         env = {**os.environ, "RAY_ADDRESS": session.address}
+        spare = _launch(["spare", os.environ.get("RAYTRON_BENCH_KILLS", "5")], env)
+        print("raytron memory+spare:", json.dumps(spare), file=sys.stderr)
+        if os.environ.get("RAYTRON_BENCH_ONLY") == "spare":
+            _print_spare(median_split(spare["kills"]))
+            return
         mem = _launch(["memory", os.path.join(tmp, "mem")], env)
         print("raytron memory:", json.dumps(mem), file=sys.stderr)
         ours = _launch(["raytron", os.path.join(tmp, "ckpt")], env)
@@ -224,10 +244,14 @@ def main() -> None:
         time.sleep(3)
         theirs = _launch(["ray_train", "8"], env)
         print("ray_train:", json.dumps(theirs), file=sys.stderr)
+    sp = median_split(spare["kills"])
     print(f"\n{'kill -9 of rank 3 -> next step done, 8 ranks on 4x2':<46}{'memory':>9}{'disk':>9}{'Ray Train':>11}")
     for key in ("detect_and_teardown_s", "replan_s", "restart_s", "restore_s", "first_iteration_s"):
         print(f"  {key:<44}{mem[key]:>9.2f}{ours[key]:>9.2f}{'':>11}")
     print(f"  {'total':<44}{mem['total_s']:>9.2f}{ours['total_s']:>9.2f}{theirs['total_s']:>11.2f}")
+    _print_spare(sp)
+    print(f"  {'ratio memory+spare / disk (target < 0.3)':<44}{sp['total_s'] / ours['total_s']:>9.2f}")
+    print(f"  {'ratio memory+spare / Ray Train (target < 0.1)':<44}{sp['total_s'] / theirs['total_s']:>9.2f}")
     print(f"  {'iterations lost':<44}{mem['iterations_lost']:>9}{ours['iterations_lost']:>9}")
     print(f"  {'ratio memory / disk (target < 0.3)':<44}{mem['total_s'] / ours['total_s']:>9.2f}")
     print(f"  {'ratio memory / Ray Train (target < 0.1)':<44}{mem['total_s'] / theirs['total_s']:>9.2f}")

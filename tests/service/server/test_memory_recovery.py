@@ -1,15 +1,17 @@
 """Recovery from in-memory checkpoints on the path `make run` takes (`raytron serve --simulate`, jobs as Ray
 Jobs): a rank killed with SIGKILL comes back from memory (the survivors from their own copies, its
 replacement from the replica its peer on another node holds) without recomputing a recorded
-iteration; a node lost together with the node holding its replicas falls back to the disk
-checkpoint and says why; a node lost alone comes back from memory, its ranks on another node. Each
-ends SUCCEEDED on the undisturbed curve (1e-6). One served cluster of 5 worker nodes for the
-module; the nodes are killed last (the cluster ends three nodes short)."""
+iteration; with hot spares (``resources.spare_nodes``) the lost rank's node and then a lost node
+move onto spare nodes, no actor created; a node lost together with the node holding its replicas
+falls back to the disk checkpoint and says why; a node lost alone comes back from memory, its ranks
+on another node. Each ends SUCCEEDED on the undisturbed curve (1e-6). One served cluster of 5
+worker nodes for the module; the nodes are killed last (the cluster ends four nodes short)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -78,6 +80,41 @@ def test_a_rank_killed_comes_back_from_memory_without_recomputing_an_iteration(a
     assert restore["from_replicas"] == [1]  # the replacement took its peer's replica; the others their own
     holder = replica_holders([r["node"] for r in sorted(ranks, key=lambda r: r["rank"])], 1)[1][0]
     assert f"replica from rank {holder}" in next(p["resumed_from"] for p in placement(api, job_id) if p["rank"] == 1)
+
+
+def test_hot_spares_take_a_killed_rank_s_node_then_a_lost_node_s_ranks(api):
+    """spare_nodes 2: rank 1 SIGKILLed, then the node of ranks 2 and 3 lost, in one job. Each
+    time the lost node's ranks restart as spare actors on a spare node (tp groups stay in a node)
+    and restore the newest recorded iteration from memory; the curve is the undisturbed one."""
+    s = memory_spec("memspare")
+    s["resources"]["spare_nodes"] = 2
+    job_id = submit(api, s)
+    wait_iteration(api, job_id, 4)
+    view = api.get(f"/jobs/{job_id}/placement").json()
+    ranks = view["ranks"]
+    assert len(view["spares"]) == 2 and {sp["node_id"] for sp in view["spares"]}.isdisjoint(
+        r["node_id"] for r in ranks), view["spares"]  # the spares hold nodes of their own
+    assert any(sp["job_id"] == job_id for sp in api.get("/cluster").json()["spares"])
+    os.kill(next(r for r in ranks if r["rank"] == 1)["pid"], signal.SIGKILL)
+    while not any(e["kind"] == "restore" for e in events(api, job_id)):
+        time.sleep(0.2)
+    wait_iteration(api, job_id, 8)
+    moved = placement(api, job_id)
+    lost = next(r for r in moved if r["rank"] == 2)["node_id"]
+    kill_node(lost, moved)
+    log = succeeded_on_the_curve(api, job_id, s)
+    kills = [i for i, e in enumerate(log) if e["kind"] == "failure"]
+    restores = [e["data"] for e in log if e["kind"] == "restore"]
+    assert len(kills) == 2 and len(restores) == 2, story(api, job_id, [], [])
+    for at, restore, ranks_moved in zip(kills, restores, ([0, 1], [2, 3])):
+        recorded = [e["data"]["iteration"] for e in log[:at] if e["kind"] == "iteration"]
+        assert restore["source"] == "memory" and restore["iteration"] == recorded[-1], restores
+        assert restore["spare_ranks"] == ranks_moved == restore["from_replicas"], restores
+    assert [e["data"]["iteration"] for e in log if e["kind"] == "iteration"] == list(range(1, ITERS + 1))
+    before = {r["rank"]: r["node_id"] for r in ranks}
+    after = {r["rank"]: r for r in placement(api, job_id)}
+    assert {after[r]["node_id"] for r in (0, 1, 2, 3)}.isdisjoint({before[0], lost})  # on spare nodes
+    assert after[0]["node_id"] != after[2]["node_id"] and all(after[r]["spare"] for r in (2, 3))
 
 
 def test_a_lost_node_s_ranks_come_back_from_memory_on_another_node(api):
