@@ -41,7 +41,7 @@ from service.ranks.gather import collect
 from service.spec.placement import RankPlacement, plan_placement
 from service.ranks.ray_cluster import RaySession
 from service.ranks.ray_actors import WarmRanks, clear_leftovers, kill_actors, kill_and_wait, summary as _summary
-from service.ranks.spares import Spares, spare_ranks
+from service.ranks.spares import SPARE_START_WAIT_S, Spares, spare_ranks
 from service.ranks.ray_survivors import survivors_of
 from service.ranks.ray_nodes import capacity_message, could_ever_fit, dead_nodes, node_totals
 from workers.config import JobConfig
@@ -70,6 +70,7 @@ class RayRankGroup:
         self.key = (job.num_nodes, job.gpus_per_node, config.cpus_per_rank, tuple(plan))
         self.actors: list = []
         self.pg = None
+        self.spares: Spares | None = None  # the hot spares (resources.spare_nodes), from _place() or the warm ranks
         self.placement: list[PlacementRecord] = []
         self.reused: list[int] = []  # ranks this attempt took over from the previous one
         self._inflight: list = []  # refs of the last call, drained at shutdown
@@ -87,7 +88,7 @@ class RayRankGroup:
         else:
             self._place()
             kept = {}
-        taken = spare_ranks(self.plan, kept, self.spares)  # whole nodes moved onto hot spares
+        taken = spare_ranks(self.plan, kept, self.spares, min(SPARE_START_WAIT_S, cfg.start_timeout_s))  # whole nodes moved onto hot spares
         self.reused = sorted(kept)
         self.actors = [taken.get(p.rank) or kept.get(p.rank) or self._new_actor(p) for p in self.plan]
         addr, port = self._collect([self.actors[0].rendezvous_address.remote()], cfg.start_timeout_s,
@@ -131,13 +132,13 @@ class RayRankGroup:
             name += f"-{uuid.uuid4().hex[:8]}"
         return self._actor(self.spares.slots[p.node] if self.spares is not None else p.node, p.rank, name)
 
-    def _spare_actor(self, bundle: int):
+    def _spare_actor(self, pg, bundle: int):
         """A hot spare: a rank actor with no rank yet (its torch import starts now)."""
         import uuid
 
-        return self._actor(bundle, -1, f"raytron:{self.job_id}:spare-{uuid.uuid4().hex[:8]}")
+        return self._actor(bundle, -1, f"raytron:{self.job_id}:spare-{uuid.uuid4().hex[:8]}", pg)
 
-    def _actor(self, bundle: int, rank: int, name: str):
+    def _actor(self, bundle: int, rank: int, name: str, pg=None):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -147,7 +148,7 @@ class RayRankGroup:
             name=name, num_gpus=1, num_cpus=self.config.cpus_per_rank, max_restarts=0,
             max_concurrency=2,  # a second thread answers stall() while run() is blocked
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=bundle),
+                placement_group=self.pg if pg is None else pg, placement_group_bundle_index=bundle),
         ).remote(rank, self.job_id)
 
     def placement_extra(self) -> dict:

@@ -11,12 +11,17 @@ tensor-parallel groups stay within one node; its ranks that survived become that
 (their in-memory state dropped when one takes a rank). A bundle left short of actors (a rank
 killed there, its node lost and its bundle moved by Ray to a free node) is filled in the
 background after the next attempt's first call (:meth:`Spares.refill`), so that the torch
-imports do not compete with the restore; Ray places a moved bundle when the cluster has room.
+imports do not compete with the restore; Ray places a moved bundle when the cluster has room. A
+failure while a refill is still starting waits for that bundle's actors (placed on a live node)
+rather than starting new ones: they are further along.
 """
 
 from __future__ import annotations
 
 from typing import Callable
+
+SPARE_START_WAIT_S = 60.0
+"""How long a restart waits at most for a spare node whose actors are still starting (a torch import)."""
 
 
 class Spares:
@@ -26,7 +31,8 @@ class Spares:
         pg: the placement group (``num_nodes + spare_nodes`` bundles).
         num_nodes: the job's nodes (bundles ``0..num_nodes-1`` hold its ranks at first).
         gpus_per_node: actors per spare bundle (a whole node's ranks).
-        make_actor: ``make_actor(bundle) -> actor``: an idle rank actor in that bundle.
+        make_actor: ``make_actor(pg, bundle) -> actor``: an idle rank actor in that bundle (it
+            outlives the attempt that made the spares: nothing of that attempt but the job's settings).
     """
 
     def __init__(self, pg, num_nodes: int, spare_nodes: int, gpus_per_node: int, make_actor: Callable):
@@ -40,18 +46,19 @@ class Spares:
     def _fill(self, bundle: int) -> None:
         have = self.bundles.setdefault(bundle, [])
         while len(have) < self.per_bundle:
-            actor = self._make(bundle)
+            actor = self._make(self.pg, bundle)
             have.append((actor, actor.ping.remote()))
 
-    def _usable(self, bundle: int) -> bool:
-        """All of the bundle's actors are up (their start-up call returned, none died)."""
+    def _usable(self, bundle: int, wait_s: float = 0.0) -> bool:
+        """All of the bundle's actors are up (their start-up call returned, none died), waiting up
+        to ``wait_s`` for those still starting."""
         import ray
 
         have = self.bundles.get(bundle, [])
         if len(have) < self.per_bundle:
             return False
         refs = [ref for _, ref in have]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
         if len(ready) < len(refs):
             return False
         try:
@@ -60,6 +67,18 @@ class Spares:
         except Exception:  # noqa: BLE001 - one died (its node lost): not usable, filled again later
             self._drop_dead(bundle)
             return False
+
+    def _placed(self) -> set[int]:
+        """The bundles Ray has placed on a live node."""
+        import ray
+        from ray.util import placement_group_table
+
+        try:
+            nodes = placement_group_table(self.pg).get("bundles_to_node_id", {})
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        except Exception:  # noqa: BLE001 - not knowable: none counted as placed
+            return set()
+        return {b for b, node in nodes.items() if node in alive}
 
     def _drop_dead(self, bundle: int) -> None:
         import ray
@@ -74,13 +93,23 @@ class Spares:
         self.bundles[bundle] = alive
         self._short.add(bundle)
 
-    def take(self, node: int, survivors: list) -> list | None:
+    def ready(self) -> int:
+        """How many spare bundles have all their actors up (a node's ranks may move onto each)."""
+        return sum(1 for b in list(self.bundles) if self._usable(b))
+
+    def take(self, node: int, survivors: list, wait_s: float = 0.0) -> list | None:
         """A spare bundle's actors for plan node ``node`` (in slot order), or None when no spare
-        bundle is up. ``node`` moves to that bundle; ``survivors`` (its ranks that survived, reset)
+        bundle is up. With none up, a spare bundle placed on a live node whose actors are still
+        starting (a refill) is waited for up to ``wait_s``: its actors are further along than new
+        ones would be. ``node`` moves to that bundle; ``survivors`` (its ranks that survived, reset)
         become the spares of the bundle it leaves, which is filled up at the next :meth:`refill`."""
         old = self.slots[node]
         # The spares up longest first (a bundle a node just left comes last).
-        spare = next((b for b in list(self.bundles) if b != old and self._usable(b)), None)
+        others = [b for b in list(self.bundles) if b != old]
+        spare = next((b for b in others if self._usable(b)), None)
+        if spare is None and wait_s > 0:
+            placed = self._placed()
+            spare = next((b for b in others if b in placed and self._usable(b, wait_s)), None)
         if spare is None:
             return None
         actors = [a for a, _ in self.bundles.pop(spare)]
@@ -123,17 +152,17 @@ class Spares:
         kill_and_wait(actors)
 
 
-def spare_ranks(plan: list, kept: dict, spares: Spares | None) -> dict:
+def spare_ranks(plan: list, kept: dict, spares: Spares | None, wait_s: float = 0.0) -> dict:
     """rank -> spare actor for the ranks of every plan node that lost a rank (``plan``: the
     attempt's :class:`~service.spec.placement.RankPlacement` list; ``kept``: rank -> actor kept in
-    place, from which the moved nodes' survivors are removed)."""
+    place, from which the moved nodes' survivors are removed; ``wait_s``: see :meth:`Spares.take`)."""
     if spares is None or not kept:
         return {}
     lost_nodes = sorted({p.node for p in plan if p.rank not in kept})
     taken: dict = {}
     for node in lost_nodes:
         ranks = sorted((p for p in plan if p.node == node), key=lambda p: p.local)
-        actors = spares.take(node, [kept[p.rank] for p in ranks if p.rank in kept])
+        actors = spares.take(node, [kept[p.rank] for p in ranks if p.rank in kept], wait_s)
         if actors is None:
             continue  # no spare up: new actors in the node's bundle, as without spares
         for p, actor in zip(ranks, actors):
@@ -142,4 +171,4 @@ def spare_ranks(plan: list, kept: dict, spares: Spares | None) -> dict:
     return taken
 
 
-__all__ = ["Spares", "spare_ranks"]
+__all__ = ["SPARE_START_WAIT_S", "Spares", "spare_ranks"]
