@@ -16,13 +16,12 @@ ranking itself.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from service.spec.auto import PARALLEL_AUTO, auto_fields, resolve, search_once
-from service.spec.errors import field_errors, format_validation_error, yaml_loader  # noqa: F401 (field_errors: interface)
+from service.spec.errors import field_errors, format_validation_error, read_spec_file  # noqa: F401 (interface)
 from service.spec.checkpoint import retention_problems
 from service.spec.context import cp_problems
 from service.spec.documents import document_problems
@@ -261,23 +260,6 @@ def load_spec(path: str | Path) -> JobSpec:
         return parse_spec(data)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-
-
-def read_spec_file(path: str | Path):
-    """A YAML or JSON spec file as read, not validated. Raises ValueError naming the file."""
-    import yaml
-
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ValueError(f"cannot read spec {str(path)!r}: {e.strerror}") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=yaml_loader())
-    except (ValueError, yaml.YAMLError) as e:
-        first = " ".join(str(e).split())
-        raise ValueError(f"spec {str(path)!r} is not valid YAML/JSON: {first}") from None
-    return data
 
 
 def parse_spec(data) -> JobSpec:
