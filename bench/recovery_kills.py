@@ -24,6 +24,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 
 ITERS, SAVE_EVERY = 40, 20
 
@@ -77,9 +78,9 @@ def child_kills(spec: dict, mode: str, ckpt_dir: str, kills: int = 5, gap: int =
         while spares is not None and not spares.ready() and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def kill(pid: int) -> None:
+    def kill(pid: int, round_: dict) -> None:
         time.sleep(0.05)
-        rounds.append({"kill": time.time(), "iteration": state["last"]})
+        round_["iteration"], round_["kill"] = state["last"], time.time()
         os.kill(pid, signal.SIGKILL)
 
     def on_event(e) -> None:
@@ -90,6 +91,7 @@ def child_kills(spec: dict, mode: str, ckpt_dir: str, kills: int = 5, gap: int =
                 cur["placed"] = e.time
                 cur["load"] = max(p.get("load_s") or 0.0 for p in e.data["placement"])
                 cur["spare_ranks"] = [p["rank"] for p in e.data["placement"] if p.get("spare")]
+                cur["restored"] = int(e.data["placement"][0].get("resumed_iteration") or 0)
         elif e.kind == "iteration":
             state["last"], state["since"] = e.data["iteration"], state["since"] + 1
             if cur is not None and "placed" in cur and "next" not in cur:
@@ -100,7 +102,8 @@ def child_kills(spec: dict, mode: str, ckpt_dir: str, kills: int = 5, gap: int =
                 if mode == "spare":
                     spare_up()
                 pid = next(p["pid"] for p in placements[-1] if p["rank"] == 3)
-                threading.Thread(target=kill, args=(pid,), daemon=True).start()
+                rounds.append({})  # now, so that the next event of this call does not kill again
+                threading.Thread(target=kill, args=(pid, rounds[-1]), daemon=True).start()
         elif e.kind == "failure" and cur is not None and "failure" not in cur:
             cur["failure"] = e.time
         elif e.kind == "restore" and cur is not None:
@@ -111,6 +114,9 @@ def child_kills(spec: dict, mode: str, ckpt_dir: str, kills: int = 5, gap: int =
 
     with ray_session() as session:
         launcher = RayLauncher(session)
+        # One iteration per call in every mode (memory_interval 1 asks for that anyway): the disk
+        # path's first iteration is then known when it ends, not at the end of a second-long call.
+        launcher.config = replace(launcher.config, call_target_s=0.0)
         make = launcher.make_group
         launcher.make_group = lambda *a, **k: groups.append(make(*a, **k)) or groups[-1]
         result = start_job(job, launcher=launcher, on_event=on_event).wait()
@@ -125,8 +131,8 @@ def child_kills(spec: dict, mode: str, ckpt_dir: str, kills: int = 5, gap: int =
         splits.append({"detection_s": r["failure"] - r["kill"], "replacement_s": r["placed"] - r["failure"] - r["load"],
                        "restore_s": r["load"], "first_iteration_s": r["next"] - r["placed"],
                        "total_s": r["next"] - r["kill"], "killed_after": r["iteration"],
-                       "restored": r.get("restored"), "source": r.get("source"),
-                       "iterations_lost": r["iteration"] - (r.get("restored") or 0),
+                       "restored": r["restored"], "source": r.get("source") or "disk",
+                       "iterations_lost": r["iteration"] - r["restored"],
                        "spare_ranks": r.get("spare_ranks"), "detection_profile": after})
     return {"state": result["state"], "restarts": result["restarts"], "error": result.get("error"), "kills": splits}
 

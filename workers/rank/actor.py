@@ -63,6 +63,11 @@ class RankActor:
         # has its GPU and intra-op CPU threads only fight the data loader.
         torch.set_num_threads(1)
         import workers.train.trainer  # noqa: F401 - warm the rest of the stack during the start-up overlap
+        import gc
+
+        # What the imports made lives as long as the process: out of the collector's reach, a full
+        # collection (reset() after a failure, on every survivor at once) scans only the attempt's objects.
+        gc.freeze()
 
         self.rank, self.job_id = rank, job_id
         self.runner = None
