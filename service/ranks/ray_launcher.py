@@ -91,6 +91,10 @@ class RayRankGroup:
         taken = spare_ranks(self.plan, kept, self.spares, min(SPARE_START_WAIT_S, cfg.start_timeout_s))  # whole nodes moved onto hot spares
         self.reused = sorted(kept)
         self.actors = [taken.get(p.rank) or kept.get(p.rank) or self._new_actor(p) for p in self.plan]
+        if job.memory_interval and (kept or taken):
+            # New actors up before any setup goes out: one cancelled (its bundle moving off a lost
+            # node) then fails this attempt with the kept ranks untouched, their in-memory state kept.
+            self._collect([a.ping.remote() for a in self.actors], cfg.start_timeout_s, what="start")
         addr, port = self._collect([self.actors[0].rendezvous_address.remote()], cfg.start_timeout_s,
                                    what="rendezvous")[0]
         timeout = float(job.collective_timeout_s)
