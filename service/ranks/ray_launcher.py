@@ -24,7 +24,9 @@ the ranks that died, in their bundles: it pays one torch import instead of one p
 bulk of a restart). A rank that does not answer within ``LauncherConfig.reuse_wait_s`` (hung,
 stopped) is killed like the dead ones; a resize means a full teardown, and so does a lost node
 unless the job keeps its state in memory (``fault_tolerance.memory_interval``): then the ranks on
-the nodes left stay, and the lost node's ranks start in its bundle, which Ray moves to another node.
+the nodes left stay, and the lost node's ranks start in its bundle, which Ray moves to another node
+(every actor answers a ping before the setup calls go out, so a new one cancelled fails the attempt
+with the kept ranks untouched).
 With hot spares (``resources.spare_nodes``, :mod:`service.ranks.spares`) the placement group holds
 the spare nodes' bundles too, and a node that lost a rank moves whole onto a spare node's started
 actors instead of new ones.
