@@ -278,6 +278,8 @@ class JobConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     min_nodes: int | None = None
     """Elastic floor (resources.min_nodes): dp may shrink down to what min_nodes hold; None = num_nodes."""
+    spare_nodes: int = 0
+    """Hot spare nodes held beside the job's, with idle rank actors (resources.spare_nodes; Ray launcher)."""
     node_grace_s: float = 60.0
     """How long a lost node may take to come back before the job shrinks (fault_tolerance.node_grace_s)."""
     relayout_spec: str | None = None

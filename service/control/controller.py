@@ -231,8 +231,9 @@ class JobController:
         split = check_tp_in_node(self.grid, {p["rank"]: p["node_id"] for p in self.placement})
         if split:  # the plan keeps them together; this guards the plan -> node mapping end to end
             raise JobError(f"tensor-parallel groups {split} span several nodes")
+        extra = getattr(self._group, "placement_extra", dict)()  # the Ray launcher's hot spares
         self._emit(JobEvent.now("placement", self.state, f"{len(self.placement)} ranks placed",
-                                {"placement": self.placement}))
+                                {"placement": self.placement, **extra}))
         if job.memory_interval and self.attempts > 1:
             self._emit(restore_event(self.state, start, source, self.placement))
         self._transition(JobState.RUNNING, "training")

@@ -40,8 +40,12 @@ def restore_event(state: JobState, iteration: int, disk: str | None, placement: 
         replaced = sorted(p["rank"] for p in memory if "replica" in p["resumed_from"])
         how = (f"ranks {replaced} from their replicas on other nodes, the others from their own copies" if replaced
                else "every rank from its own copy")
+        spares = sorted(p["rank"] for p in placement if p.get("spare"))
+        if spares:
+            how += f"; ranks {spares} on a hot spare node (resources.spare_nodes)"
         return JobEvent.now("restore", state, f"restored iteration {iteration} from memory: {how}",
-                            {"iteration": iteration, "source": "memory", "from_replicas": replaced})
+                            {"iteration": iteration, "source": "memory", "from_replicas": replaced,
+                             "spare_ranks": spares})
     why = next((p["restore_note"] for p in placement if p.get("restore_note")), "no in-memory state")
     where = f"the disk checkpoint {disk}" if disk else "the start (no disk checkpoint)"
     return JobEvent.now("restore", state, f"restored iteration {iteration} from {where}: {why}",

@@ -304,7 +304,7 @@ def to_job_config(spec: JobSpec) -> JobConfig:
     checkpoint = _by_name(CheckpointConfig, spec.checkpoint,
                           hf_tokenizer=spec.checkpoint.hf_tokenizer or training.chat_tokenizer or m.from_hf)
     return JobConfig(
-        checkpoint=checkpoint, min_nodes=spec.resources.min_nodes,
+        checkpoint=checkpoint, min_nodes=spec.resources.min_nodes, spare_nodes=spec.resources.spare_nodes,
         node_grace_s=spec.fault_tolerance.node_grace_s,
         name=spec.name, model=model, parallel=parallel, training=training, world_size=spec.world_size,
         num_nodes=spec.resources.num_nodes, gpus_per_node=spec.resources.gpus_per_node,
