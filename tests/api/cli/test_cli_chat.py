@@ -38,6 +38,20 @@ def _spec(tmp_path, data, tokenizer, world=1, **training):
     return path, spec
 
 
+def _undisturbed(path) -> dict:
+    """The spec's job run without faults on local processes, in this process: the result that
+    `raytron run --launcher processes --json` prints (the same start_job and launcher), without a
+    second interpreter; the CLI's runs are the ones under test."""
+    from service.control.jobs import start_job
+    from service.ranks.process_launcher import ProcessLauncher
+    from service.spec.spec import parse_spec, to_job_config
+
+    job = to_job_config(parse_spec(yaml.safe_load(path.read_text())))
+    result = start_job(job, launcher=ProcessLauncher(), background=False).run()
+    assert result["state"] == "SUCCEEDED", result
+    return result
+
+
 @pytest.mark.parametrize("record, needle", BAD)
 def test_bad_chat_data_exits_2_and_is_a_422_naming_file_and_line(tmp_path, tokenizer, api, record, needle):
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}, record])
@@ -71,8 +85,7 @@ def test_a_chat_job_killed_mid_epoch_resumes_on_the_undisturbed_curve(tmp_path, 
                            capture_output=True, text=True, timeout=300)
         return p, json.loads(p.stdout.strip().splitlines()[-1])
 
-    p, ref = run()
-    assert p.returncode == 0, p.stderr
+    ref = _undisturbed(path)
     spec = yaml.safe_load(path.read_text())
     spec["checkpoint"] = {"save_interval": 2, "dir": str(tmp_path / "ckpt")}
     spec["fault_tolerance"] = {"max_restarts": 1, "collective_timeout_s": 20}
@@ -97,12 +110,12 @@ def test_preprocess_format_chat_writes_what_a_job_trains_on(tmp_path, tokenizer)
     out = json.loads(p.stdout)
     assert out["samples"] > 0 and out["samples"] + out["dropped"] == 20
     ran = {}
-    for name, source, tok in (("rendered", data, tokenizer["llama3"]), ("preprocessed", str(tmp_path / "sft"), None)):
-        path, _ = _spec(tmp_path, source, tok, train_iters=2)
-        q = subprocess.run([RAYTRON, "run", str(path), "--launcher", "processes", "--json"], capture_output=True,
-                           text=True, timeout=300)
-        assert q.returncode == 0, q.stderr
-        ran[name] = json.loads(q.stdout.strip().splitlines()[-1])["losses"]
+    ran["rendered"] = _undisturbed(_spec(tmp_path, data, tokenizer["llama3"], train_iters=2)[0])["losses"]
+    path, _ = _spec(tmp_path, str(tmp_path / "sft"), None, train_iters=2)
+    q = subprocess.run([RAYTRON, "run", str(path), "--launcher", "processes", "--json"], capture_output=True,
+                       text=True, timeout=300)
+    assert q.returncode == 0, q.stderr
+    ran["preprocessed"] = json.loads(q.stdout.strip().splitlines()[-1])["losses"]
     assert ran["preprocessed"] == ran["rendered"]
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": CONVERSATIONS[0]}, {"text": "hi"}])
     p = subprocess.run([RAYTRON, "preprocess", bad, "--format", "chat", "--tokenizer", tokenizer["llama3"],
