@@ -11,6 +11,7 @@ import yaml
 
 from tests.helpers.chat import CONVERSATIONS, chat_tokenizer, write_jsonl
 from tests.helpers.cli import RAYTRON
+from tests.helpers.drills import run_locally
 from tests.helpers.parity import tiny_spec
 from tests.helpers.server import api, server  # noqa: F401
 
@@ -36,20 +37,6 @@ def _spec(tmp_path, data, tokenizer, world=1, **training):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path, spec
-
-
-def _undisturbed(path) -> dict:
-    """The spec's job run without faults on local processes, in this process: the result that
-    `raytron run --launcher processes --json` prints (the same start_job and launcher), without a
-    second interpreter; the CLI's runs are the ones under test."""
-    from service.control.jobs import start_job
-    from service.ranks.process_launcher import ProcessLauncher
-    from service.spec.spec import parse_spec, to_job_config
-
-    job = to_job_config(parse_spec(yaml.safe_load(path.read_text())))
-    result = start_job(job, launcher=ProcessLauncher(), background=False).run()
-    assert result["state"] == "SUCCEEDED", result
-    return result
 
 
 @pytest.mark.parametrize("record, needle", BAD)
@@ -85,7 +72,7 @@ def test_a_chat_job_killed_mid_epoch_resumes_on_the_undisturbed_curve(tmp_path, 
                            capture_output=True, text=True, timeout=300)
         return p, json.loads(p.stdout.strip().splitlines()[-1])
 
-    ref = _undisturbed(path)
+    ref = run_locally(yaml.safe_load(path.read_text()))  # the undisturbed run, in this process
     spec = yaml.safe_load(path.read_text())
     spec["checkpoint"] = {"save_interval": 2, "dir": str(tmp_path / "ckpt")}
     spec["fault_tolerance"] = {"max_restarts": 1, "collective_timeout_s": 20}
@@ -110,7 +97,7 @@ def test_preprocess_format_chat_writes_what_a_job_trains_on(tmp_path, tokenizer)
     out = json.loads(p.stdout)
     assert out["samples"] > 0 and out["samples"] + out["dropped"] == 20
     ran = {}
-    ran["rendered"] = _undisturbed(_spec(tmp_path, data, tokenizer["llama3"], train_iters=2)[0])["losses"]
+    ran["rendered"] = run_locally(_spec(tmp_path, data, tokenizer["llama3"], train_iters=2)[1])["losses"]
     path, _ = _spec(tmp_path, str(tmp_path / "sft"), None, train_iters=2)
     q = subprocess.run([RAYTRON, "run", str(path), "--launcher", "processes", "--json"], capture_output=True,
                        text=True, timeout=300)
