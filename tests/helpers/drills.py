@@ -42,11 +42,17 @@ def undisturbed(s: dict) -> list[float]:
     ft = {k: v for k, v in (s.get("fault_tolerance") or {}).items() if k not in _TIMING}
     key = json.dumps({**s, "name": None, "checkpoint": None, "fault_tolerance": ft}, sort_keys=True)
     if key not in _curves:
-        job = to_job_config(parse_spec({**s, "checkpoint": {}}))
-        result = start_job(job, launcher=ProcessLauncher(), background=False).run()
-        assert result["state"] == "SUCCEEDED", result
-        _curves[key] = result["losses"]
+        _curves[key] = run_locally({**s, "checkpoint": {}})["losses"]
     return list(_curves[key])
+
+
+def run_locally(s: dict) -> dict:
+    """The spec's job on local processes in this process, without faults: the result that
+    ``raytron run --launcher processes --json`` prints (the same start_job and launcher) without a
+    second interpreter; it must succeed."""
+    result = start_job(to_job_config(parse_spec(s)), launcher=ProcessLauncher(), background=False).run()
+    assert result["state"] == "SUCCEEDED", result
+    return result
 
 
 def close(a, b, rel=1e-5) -> bool:

@@ -11,6 +11,7 @@ import yaml
 
 from tests.helpers.chat import CONVERSATIONS, chat_tokenizer, write_jsonl
 from tests.helpers.cli import RAYTRON
+from tests.helpers.drills import run_locally
 from tests.helpers.parity import tiny_spec
 from tests.helpers.server import api, server  # noqa: F401
 
@@ -71,8 +72,7 @@ def test_a_chat_job_killed_mid_epoch_resumes_on_the_undisturbed_curve(tmp_path, 
                            capture_output=True, text=True, timeout=300)
         return p, json.loads(p.stdout.strip().splitlines()[-1])
 
-    p, ref = run()
-    assert p.returncode == 0, p.stderr
+    ref = run_locally(yaml.safe_load(path.read_text()))  # the undisturbed run, in this process
     spec = yaml.safe_load(path.read_text())
     spec["checkpoint"] = {"save_interval": 2, "dir": str(tmp_path / "ckpt")}
     spec["fault_tolerance"] = {"max_restarts": 1, "collective_timeout_s": 20}
@@ -97,12 +97,12 @@ def test_preprocess_format_chat_writes_what_a_job_trains_on(tmp_path, tokenizer)
     out = json.loads(p.stdout)
     assert out["samples"] > 0 and out["samples"] + out["dropped"] == 20
     ran = {}
-    for name, source, tok in (("rendered", data, tokenizer["llama3"]), ("preprocessed", str(tmp_path / "sft"), None)):
-        path, _ = _spec(tmp_path, source, tok, train_iters=2)
-        q = subprocess.run([RAYTRON, "run", str(path), "--launcher", "processes", "--json"], capture_output=True,
-                           text=True, timeout=300)
-        assert q.returncode == 0, q.stderr
-        ran[name] = json.loads(q.stdout.strip().splitlines()[-1])["losses"]
+    ran["rendered"] = run_locally(_spec(tmp_path, data, tokenizer["llama3"], train_iters=2)[1])["losses"]
+    path, _ = _spec(tmp_path, str(tmp_path / "sft"), None, train_iters=2)
+    q = subprocess.run([RAYTRON, "run", str(path), "--launcher", "processes", "--json"], capture_output=True,
+                       text=True, timeout=300)
+    assert q.returncode == 0, q.stderr
+    ran["preprocessed"] = json.loads(q.stdout.strip().splitlines()[-1])["losses"]
     assert ran["preprocessed"] == ran["rendered"]
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": CONVERSATIONS[0]}, {"text": "hi"}])
     p = subprocess.run([RAYTRON, "preprocess", bad, "--format", "chat", "--tokenizer", tokenizer["llama3"],

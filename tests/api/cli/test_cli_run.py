@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.drills import run_locally
 from tests.helpers.parity import tiny_spec
 
 pytestmark = pytest.mark.procs
@@ -74,9 +75,7 @@ def test_same_entry_point_under_torchrun(tmp_path):
                         "--json"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    ref = subprocess.run([RAYTRON, "run", str(path), "--launcher", "processes", "--json"], capture_output=True,
-                         text=True, timeout=300)
-    assert out["losses"] == json.loads(ref.stdout.strip().splitlines()[-1])["losses"]
+    assert out["losses"] == run_locally(yaml.safe_load(path.read_text()))["losses"]  # in this process
     assert out["sizes"]["pp"] == 2
 
 

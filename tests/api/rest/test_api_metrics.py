@@ -1,10 +1,13 @@
 """A long job over REST: ``GET /api/v1/jobs/{id}`` stays small and fast at 20,000 iterations, and
 ``GET /api/v1/jobs/{id}/metrics`` pages through the curve exactly once or downsamples it.
 
-The job is written into the server's store through the store's write API (the events a job
-runner records: states, 20,000 iterations, a restart from a checkpoint) before the server
-starts: running 20,000 real iterations would take far longer than this test may. The server
-is a real ``raytron serve --launcher processes``; the job is over, so nothing runs.
+The job is written into the server's store before the server starts (the events a job runner
+records: states, 20,000 iterations, a restart from a checkpoint): running 20,000 real iterations
+would take far longer than this test may. Its state events and each attempt's last iteration go
+through the store's write API; the iterations between them are the same rows written in bulk
+(one event through the write API costs about a millisecond: 20 s for the curve on a 2-core VM),
+and test_bulk_iterations_are_the_rows_the_write_api_writes holds the two writes equal. The
+server is a real ``raytron serve --launcher processes``; the job is over, so nothing runs.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import time
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
 from service.server.store import JobStore, sqlite_url
+from service.server.store_schema import attempts, events, jobs, metrics
 from tests.helpers.server import Server
 
 pytestmark = pytest.mark.procs  # a real server process
@@ -43,25 +48,77 @@ def _state(state: str, t: float, message: str = "", **data) -> dict:
     return {"time": t, "kind": "state", "state": state, "message": message, "data": data}
 
 
-def write_long_job(data_dir) -> str:
+def bulk_iterations(store: JobStore, job_id: str, rows: list[dict], attempt: int) -> None:
+    """Store the iteration events ``rows`` of a running attempt as :meth:`JobStore.append_events`
+    would (the next seqs, each iteration's metrics row of this attempt, the job's ``last_seq``), in
+    one statement per table; the job's latest figures are left to the next event through the API."""
+    with store.engine.begin() as conn:
+        seq = conn.execute(sa.select(jobs.c.last_seq).where(jobs.c.id == job_id)).scalar_one()
+        first, last = rows[0]["data"]["iteration"], rows[-1]["data"]["iteration"]  # consecutive iterations
+        conn.execute(metrics.delete().where((metrics.c.job_id == job_id) & metrics.c.iteration.between(first, last)))
+        conn.execute(events.insert(), [{"job_id": job_id, "seq": seq + 1 + i, "time": e["time"], "kind": e["kind"],
+                                        "state": e["state"], "message": e["message"], "data": e["data"]}
+                                       for i, e in enumerate(rows)])
+        conn.execute(metrics.insert(), [{"job_id": job_id, "iteration": e["data"]["iteration"], "data": e["data"],
+                                         "attempt": attempt} for e in rows])
+        conn.execute(jobs.update().where(jobs.c.id == job_id).values(last_seq=seq + len(rows)))
+
+
+def write_events(store: JobStore, job_id: str, plan: list[tuple[list[dict], int, int, int, float]],
+                 bulk: bool = True) -> None:
+    """Each attempt: its opening state events, iterations ``first..last`` at time ``t0 + i``; the
+    iterations but the last in bulk (:func:`bulk_iterations`) or all through the write API."""
+    for opening, first, last, attempt, t0 in plan:
+        store.append_events(job_id, opening)
+        rows = _iterations(first, last, attempt, t0)
+        if bulk:
+            bulk_iterations(store, job_id, rows[:-1], attempt)
+            rows = rows[-1:]
+        store.append_events(job_id, rows)
+
+
+def write_long_job(data_dir, bulk: bool = True) -> str:
     """The job's record as its runner would have written it: two attempts, then SUCCEEDED."""
     store = JobStore(sqlite_url(data_dir))
     try:
         spec = {"name": "long", "training": {"train_iters": ITERS}, "resources": {"num_nodes": 1, "gpus_per_node": 1}}
         job_id = store.create_job(spec, job_id="long-1", sizes={"tp": 1, "pp": 1, "dp": 1, "cp": 1, "ep": 1})["id"]
-        store.append_events(job_id, [_state("STARTING", 1.0, from_checkpoint=None), _state("RUNNING", 2.0),
-                                     *_iterations(1, FAILED_AT, 1, 10.0),
-                                     _state("RESTARTING", 20000.0, "rank 0 failed"),
-                                     _state("STARTING", 20001.0, from_checkpoint="/ckpt/iter_0012000"),
-                                     _state("RUNNING", 20002.0),
-                                     *_iterations(RESUMED_AT, ITERS, 2, 20010.0),
-                                     _state("SUCCEEDED", 50000.0)])
+        write_events(store, job_id, [
+            ([_state("STARTING", 1.0, from_checkpoint=None), _state("RUNNING", 2.0)], 1, FAILED_AT, 1, 10.0),
+            ([_state("RESTARTING", 20000.0, "rank 0 failed"),
+              _state("STARTING", 20001.0, from_checkpoint="/ckpt/iter_0012000"), _state("RUNNING", 20002.0)],
+             RESUMED_AT, ITERS, 2, 20010.0)], bulk=bulk)
+        store.append_events(job_id, [_state("SUCCEEDED", 50000.0)])
         for i in range(5):  # more jobs for the list, cancelled before the server starts (nothing runs them)
             store.create_job({"name": "page" if i % 2 else "other"}, job_id=f"page-{i}")
             store.update_job(f"page-{i}", state="CANCELLED", message="test")
         return job_id
     finally:
         store.close()
+
+
+def test_bulk_iterations_are_the_rows_the_write_api_writes(tmp_path):
+    """The shortcut of write_long_job, on a short job with a restart that runs iterations again:
+    every table's rows as when each event goes through the write API (times of writing aside)."""
+    written = {}
+    for bulk in (False, True):
+        store = JobStore(sqlite_url(tmp_path / str(bulk)))
+        try:
+            job_id = store.create_job({"name": "short"}, job_id="short-1")["id"]
+            write_events(store, job_id, [([_state("STARTING", 1.0), _state("RUNNING", 2.0)], 1, 30, 1, 10.0),
+                                         ([_state("RESTARTING", 100.0, "rank 0 failed"), _state("STARTING", 101.0),
+                                           _state("RUNNING", 102.0)], 21, 40, 2, 110.0)], bulk=bulk)
+            store.append_events(job_id, [_state("SUCCEEDED", 500.0)])
+            with store.engine.connect() as conn:
+                written[bulk] = {table.name: [dict(r) for r in conn.execute(sa.select(table).order_by(
+                    *table.primary_key)).mappings()] for table in (jobs, events, metrics, attempts)}
+            for row in written[bulk]["jobs"] + written[bulk]["events"][:1]:  # the clock's: the job's creation
+                for key in ("submitted_at", "updated_at", "time"):
+                    row.pop(key, None)
+        finally:
+            store.close()
+    assert written[True] == written[False]  # mutation: attempt=1 for the rows of the second attempt -> differ
+    assert len(written[True]["metrics"]) == 40 and written[True]["jobs"][0]["iteration"] == 40
 
 
 @pytest.fixture(scope="module")
