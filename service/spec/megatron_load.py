@@ -45,3 +45,20 @@ def megatron_load_problems(c, m) -> list[str]:
         return []
     return [f"checkpoint.load {c.load} holds another model ({'; '.join(diff)}); set those model fields to the "
             f"checkpoint's"]
+
+
+def source_optimizer_note(source: str | None) -> tuple[bool, str]:
+    """``(fresh, note)`` of a job's checkpoint source for its STARTING event: ``hf:DIR`` holds weights
+    only; ``megatron:DIR`` holds Adam's state where it is in a format raytron reads (the note says which,
+    or why the optimizer starts fresh); a raytron checkpoint resumes everything (``(False, "")``)."""
+    if not source or not source.startswith(("hf:", "megatron:")):
+        return False, ""
+    if source.startswith("megatron:"):
+        from workers.checkpoint.megatron_import import MegatronReader
+
+        try:
+            optim = MegatronReader(source[len("megatron:"):]).optim
+            return not optim.keys, optim.note
+        except ValueError:
+            pass  # the ranks say what is wrong with it
+    return True, "weights only: a fresh optimizer from iteration 0"
