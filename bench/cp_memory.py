@@ -170,7 +170,7 @@ def long_corpus(seq_len: int, directory: str) -> str:
     5,002 tokens and the train split must hold a whole sample."""
     import numpy as np
 
-    from workers.data.dataset import load_tokens
+    from workers.data.corpus import load_tokens
 
     tiny = load_tokens("builtin:tiny")
     path = os.path.join(directory, f"tiny-x{seq_len}.npy")

@@ -10,8 +10,11 @@ Sections (each key of the JSON; each also printed as one line):
   step time, tokens/s, peak memory, and MFU against the device's dense peak by Megatron's FLOP
   formula (``num_floating_point_operations`` in megatron/training/training.py: causal
   attention counted half) next to the PaLM convention (attention counted whole).
-  ``bf16+fp8``: bf16 with ``training.fp8: hybrid``, ``fp8_recipe: tensorwise``, its MFU against
-  the bf16 peak (the FP8 operands are quantised and the GEMMs run in fp32, as on CPU).
+  ``bf16+fp8``: bf16 with ``training.fp8: hybrid``, ``fp8_recipe: tensorwise``, the FP8 linears'
+  GEMMs through ``torch._scaled_mm`` (``training.fp8_gemm: scaled_mm``, e4m3 x e4m3 forward,
+  e5m2 x e4m3 backward, :mod:`workers.parallel.fp8_gemm`); ``bf16+fp8-emulated`` the same with
+  ``fp8_gemm: emulated`` (the operands quantised and dequantised, the GEMMs in fp32). Both MFUs
+  against the bf16 peak: what FP8 buys over bf16 at the same FLOPs.
 * ``sdpa_backend``: the backend torch's dispatcher picks for the model's attention call
   (``torch._fused_sdp_choice`` on its shapes, per dtype): flash, cuDNN, efficient or math.
 * ``profile``: one bf16 step under ``torch.profiler``: device time by kernel class (GEMM,
@@ -105,9 +108,13 @@ def steps(job, device, cfg: dict, peak: dict) -> list[dict]:
     rows = []
     import dataclasses
 
-    # bf16+fp8: training.fp8 hybrid, tensorwise (workers/parallel/fp8.py), its MFU against the bf16 peak
-    fp8 = dataclasses.replace(job, training=dataclasses.replace(job.training, fp8="hybrid", fp8_recipe="tensorwise"))
-    for mode, run in (("fp32", job), ("bf16", job), ("bf16+fp8", fp8)):
+    # bf16+fp8: training.fp8 hybrid, tensorwise (workers/parallel/fp8.py), its GEMMs through _scaled_mm or
+    # emulated (workers/parallel/fp8_gemm.py), its MFU against the bf16 peak
+    def fp8(gemm):
+        return dataclasses.replace(job, training=dataclasses.replace(job.training, fp8="hybrid", fp8_recipe="tensorwise",
+                                                                     fp8_gemm=gemm))
+    for mode, run in (("fp32", job), ("bf16", job), ("bf16+fp8", fp8("scaled_mm")),
+                      ("bf16+fp8-emulated", fp8("emulated"))):
         r = run_mode(run, "fp32" if mode == "fp32" else "bf16", cfg["warmup"], cfg["iters"], device=device)
         step_s = r["step_s"]
         megatron = megatron_flops_per_token(m) * tokens / step_s / 1e12

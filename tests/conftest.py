@@ -59,6 +59,17 @@ def pytest_sessionfinish(session, exitstatus):
     session.exitstatus = 1
 
 
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory):
+    """One real ``mlflow server`` on 127.0.0.1 (SQLite) for the session's tracker tests, started by the
+    first that asks: each reads back its own experiment or run ids (job ids are unique), so they share
+    it instead of starting one each."""
+    from tests.helpers.mlflow_server import mlflow_server
+
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
+        yield uri
+
+
 # ---- tiers: every test's tier is its marker; a fast test (no marker) starts no process ----------------
 
 TIERS = ("gpu", "slow", "ray", "procs")

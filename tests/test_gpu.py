@@ -27,6 +27,23 @@ def test_single_gpu_matches_cpu_reference():
     assert_same_curve(losses, reference()["losses"], rtol=1e-3)  # TF32/cuBLAS vs CPU BLAS
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_scaled_mm_fp8_gemms_are_the_emulated_ones_on_cuda():
+    """``training.fp8_gemm: scaled_mm`` on cuBLASLt (e4m3 x e4m3 forward, e5m2/e4m3 x e4m3
+    backward, row-major x column-major, every dim a multiple of 16): the forward, input-gradient
+    and weight-gradient GEMMs equal the emulated ones bit for bit on exact operands, per recipe
+    and format, fp32 and bf16 (tests/workers/parallel/test_fp8_gemm.py on CPU); ``auto`` picks it."""
+    from tests.helpers.fp8 import assert_scaled_mm_is_emulated_on_exact_operands
+    from workers.parallel.fp8 import gemm_mode
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores (compute capability 8.9+)")
+    assert gemm_mode("auto", "tensorwise", torch.device("cuda", 0)) == "scaled_mm"
+    assert gemm_mode("auto", "blockwise", torch.device("cuda", 0)) == "emulated"
+    assert_scaled_mm_is_emulated_on_exact_operands(torch.device("cuda", 0))
+
+
 def _gpu_losses(rank, world_size, job, iters=ITERS):
     from workers.rank.distributed import rank_device
     from workers.train.trainer import Trainer

@@ -47,6 +47,6 @@ def test_every_section_runs_in_the_smoke_version(tmp_path):
     assert gpu_suite.main(["--smoke", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert {"steps", "sdpa_backend", "profile", "host_syncs", "ring_attention", "moe_gemm"} <= set(report)
-    assert [r["mode"] for r in report["steps"]] == ["fp32", "bf16", "bf16+fp8"]
+    assert [r["mode"] for r in report["steps"]] == ["fp32", "bf16", "bf16+fp8", "bf16+fp8-emulated"]
     assert report["moe_gemm"]["max_rel_error"] < 1e-5  # the grouped GEMM computes what the loop does (up to GEMM order)
     assert report["profile"]["kernels"] > 0

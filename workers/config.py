@@ -196,6 +196,9 @@ class TrainingConfig:
     """delayed: the scale from the newest amax (most_recent) or the history's max (max)."""
     fp8_block_size: int = 128
     """blockwise: the tile (1 x B for activations and gradients, B x B for weights)."""
+    fp8_gemm: str = "auto"
+    """auto | scaled_mm | emulated: how the FP8 GEMMs run (workers.parallel.fp8_gemm); auto is scaled_mm
+    on a CUDA device with FP8 tensor cores for tensorwise/delayed, emulated otherwise."""
     first_last_layers_bf16: bool = False
     """Keep the first num_layers_at_start_in_bf16 and last num_layers_at_end_in_bf16 layers out of FP8."""
     num_layers_at_start_in_bf16: int = 1

@@ -11,7 +11,6 @@ import argparse
 import functools
 import json
 import sys
-from pathlib import Path
 
 from api.cli.tables import print_job_plan, print_reported_placement
 from service.control.events import JobState
@@ -91,16 +90,14 @@ def _command(fn):
 
 
 def load_spec_file(path: str) -> dict:
-    import yaml
+    """A spec file as :func:`service.spec.errors.read_spec_file` reads it for ``raytron run`` (YAML 1.2
+    numbers: ``lr: 1e-3`` is a number), refused unless it is a mapping."""
+    from service.spec.errors import read_spec_file
 
     try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise BadInput(f"cannot read spec {path!r}: {e.strerror}") from None
-    try:
-        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as e:
-        raise BadInput(f"spec {path!r} is not valid YAML/JSON: {str(e).splitlines()[0]}") from None
+        data = read_spec_file(path)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
     if not isinstance(data, dict):
         raise BadInput(f"spec {path!r} must be a mapping of fields, got {type(data).__name__}")
     return data

@@ -66,7 +66,8 @@ def cmd_run(args) -> int:
         if problem := trial_args_problem(args, auto=True, trial_launcher=False):
             raise ValueError(problem)
         job, grid = prepare(args.spec)
-        found = auto_choice(args.spec, getattr(args, "trial", None))
+        written = read_spec_file(args.spec)  # as written: its auto fields and trackers
+        found = auto_choice(args.spec, written, getattr(args, "trial", None))
         faults = list(args.fault or [])
         check_ranks(faults, grid.world_size)
     except ValueError as e:
@@ -93,7 +94,7 @@ def cmd_run(args) -> int:
                 if found is not None and args.trial and signals.received is None:
                     found, job, grid = _trials(args, found, launcher)
                 if signals.received is None:
-                    on_event = Tracking.of(read_spec_file(args.spec), job_id, view)  # service/control/tracking.py
+                    on_event = Tracking.of(written, job_id, view)  # service/control/tracking.py
                     controller = start_job(job, launcher=launcher, on_event=on_event, job_id=job_id, faults=faults,
                                            layout=None if found is None else layout_record(found))
                     signals.controller = controller
@@ -120,17 +121,13 @@ def cmd_run(args) -> int:
     return 0 if result["state"] == "SUCCEEDED" else 1
 
 
-def auto_choice(spec_path: str, trial: int | None) -> dict | None:
-    """The layout search of a spec with ``auto`` fields (None without): what its ``layout`` event
-    records. ``--trial K`` on a concrete spec is refused (there is nothing to choose)."""
-    from api.cli.client_cmds import BadInput, load_spec_file
+def auto_choice(spec_path: str, data: dict, trial: int | None) -> dict | None:
+    """The layout search of a spec (``data``, as read from ``spec_path``) with ``auto`` fields (None
+    without): what its ``layout`` event records. ``--trial K`` on a concrete spec is refused (there
+    is nothing to choose)."""
     from service.spec.auto import auto_fields
     from service.spec.spec import search_layouts
 
-    try:
-        data = load_spec_file(spec_path)
-    except BadInput as e:
-        raise ValueError(str(e)) from None
     if not auto_fields(data):
         if trial:
             raise ValueError(f"--trial {trial}: {spec_path} fixes its layout; trials choose among the layouts of a "

@@ -4,7 +4,9 @@ REST API answers one 422 entry per field, :mod:`service.spec.check`)."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -20,6 +22,23 @@ def yaml_loader():
         "tag:yaml.org,2002:float",
         re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$"), list("-+0123456789"))
     return Loader
+
+
+def read_spec_file(path: str | Path):
+    """A YAML or JSON spec file as read, not validated. Raises ValueError naming the file."""
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read spec {str(path)!r}: {e.strerror}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=yaml_loader())
+    except (ValueError, yaml.YAMLError) as e:
+        first = " ".join(str(e).split())
+        raise ValueError(f"spec {str(path)!r} is not valid YAML/JSON: {first}") from None
+    return data
 
 
 def _is_union_branch(part) -> bool:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 _DELAYED_ONLY = ("fp8_amax_history_len", "fp8_amax_compute_algo")
 _LAYER_COUNTS = ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
-_WITH_FP8 = ("fp8_recipe", "first_last_layers_bf16", "fp8_block_size", *_DELAYED_ONLY, *_LAYER_COUNTS)
+_WITH_FP8 = ("fp8_recipe", "first_last_layers_bf16", "fp8_block_size", "fp8_gemm", *_DELAYED_ONLY, *_LAYER_COUNTS)
+FP8_GPUS = ("H100", "H200", "B200")
+"""The ``resources.gpu_type`` values with FP8 tensor cores (``fp8_gemm: auto`` runs ``_scaled_mm`` there)."""
 
 
-def fp8_problems(m, p, t) -> list[str]:
-    """Problems of the FP8 fields of a spec's model ``m``, parallel ``p`` and training ``t``."""
+def fp8_problems(m, p, t, gpu_type: str | None = None) -> list[str]:
+    """Problems of the FP8 fields of a spec's model ``m``, parallel ``p`` and training ``t`` on
+    ``resources.gpu_type``."""
     given = {f for f in _WITH_FP8 if getattr(t, f) != type(t).model_fields[f].default}  # set to a non-default value
     if not t.fp8:
         return [f"training.{f} is set but training.fp8 is null; set fp8: e4m3 or hybrid, or drop {f}"
@@ -31,7 +34,36 @@ def fp8_problems(m, p, t) -> list[str]:
                    f"leaves no layer in FP8; keep fewer layers in bf16, or drop fp8")
     if t.fp8_recipe == "blockwise":
         out += _block_problems(m, p, t.fp8_block_size)
-    return out
+    return out + _gemm_problems(m, p, t, gpu_type)
+
+
+def _gemm_problems(m, p, t, gpu_type: str | None) -> list[str]:
+    """``fp8_gemm: scaled_mm`` needs a per-tensor recipe and, on a GPU, FP8 tensor cores and
+    every GEMM dim a multiple of 16 (cuBLASLt's rule): features per TP shard and tokens."""
+    if t.fp8_gemm == "scaled_mm" and t.fp8_recipe == "blockwise":
+        return ["training.fp8_gemm scaled_mm takes per-tensor scales, not fp8_recipe blockwise's tiles; use "
+                "fp8_recipe tensorwise or delayed, or fp8_gemm: emulated (or auto)"]
+    if gpu_type in (None, "cpu") or t.fp8_gemm == "emulated" or t.fp8_recipe == "blockwise":
+        return []
+    if gpu_type not in FP8_GPUS:
+        return [f"training.fp8_gemm scaled_mm needs FP8 tensor cores ({', '.join(FP8_GPUS)}), not resources.gpu_type "
+                f"{gpu_type}; use fp8_gemm: emulated (or auto)"] if t.fp8_gemm == "scaled_mm" else []
+    if m.multi_latent_attention:
+        return [f"training.fp8_gemm {t.fp8_gemm} on {gpu_type} runs _scaled_mm, whose dims model.multi_latent_attention's"
+                f" projections are not checked against; use fp8_gemm: emulated"]
+    tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+    kv = m.kv_channels or m.hidden_size // m.num_attention_heads
+    dims = {"model.hidden_size": m.hidden_size,
+            f"model.num_attention_heads x kv_channels / tensor_model_parallel_size {tp}": m.num_attention_heads * kv // tp,
+            f"model.num_query_groups x kv_channels / tensor_model_parallel_size {tp}":
+                (m.num_query_groups or m.num_attention_heads) * kv // tp,
+            f"model.ffn_hidden_size / tensor_model_parallel_size {tp}": (m.ffn_hidden_size or 4 * m.hidden_size) // tp}
+    if isinstance(t.micro_batch_size, int):
+        dims[f"training.micro_batch_size x model.seq_length / context_parallel_size {cp} (tokens)"] = \
+            t.micro_batch_size * m.seq_length // cp
+    return [f"training.fp8_gemm {t.fp8_gemm} on {gpu_type} runs _scaled_mm, whose dims must be multiples of 16: "
+            f"{name} is {size}; make it a multiple of 16, or use fp8_gemm: emulated" for name, size in dims.items()
+            if size % 16]
 
 
 def _block_problems(m, p, block: int) -> list[str]:
@@ -55,8 +87,16 @@ def _block_problems(m, p, block: int) -> list[str]:
 FP32_TFLOPS = {"A100": 19.5, "H100": 67.0, "H200": 67.0, "B200": 80.0}
 """Dense fp32 (non-tensor-core) peaks, the datasheets beside service.spec.cost.GPU_FIGURES's bf16."""
 FP8_TFLOPS = {"H100": 1979.0, "H200": 1979.0, "B200": 4500.0}
-"""Dense FP8 tensor-core peaks (2x bf16), what ``torch._scaled_mm`` GEMMs would reach; unused while
-the FP8 linears are emulated (workers/parallel/fp8.py: no ``_scaled_mm`` path yet)."""
+"""Dense FP8 tensor-core peaks (2x bf16), what the ``torch._scaled_mm`` GEMMs run at."""
+
+
+def runs_scaled_mm(t, gpu_type: str | None) -> bool:
+    """Whether the FP8 linears' GEMMs run ``torch._scaled_mm`` on ``gpu_type``: ``fp8_gemm``
+    ``scaled_mm``, or ``auto`` on FP8 tensor cores, with a per-tensor recipe (the workers' choice,
+    :func:`workers.parallel.fp8.gemm_mode`, on that device)."""
+    if t.fp8_recipe == "blockwise" or t.fp8_gemm == "emulated":
+        return False
+    return t.fp8_gemm == "scaled_mm" or gpu_type in FP8_GPUS
 
 
 def fp8_linear_flops(s, batch: int, t) -> float:
@@ -74,12 +114,16 @@ def fp8_linear_flops(s, batch: int, t) -> float:
 
 
 def fp8_seconds(s, t, gpu_type: str | None, peak_flops: float, efficiency: float, world: int) -> float:
-    """What the FP8 linears add to a step on accelerators, as the code runs them: emulated, each
-    GEMM in fp32 on dequantised operands, so those FLOPs go at the fp32 peak instead of the bf16
-    one the step's compute was costed at (an unknown accelerator: H100's fp32 / bf16 ratio), plus
-    nothing for the elementwise casts (memory-bound, small beside the GEMMs)."""
+    """What the FP8 linears add to a step on accelerators (negative: what they save), as the code
+    runs them: through ``_scaled_mm`` (:func:`runs_scaled_mm`) those FLOPs go at the FP8 peak
+    instead of the bf16 one the step's compute was costed at; emulated, each GEMM in fp32 on
+    dequantised operands, at the fp32 peak (an unknown accelerator: H100's fp32 / bf16 ratio).
+    Nothing for the elementwise casts (memory-bound, small beside the GEMMs)."""
     flops = fp8_linear_flops(s, t.global_batch_size, t)
     if not flops:
         return 0.0
-    fp32 = FP32_TFLOPS[gpu_type] * 1e12 if gpu_type in FP32_TFLOPS else peak_flops * FP32_TFLOPS["H100"] / 989.0
-    return flops / world * (1 / (fp32 * efficiency) - 1 / (peak_flops * efficiency))
+    if runs_scaled_mm(t, gpu_type):
+        fast = FP8_TFLOPS.get(gpu_type, 2 * peak_flops / 1e12) * 1e12
+    else:
+        fast = FP32_TFLOPS[gpu_type] * 1e12 if gpu_type in FP32_TFLOPS else peak_flops * FP32_TFLOPS["H100"] / 989.0
+    return flops / world * (1 / (fast * efficiency) - 1 / (peak_flops * efficiency))

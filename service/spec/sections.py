@@ -184,6 +184,10 @@ class TrainingSpec(BaseModel):
     fp8_amax_compute_algo: Literal["most_recent", "max"] = Field("most_recent", description="delayed: the scale "
                                                                  "from the newest amax or the history's max")
     fp8_block_size: int = Field(128, ge=1, description="blockwise: the tile (1 x B activations, B x B weights)")
+    fp8_gemm: Literal["auto", "scaled_mm", "emulated"] = Field("auto", description="FP8 GEMMs: torch._scaled_mm "
+                                                                "on FP8 operands, or fp32 GEMMs on the dequantised "
+                                                                "operands (emulated, CPU's default); auto: scaled_mm "
+                                                                "on an FP8 GPU (H100+) with tensorwise/delayed")
     first_last_layers_bf16: bool = Field(False, description="FP8: keep the first and last layers in bf16")
     num_layers_at_start_in_bf16: int = Field(1, ge=0, description="with first_last_layers_bf16")
     num_layers_at_end_in_bf16: int = Field(1, ge=0, description="with first_last_layers_bf16")

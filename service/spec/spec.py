@@ -16,13 +16,12 @@ ranking itself.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from service.spec.auto import PARALLEL_AUTO, auto_fields, resolve, search_once
-from service.spec.errors import field_errors, format_validation_error, yaml_loader  # noqa: F401 (field_errors: interface)
+from service.spec.errors import field_errors, format_validation_error, read_spec_file  # noqa: F401 (interface)
 from service.spec.checkpoint import retention_problems
 from service.spec.context import cp_problems
 from service.spec.documents import document_problems
@@ -207,9 +206,12 @@ def spec_problems(spec: JobSpec) -> list[str]:
     if m.mtp_num_layers and m.mtp_num_layers >= m.seq_length - 1:
         out.append(f"model.mtp_num_layers {m.mtp_num_layers} leaves no token with a target in a sequence of "
                    f"model.seq_length {m.seq_length}; use at most {max(m.seq_length - 2, 1)} MTP layers")
+    if not m.mtp_num_layers and m.mtp_loss_scaling_factor != type(m).model_fields["mtp_loss_scaling_factor"].default:
+        out.append(f"model.mtp_loss_scaling_factor {m.mtp_loss_scaling_factor} is set but model.mtp_num_layers is "
+                   f"null (no MTP loss to scale); set mtp_num_layers, or drop mtp_loss_scaling_factor")
     out.extend(mla_problems(m))
     out.extend(training_problems(t) + document_problems(t, m.vocab_size, m.mtp_num_layers))
-    out.extend(fp8_problems(m, p, t))
+    out.extend(fp8_problems(m, p, t, spec.resources.gpu_type))
     out.extend(chat_problems(t, m))
     out.extend(retention_problems(spec.checkpoint, t))
     out.extend(megatron_load_problems(spec.checkpoint, m))
@@ -261,23 +263,6 @@ def load_spec(path: str | Path) -> JobSpec:
         return parse_spec(data)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-
-
-def read_spec_file(path: str | Path):
-    """A YAML or JSON spec file as read, not validated. Raises ValueError naming the file."""
-    import yaml
-
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ValueError(f"cannot read spec {str(path)!r}: {e.strerror}") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=yaml_loader())
-    except (ValueError, yaml.YAMLError) as e:
-        first = " ".join(str(e).split())
-        raise ValueError(f"spec {str(path)!r} is not valid YAML/JSON: {first}") from None
-    return data
 
 
 def parse_spec(data) -> JobSpec:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -30,12 +31,22 @@ def spec(name, *, nodes=2, gpus=2, tp=2, iters=12, gbs=8, save_interval=2, min_n
                                 "node_grace_s": grace}}
 
 
+# What a failure drill only times, not computes: jobs that differ in these alone have one curve.
+_TIMING = ("collective_timeout_s", "node_grace_s", "max_restarts")
+_curves: dict[str, list[float]] = {}
+
+
 def undisturbed(s: dict) -> list[float]:
-    """The job's loss curve on local processes, without checkpoints or failures."""
-    job = to_job_config(parse_spec({**s, "checkpoint": {}}))
-    result = start_job(job, launcher=ProcessLauncher(), background=False).run()
-    assert result["state"] == "SUCCEEDED", result
-    return result["losses"]
+    """The job's loss curve on local processes, without checkpoints or failures; computed once per
+    session for specs that differ only in their name, checkpoints or failure handling's timing."""
+    ft = {k: v for k, v in (s.get("fault_tolerance") or {}).items() if k not in _TIMING}
+    key = json.dumps({**s, "name": None, "checkpoint": None, "fault_tolerance": ft}, sort_keys=True)
+    if key not in _curves:
+        job = to_job_config(parse_spec({**s, "checkpoint": {}}))
+        result = start_job(job, launcher=ProcessLauncher(), background=False).run()
+        assert result["state"] == "SUCCEEDED", result
+        _curves[key] = result["losses"]
+    return list(_curves[key])
 
 
 def close(a, b, rel=1e-5) -> bool:
@@ -57,14 +68,16 @@ def story(api, job_id: str, losses: list[float], expected: list[float]) -> str:
     return "\n".join(lines)
 
 
-def ray_server_client(tmp_path_factory, name: str, simulate: str = "4x2"):
+def ray_server_client(tmp_path_factory, name: str, simulate: str = "4x2", extra_args: tuple[str, ...] = (),
+                      with_server: bool = False):
     """The body of a module's server fixture: `raytron serve --simulate SHAPE --launcher ray` in a
-    fresh data dir; yields its API client, then stops it and every runner it left."""
+    fresh data dir (``extra_args``: more serve flags); yields its API client (``with_server``: the
+    server and its client), then stops it and every runner it left."""
     srv = Server(tmp_path_factory.mktemp(name) / "data", simulate=simulate, launcher="ray",
-                 start_timeout_s=180).start()
+                 start_timeout_s=180, extra_args=extra_args).start()
     try:
         with srv.client() as client:
-            yield client
+            yield (srv, client) if with_server else client
     finally:
         srv.stop()
         srv.kill_runners()

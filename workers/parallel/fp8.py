@@ -43,7 +43,7 @@ are unchanged (fp32).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -67,17 +67,20 @@ class Fp8Recipe:
     first_last_layers_bf16: bool = False
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
+    gemm: str = "emulated"
+    """How the GEMMs run: ``emulated`` or ``scaled_mm`` (:mod:`workers.parallel.fp8_gemm`)."""
 
     @classmethod
-    def of(cls, training) -> Fp8Recipe | None:
-        """The recipe of a :class:`workers.config.TrainingConfig` (None: FP8 off)."""
+    def of(cls, training, device: torch.device | None = None) -> Fp8Recipe | None:
+        """The recipe of a :class:`workers.config.TrainingConfig` on ``device`` (None: FP8 off)."""
         if not getattr(training, "fp8", None):
             return None
         return cls(fp8=training.fp8, recipe=training.fp8_recipe, amax_history_len=training.fp8_amax_history_len,
                    amax_compute_algo=training.fp8_amax_compute_algo, block_size=training.fp8_block_size,
                    first_last_layers_bf16=training.first_last_layers_bf16,
                    num_layers_at_start_in_bf16=training.num_layers_at_start_in_bf16,
-                   num_layers_at_end_in_bf16=training.num_layers_at_end_in_bf16)
+                   num_layers_at_end_in_bf16=training.num_layers_at_end_in_bf16,
+                   gemm=gemm_mode(training.fp8_gemm, training.fp8_recipe, device))
 
     @property
     def grad_dtype(self) -> torch.dtype:
@@ -88,6 +91,27 @@ class Fp8Recipe:
         if not self.first_last_layers_bf16:
             return True
         return self.num_layers_at_start_in_bf16 <= index < num_layers - self.num_layers_at_end_in_bf16
+
+
+def gemm_mode(mode: str, recipe: str, device: torch.device | None) -> str:
+    """``training.fp8_gemm`` on ``device``: ``auto`` is ``scaled_mm`` on a CUDA device with FP8
+    tensor cores (compute capability 8.9 or newer) for the per-tensor recipes, else ``emulated``."""
+    if mode != "auto":
+        return mode
+    fp8_cores = device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return "scaled_mm" if fp8_cores and recipe != "blockwise" else "emulated"
+
+
+@dataclass
+class ScaledGemm:
+    """One ``scaled_mm`` linear call's FP8 state (:mod:`workers.parallel.fp8_gemm`): the input's
+    scale, the weight's e4m3 bits and scale, and, once its backward has run, the output
+    gradient's FP8 bits and scale."""
+
+    x_scale: torch.Tensor
+    w: torch.Tensor
+    w_scale: torch.Tensor
+    grad: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
 
 
 def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -141,13 +165,17 @@ class _GradCast(torch.autograd.Function):
     """Forward: the GEMM output cast to the compute dtype; backward: the output gradient quantised."""
 
     @staticmethod
-    def forward(ctx, y, quantizer, dtype):
-        ctx.quantizer = quantizer
+    def forward(ctx, y, quantizer, dtype, gemm):
+        ctx.quantizer, ctx.gemm = quantizer, gemm
         return y.to(dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.quantizer.qdq_grad(grad), None, None
+        if ctx.gemm is None:
+            return ctx.quantizer.qdq_grad(grad), None, None, None
+        # scaled_mm: both backward GEMMs take the FP8 gradient from ctx.gemm
+        ctx.gemm.grad = ctx.quantizer.quantized([grad], ctx.quantizer.recipe.grad_dtype, slice(2, 3))[0]
+        return grad, None, None, None
 
 
 class LinearFp8:
@@ -176,10 +204,14 @@ class LinearFp8:
             comm.all_reduce(amax, self.group, op=dist.ReduceOp.MAX)
         return list(amax_to_scale(amax, dtype))
 
+    def quantized(self, tensors, dtype: torch.dtype, roles: slice) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each tensor's FP8 bits and scale (the per-tensor recipes)."""
+        return [(quantize(t, s, dtype), s) for t, s in zip(tensors, self._scales(tensors, dtype, roles))]
+
     def qdq(self, tensors, dtype: torch.dtype, roles: slice, weights: tuple[bool, ...]) -> list[torch.Tensor]:
         if self.recipe.recipe == "blockwise":
             return [blockwise_qdq(t, dtype, self.recipe.block_size, w) for t, w in zip(tensors, weights)]
-        return [dequantize(quantize(t, s, dtype), s) for t, s in zip(tensors, self._scales(tensors, dtype, roles))]
+        return [dequantize(q, s) for q, s in self.quantized(tensors, dtype, roles)]
 
     def qdq_grad(self, grad: torch.Tensor) -> torch.Tensor:
         return self.qdq([grad], self.recipe.grad_dtype, slice(2, 3), (False,))[0]
@@ -201,16 +233,22 @@ def quantize_operands(layer, x: torch.Tensor, weight: torch.Tensor) -> tuple[tor
     q: LinearFp8 | None = getattr(layer, "fp8", None)
     if q is None:
         return x, weight
-    xq, wq = q.qdq([x, weight], E4M3, slice(0, 2), (False, True))
-    wq = _Cast.apply(weight, wq)
+    if q.recipe.gemm == "scaled_mm":  # the operands as given; the GEMMs cast them (workers.parallel.fp8_gemm)
+        x_scale, w_scale = q._scales([x, weight], E4M3, slice(0, 2))
+        wq = _Cast.apply(weight, weight)
+        wq.fp8_gemm = ScaledGemm(x_scale, quantize(weight, w_scale, E4M3), w_scale)
+    else:
+        xq, wq = q.qdq([x, weight], E4M3, slice(0, 2), (False, True))
+        wq, x = _Cast.apply(weight, wq), _Cast.apply(x, xq)
     wq.wgrad_param = weight  # whose gradient a deferred weight-gradient GEMM is (workers.parallel.wgrad)
-    return _Cast.apply(x, xq), wq
+    return x, wq
 
 
-def quantize_grad(layer, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``layer``'s GEMM output ``y`` in the compute ``dtype``; with FP8 its gradient is quantised."""
+def quantize_grad(layer, y: torch.Tensor, dtype: torch.dtype, weight: torch.Tensor) -> torch.Tensor:
+    """``layer``'s GEMM output ``y`` (of the operand ``weight`` :func:`quantize_operands` gave) in
+    the compute ``dtype``; with FP8 its gradient is quantised."""
     q: LinearFp8 | None = getattr(layer, "fp8", None)
-    return y if q is None else _GradCast.apply(y, q, dtype)
+    return y if q is None else _GradCast.apply(y, q, dtype, getattr(weight, "fp8_gemm", None))
 
 
 def attach_fp8(layers, recipe: Fp8Recipe | None, group, num_layers: int, kinds: tuple[type, ...]) -> None:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.parallel import comm
+from workers.parallel import comm, fp8_gemm
 from workers.parallel.fp8 import quantize_grad, quantize_operands
 from workers.parallel.initializer import materialize
 from workers.parallel.sequence import reduce_scatter_to_sequence_parallel_region
@@ -86,9 +86,9 @@ class _LinearWithSequenceGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, group, owned):
-        ctx.group, ctx.owner = group, weight if owned else None
+        ctx.group, ctx.owner, ctx.gemm = group, weight if owned else None, getattr(weight, "fp8_gemm", None)
         ctx.save_for_backward(x, weight)
-        return F.linear(comm.all_gather(x, group, dim=0), weight)
+        return fp8_gemm.forward(comm.all_gather(x, group, dim=0), weight, ctx.gemm)
 
     @staticmethod
     def backward(ctx, grad):
@@ -96,10 +96,10 @@ class _LinearWithSequenceGather(torch.autograd.Function):
         # the input gradient's reduce-scatter under the weight-gradient GEMM.
         x, weight = ctx.saved_tensors
         full, gathering = comm.all_gather_start(x, ctx.group)
-        grad_full_input = grad.matmul(weight)
+        grad_full_input = fp8_gemm.dgrad(grad, weight, ctx.gemm)
         comm.wait(gathering)
         grad_input, scattering = comm.reduce_scatter_start(grad_full_input, ctx.group)
-        grad_weight = weight_grad(grad, full, ctx.owner)
+        grad_weight = weight_grad(grad, full, ctx.owner, ctx.gemm)
         comm.wait(scattering)
         return grad_input, grad_weight, None, None
 
@@ -112,16 +112,16 @@ class _LinearWithAsyncAllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, group, owned):
-        ctx.group, ctx.owner = group, weight if owned else None
+        ctx.group, ctx.owner, ctx.gemm = group, weight if owned else None, getattr(weight, "fp8_gemm", None)
         ctx.save_for_backward(x, weight)
-        return F.linear(x, weight)
+        return fp8_gemm.forward(x, weight, ctx.gemm)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_input = grad.matmul(weight)
+        grad_input = fp8_gemm.dgrad(grad, weight, ctx.gemm)
         reducing = comm.all_reduce(grad_input, ctx.group, async_op=True)
-        grad_weight = weight_grad(grad, x, ctx.owner)
+        grad_weight = weight_grad(grad, x, ctx.owner, ctx.gemm)
         reducing.wait()
         return grad_input, grad_weight, None, None
 
@@ -215,7 +215,7 @@ class ColumnParallelLinear(nn.Module):
             y = _LinearWithAsyncAllReduce.apply(x, weight, self.group, owned)
         else:
             y = linear(x, weight)
-        y = quantize_grad(self, y, dtype)
+        y = quantize_grad(self, y, dtype, weight)
         if self.bias is not None:  # whatever the path above: the bias joins this rank's output slice
             y = y + self.bias
         if self.gather_output:
@@ -254,7 +254,7 @@ class RowParallelLinear(nn.Module):
             return linear(x, self.weight, residual)
         dtype = x.dtype
         x, weight = quantize_operands(self, x, self.weight)  # FP8 (workers.parallel.fp8); else as given
-        y = quantize_grad(self, linear(x, weight), dtype)  # partial sum over this rank's input features
+        y = quantize_grad(self, linear(x, weight), dtype, weight)  # partial sum over this rank's input features
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)
         else:

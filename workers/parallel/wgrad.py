@@ -57,6 +57,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from workers.parallel import fp8_gemm
+from workers.parallel.fp8 import ScaledGemm
+
 
 def grad_owner(weight: torch.Tensor) -> torch.Tensor | None:
     """The parameter whose gradient this forward's backward hands to :func:`weight_grad`'s
@@ -81,23 +84,25 @@ def _fp32_path(weight: torch.Tensor) -> bool:
     return main is not None and main.dtype == weight.dtype
 
 
-def weight_grad(grad: torch.Tensor, x: torch.Tensor, owner: torch.Tensor | None) -> torch.Tensor | None:
-    """``dL/dW`` of ``y = x @ W.T`` (``grad^T @ x`` over every token). ``owner``: the GEMM's
+def weight_grad(grad: torch.Tensor, x: torch.Tensor, owner: torch.Tensor | None,
+                gemm: ScaledGemm | None = None) -> torch.Tensor | None:
+    """``dL/dW`` of ``y = x @ W.T`` (``grad^T @ x`` over every token; ``gemm``: an FP8
+    ``_scaled_mm``, :mod:`workers.parallel.fp8_gemm`). ``owner``: the GEMM's
     weight where :func:`grad_owner` held in the forward; then, inside :func:`deferred_wgrads`,
     the GEMM is queued and ``None`` returned, and otherwise, on the fp32 path, accumulated into
     ``owner.main_grad`` and a dummy returned (see the module docstring)."""
     grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
     param = None if owner is None else getattr(owner, "wgrad_param", owner)
     if param is None or torch.is_grad_enabled() or getattr(param, "main_grad", None) is None:
-        return grad_2d.t().matmul(x_2d)  # create_graph, or no buffer (any more): plain autograd
+        return fp8_gemm.wgrad(grad_2d, x_2d, gemm)  # create_graph, or no buffer (any more): plain autograd
     fused = param is owner and _fp32_path(param)  # an FP8 copy's gradient goes through its cast
     if _deferred is not None and (fused or not getattr(param, "zero_out_wgrad", False)):
         # A zero-bubble B: the GEMM waits for run_wgrads, autograd gets nothing for the weight.
-        _deferred.append((param, grad_2d, x_2d, fused))
+        _deferred.append((param, grad_2d, x_2d, fused, gemm))
         param.wgrad_deferred = getattr(param, "wgrad_deferred", 0) + 1  # GEMMs queued, not yet run
         return None
     if not fused:  # bf16/fp16, FP8: autograd (the cast's backward), AccumulateGrad and the hook take it
-        return grad_2d.t().matmul(x_2d)
+        return fp8_gemm.wgrad(grad_2d, x_2d, gemm)
     param.main_grad.addmm_(grad_2d.t(), x_2d)
     return _dummy(param)
 
@@ -136,14 +141,14 @@ def run_wgrads(queue: list) -> None:
     an unsplit backward."""
     grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     with torch.no_grad():
-        for weight, grad_2d, x_2d, fused in queue:
+        for weight, grad_2d, x_2d, fused, gemm in queue:
             if fused:
                 weight.main_grad.addmm_(grad_2d.t(), x_2d)
                 grads[id(weight)] = (weight, None)
             else:
-                gemm = grad_2d.t().matmul(x_2d).to(weight.dtype)
+                out = fp8_gemm.wgrad(grad_2d, x_2d, gemm).to(weight.dtype)
                 _, held = grads.get(id(weight), (weight, None))
-                grads[id(weight)] = (weight, gemm if held is None else held + gemm)
+                grads[id(weight)] = (weight, out if held is None else held + out)
             weight.wgrad_deferred -= 1
     queue.clear()
     if grads:
@@ -163,19 +168,19 @@ class LinearFusedWgrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, residual):
-        ctx.owner = weight
+        ctx.owner, ctx.gemm = weight, getattr(weight, "fp8_gemm", None)
         ctx.has_residual = residual is not None
         ctx.save_for_backward(x, weight)
         if residual is None:
-            return F.linear(x, weight)
+            return fp8_gemm.forward(x, weight, ctx.gemm)
         y = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
         return y.view(residual.shape)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_input = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_weight = weight_grad(grad, x, ctx.owner)
+        grad_input = fp8_gemm.dgrad(grad, weight, ctx.gemm) if ctx.needs_input_grad[0] else None
+        grad_weight = weight_grad(grad, x, ctx.owner, ctx.gemm)
         return grad_input, grad_weight, grad if ctx.has_residual else None
 
 
@@ -183,7 +188,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None 
     """``x @ W.T (+ residual)``, through :class:`LinearFusedWgrad` when ``weight`` has a
     ``main_grad`` (:func:`grad_owner`); otherwise ``F.linear`` (and, with a residual, one
     ``torch.addmm``)."""
-    if grad_owner(weight) is not None:
+    if grad_owner(weight) is not None or getattr(weight, "fp8_gemm", None) is not None:
         return LinearFusedWgrad.apply(x, weight, residual)
     if residual is None:
         return F.linear(x, weight)

@@ -103,7 +103,7 @@ class Trainer:
         self.ctx = ShardContext(
             tp_group=pg.tp_group, cp_group=pg.cp_group, tp_cp_group=pg.tp_cp_group, cp_ranks=tuple(pg.ranks("cp")),
             ep_group=pg.ep_group, etp_group=pg.etp_group, sequence_parallel=p.sequence_parallel,
-            cp_comm_type=p.cp_comm_type, seed=t.seed, fp8=Fp8Recipe.of(t),
+            cp_comm_type=p.cp_comm_type, seed=t.seed, fp8=Fp8Recipe.of(t, self.device),
             hcp_groups=(pg.hcp_a2a_group, pg.hcp_p2p_group, tuple(pg.ranks("hcp_p2p")))
             if p.cp_comm_type == "a2a+p2p" else None,
         )

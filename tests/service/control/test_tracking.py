@@ -1,5 +1,5 @@
 """Experiment tracking (service/control/tracking.py) against a real MLflow server on 127.0.0.1 that the
-test starts (SQLite backend), read back with MlflowClient: ``raytron run`` with a rank killed
+session starts (SQLite backend), read back with MlflowClient: ``raytron run`` with a rank killed
 mid-job logs one run whose loss history is the job's curve (no step twice, though the restarted
 attempt ran some iterations again), with the spec as parameters, the restart among the event tags and
 the run FINISHED. W&B in offline mode, read back from the run's ``.wandb`` file with wandb's own
@@ -19,14 +19,6 @@ from tests.helpers.cli import RAYTRON
 from tests.helpers.parity import tiny_spec
 
 pytestmark = pytest.mark.procs
-
-
-@pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory):
-    from tests.helpers.mlflow_server import mlflow_server
-
-    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
-        yield uri
 
 
 def _spec(tmp_path, uri, iters=5, tracking=None):

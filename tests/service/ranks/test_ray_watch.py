@@ -2,9 +2,9 @@
 
 The decision (:meth:`ConnectionWatch.judge`) is tested on scripted probes; the probes and the
 runner's exit against a real simulated cluster hosted by another process (as a cluster outlives
-a runner): its node's raylet killed (the job then goes on under a new runner, on the curve of an
-undisturbed run), or the GCS killed (the head node lost: nothing can go on, but the runner says
-so at once instead of waiting out a 600 s rendezvous).
+a runner; one for the module): its node's raylet killed (the job then goes on under a new runner,
+on the curve of an undisturbed run), or, last, the GCS killed (the head node lost: nothing can go
+on, but the runner says so at once instead of waiting out a 600 s rendezvous).
 """
 
 from __future__ import annotations
@@ -68,6 +68,18 @@ def test_the_watch_calls_on_lost_once_from_its_thread_and_stops():
 
 
 # ---- against a real cluster -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hosted(tmp_path_factory):
+    """One hosted cluster (2 worker nodes x 2 GPU slots) for the module's drills, in file order: the
+    raylet drill takes one node, the stale runner's test needs one node, the GCS drill (last) takes
+    the head. Its close checks that nothing of it is left."""
+    cluster = HostedCluster(tmp_path_factory.mktemp("hosted"))
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
 def _spec(iters: int) -> dict:
     return {"name": "cutoff",
             "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
@@ -127,7 +139,7 @@ def _cut_off(tmp_path: Path, cluster: HostedCluster, store: JobStore, url: str, 
 
 
 @pytest.mark.ray
-def test_a_runner_whose_raylet_dies_exits_at_once_and_a_new_runner_goes_on(tmp_path):
+def test_a_runner_whose_raylet_dies_exits_at_once_and_a_new_runner_goes_on(tmp_path, hosted):
     """The runner's node's raylet killed at iteration 4: the runner exits within seconds with
     EXIT_RAY_LOST and the reason, recorded as a failure, the job not ended; a new runner (what the
     server starts then) finishes it on the undisturbed curve with one restart. Without the watch
@@ -139,7 +151,7 @@ def test_a_runner_whose_raylet_dies_exits_at_once_and_a_new_runner_goes_on(tmp_p
     spec = _spec(100)  # long enough not to end in the seconds the watch takes
     url = sqlite_url(tmp_path)
     store = JobStore(url)
-    cluster = HostedCluster(tmp_path)
+    cluster = hosted
     try:
         store.create_job(spec, job_id="cutoff-1")
         took, status, log = _cut_off(tmp_path, cluster, store, url, "cutoff-1", "raylet")
@@ -161,28 +173,6 @@ def test_a_runner_whose_raylet_dies_exits_at_once_and_a_new_runner_goes_on(tmp_p
         assert sorted(set(iterations)) == list(range(1, 101))
     finally:
         store.close()
-        cluster.close()
-
-
-@pytest.mark.ray
-def test_a_runner_whose_gcs_is_gone_exits_within_seconds_with_the_reason(tmp_path):
-    """The GCS killed (the head node lost) at iteration 4: the runner exits with EXIT_RAY_LOST after
-    the GCS's grace (10 s), naming the GCS, and leaves the job to a new runner (not ended)."""
-    url = sqlite_url(tmp_path)
-    store = JobStore(url)
-    cluster = HostedCluster(tmp_path)
-    try:
-        store.create_job(_spec(400), job_id="headless-1")
-        took, status, log = _cut_off(tmp_path, cluster, store, url, "headless-1", "gcs")
-        assert status == EXIT_RAY_LOST, log[-4000:]
-        assert took < 40, took  # Ray's own driver would retry the GCS for 60 s, then a rendezvous for 600 s
-        assert re.search(r"the GCS at \S+ has not answered for \d+s", log), log[-4000:]
-        lost = [e for e in store.events("headless-1", kind="failure") if e["data"].get("code") == "ray_connection_lost"]
-        assert len(lost) == 1 and "the head node was lost" in lost[0]["message"], lost
-        assert store.get_job("headless-1")["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED")
-    finally:
-        store.close()
-        cluster.close()
 
 
 STALE_RUNNER = """
@@ -208,14 +198,14 @@ sys.stdin.read()
 
 
 @pytest.mark.ray
-def test_a_new_runner_takes_over_what_an_earlier_runner_of_the_job_left_on_the_cluster(tmp_path):
+def test_a_new_runner_takes_over_what_an_earlier_runner_of_the_job_left_on_the_cluster(tmp_path, hosted):
     """A runner whose driver died holds its job's named placement group and rank actors until the
     GCS marks that driver dead, which may come after the next runner starts (seen in CI: the new
     runner FAILED with "placement group 'raytron:<job>' already exists"). Here a live driver holds
     both, as such a stale runner does; a new runner of the job removes them and finishes the job."""
     url = sqlite_url(tmp_path)
     store = JobStore(url)
-    cluster = HostedCluster(tmp_path, nodes=1)
+    cluster = hosted
     stale = subprocess.Popen([sys.executable, "-c", STALE_RUNNER, "stale-1"], cwd=ROOT, env=cluster.env(), text=True,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
@@ -230,4 +220,23 @@ def test_a_new_runner_takes_over_what_an_earlier_runner_of_the_job_left_on_the_c
         stale.kill()
         stale.wait()
         store.close()
-        cluster.close()
+
+
+@pytest.mark.ray
+def test_a_runner_whose_gcs_is_gone_exits_within_seconds_with_the_reason(tmp_path, hosted):
+    """The GCS killed (the head node lost) at iteration 4: the runner exits with EXIT_RAY_LOST after
+    the GCS's grace (10 s), naming the GCS, and leaves the job to a new runner (not ended). Last in the module: the cluster's head is gone after it."""
+    url = sqlite_url(tmp_path)
+    store = JobStore(url)
+    cluster = hosted
+    try:
+        store.create_job(_spec(400), job_id="headless-1")
+        took, status, log = _cut_off(tmp_path, cluster, store, url, "headless-1", "gcs")
+        assert status == EXIT_RAY_LOST, log[-4000:]
+        assert took < 40, took  # Ray's own driver would retry the GCS for 60 s, then a rendezvous for 600 s
+        assert re.search(r"the GCS at \S+ has not answered for \d+s", log), log[-4000:]
+        lost = [e for e in store.events("headless-1", kind="failure") if e["data"].get("code") == "ray_connection_lost"]
+        assert len(lost) == 1 and "the head node was lost" in lost[0]["message"], lost
+        assert store.get_job("headless-1")["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED")
+    finally:
+        store.close()

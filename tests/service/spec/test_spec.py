@@ -165,6 +165,10 @@ def test_yaml_exponent_without_dot_is_a_number(tmp_path):
     spec["training"]["lr"] = "REPLACE"
     path.write_text(yaml.safe_dump(spec).replace("REPLACE", "1e-3"))
     assert load_spec(path).training.lr == 1e-3
+    # and the client's commands (raytron submit / plan) read it as raytron run does
+    from api.cli.client_cmds import load_spec_file
+
+    assert load_spec_file(str(path))["training"]["lr"] == 1e-3
     path.write_text(yaml.safe_dump(spec).replace("REPLACE", ".inf"))
     with pytest.raises(ValueError, match="lr.yaml: invalid job spec: training.lr: Input should be a finite"):
         load_spec(path)

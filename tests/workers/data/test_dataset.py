@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from workers.data.dataset import GlobalSampler, check_corpus, load_tokens
+from workers.data.corpus import check_corpus, load_tokens
+from workers.data.dataset import GlobalSampler
 
 
 def test_builtin_tiny_is_bytes():
@@ -55,7 +56,8 @@ def test_npy_and_bin_token_files(tmp_path):
 
 from workers.config import stable_seed  # noqa: E402
 from workers.data.blend import parse_blend, parse_split, split_bookends  # noqa: E402
-from workers.data.dataset import check_data, data_form_problem, eval_index  # noqa: E402
+from workers.data.corpus import data_form_problem  # noqa: E402
+from workers.data.dataset import check_data, eval_index  # noqa: E402
 from workers.data.indexed import IndexedDatasetWriter  # noqa: E402
 
 

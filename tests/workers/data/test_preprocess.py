@@ -11,7 +11,8 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from api.cli import preprocess_cmd  # noqa: E402
 from workers.data.preprocess import HFTokenizer, preprocess  # noqa: E402
-from workers.data.dataset import GlobalSampler, load_tokens  # noqa: E402
+from workers.data.corpus import load_tokens  # noqa: E402
+from workers.data.dataset import GlobalSampler  # noqa: E402
 from workers.data.indexed import IndexedDataset  # noqa: E402
 
 VOCAB = {"<unk>": 0, "<s>": 1, "</s>": 2, "the": 3, "cat": 4, "sat": 5, "dog": 6, "ran": 7, "a": 8, "title": 9}

@@ -75,8 +75,10 @@ def test_the_scaling_factor_weighs_only_the_mtp_gradient():
     ({"mtp_num_layers": 0}, "mtp_num_layers"),
     ({"mtp_num_layers": 1, "mtp_loss_scaling_factor": -1}, "mtp_loss_scaling_factor"),
     ({"mtp_num_layers": 1, "packed": True}, "model.mtp_num_layers with training.calculate_per_token_loss"),
+    ({"mtp_loss_scaling_factor": 0.3}, "model.mtp_loss_scaling_factor 0.3 is set but model.mtp_num_layers is null"),
 ])
 def test_bad_mtp_fields_are_refused_naming_the_field(model, needle):
     packed = model.pop("packed", False)
-    with pytest.raises(ValueError, match=needle):
+    with pytest.raises(ValueError, match=needle) as e:
         parse_spec(tiny_spec(model=model, training={"calculate_per_token_loss": True} if packed else None))
+    assert "\n" not in str(e.value)

@@ -1,5 +1,6 @@
 """FP8 linears in one process (workers/parallel/fp8.py): the tensorwise linear against the
-outside judge, torchao's emulated ``Float8Linear``, bit for bit; the blockwise tiles of a TP
+outside judge, torchao's ``Float8Linear``, bit for bit, emulated and through ``torch._scaled_mm``
+(``emulate=False``; workers/parallel/fp8_gemm.py); the blockwise tiles of a TP
 shard are the full tensor's; delayed scaling's history; the spec's refusals. The layouts
 against the single process: test_fp8_parity.py."""
 
@@ -12,7 +13,7 @@ from workers.parallel.fp8 import E4M3, E5M2, Fp8Recipe, LinearFp8, amax_to_scale
 from workers.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 
-def _torchao(w: torch.Tensor, fmt: str, dtype: torch.dtype) -> nn.Module:
+def _torchao(w: torch.Tensor, fmt: str, dtype: torch.dtype, emulate: bool = True) -> nn.Module:
     pytest.importorskip("torchao.float8")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.config import CastConfig
@@ -21,19 +22,20 @@ def _torchao(w: torch.Tensor, fmt: str, dtype: torch.dtype) -> nn.Module:
     ref[0].weight.data.copy_(w)
     # torchao's default config is tensorwise with e5m2 output gradients: our hybrid
     grad = {} if fmt == "hybrid" else {"cast_config_grad_output": CastConfig(target_dtype=E4M3)}
-    return convert_to_float8_training(ref, config=Float8LinearConfig(emulate=True, **grad)).to(dtype)
+    return convert_to_float8_training(ref, config=Float8LinearConfig(emulate=emulate, **grad)).to(dtype)
 
 
+@pytest.mark.parametrize("gemm", ["emulated", "scaled_mm"])
 @pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cls", [ColumnParallelLinear, RowParallelLinear])
-def test_tensorwise_linear_is_torchaos_float8_linear_bit_for_bit(fmt, dtype, cls):
+def test_tensorwise_linear_is_torchaos_float8_linear_bit_for_bit(fmt, dtype, cls, gemm):
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(48, 32, generator=g) * 0.05, torch.randn(5, 3, 32, generator=g)
     grad_out = torch.randn(5, 3, 48, generator=g) * 1e-3
     ours = cls(w, None).to(dtype)
-    ours.fp8 = LinearFp8(Fp8Recipe(fp8=fmt, recipe="tensorwise"), None)
-    ref = _torchao(w, fmt, dtype)
+    ours.fp8 = LinearFp8(Fp8Recipe(fp8=fmt, recipe="tensorwise", gemm=gemm), None)
+    ref = _torchao(w, fmt, dtype, emulate=gemm == "emulated")
     results = []
     for module, weight in ((ours, ours.weight), (ref, ref[0].weight)):
         xi = x.to(dtype).requires_grad_()
@@ -119,7 +121,10 @@ def test_the_spec_takes_every_recipe():
         parse_spec({**BASE, "training": {"fp8": "hybrid", "fp8_recipe": recipe, "bf16": True, **extra}})
 
 
-def test_the_plan_costs_the_emulated_fp8_gemms_at_the_fp32_peak():
+def test_the_plan_costs_the_fp8_gemms_as_they_run():
+    """Emulated: the linears' GEMMs moved from the bf16 to the fp32 peak; through ``_scaled_mm``
+    (``fp8_gemm: auto`` on an H100, a per-tensor recipe): to the FP8 peak, a saving; blockwise
+    under ``auto`` stays emulated."""
     from service.spec import cost
     from service.spec.plan import plan_job
 
@@ -127,9 +132,11 @@ def test_the_plan_costs_the_emulated_fp8_gemms_at_the_fp32_peak():
                       "seq_length": 2048},
             "training": {"bf16": True, "global_batch_size": 8, "micro_batch_size": 1},
             "resources": {"gpus_per_node": 8, "gpu_type": "H100"}, "parallel": {"tensor_model_parallel_size": 2}}
+    emulated = {"fp8": "hybrid", "fp8_gemm": "emulated"}
     steps = {}
-    for name, extra in (("bf16", {}), ("fp8", {"fp8": "hybrid"}),
-                        ("fp8-first-last", {"fp8": "hybrid", "first_last_layers_bf16": True})):
+    for name, extra in (("bf16", {}), ("fp8", emulated), ("fp8-first-last", {**emulated, "first_last_layers_bf16": True}),
+                        ("scaled_mm", {"fp8": "hybrid", "fp8_recipe": "tensorwise"}),
+                        ("blockwise", {"fp8": "hybrid", "fp8_recipe": "blockwise"})):
         parsed = parse_spec({**spec, "training": {**spec["training"], **extra}})
         steps[name] = plan_job(parsed)["cost"]["step_seconds"]
     bf16, fp8, first_last = steps["bf16"], steps["fp8"], steps["fp8-first-last"]
@@ -141,15 +148,19 @@ def test_the_plan_costs_the_emulated_fp8_gemms_at_the_fp32_peak():
     assert fp8["fp8"] == pytest.approx(want, rel=1e-9)
     assert fp8["total"] == pytest.approx(bf16["total"] + want, rel=1e-9)
     assert first_last["fp8"] == pytest.approx(want * 6 / 8, rel=1e-9)
+    assert steps["scaled_mm"]["fp8"] == pytest.approx(flops / 8 * (1 / 1979e12 - 1 / 989e12) / cost.EFFICIENCY, rel=1e-9)
+    assert steps["scaled_mm"]["total"] < bf16["total"] < fp8["total"]
+    assert steps["blockwise"]["fp8"] == pytest.approx(want, rel=1e-9)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_full_recompute_reproduces_the_fp8_run(recipe):
+@pytest.mark.parametrize("recipe, gemm", [("tensorwise", "emulated"), ("delayed", "emulated"), ("delayed", "scaled_mm")])
+def test_full_recompute_reproduces_the_fp8_run(recipe, gemm):
     """A recomputed forward quantises as the first did (tensorwise: the same amax; delayed: the
-    same scales, and its amaxes, recorded twice, leave the max unchanged)."""
+    same scales, and its amaxes, recorded twice, leave the max unchanged); with ``_scaled_mm``
+    the backward GEMMs take the scales the first forward chose."""
     from tests.helpers.parity import job_of, run_trainer, tiny_spec
 
-    training = {"fp8": "hybrid", "fp8_recipe": recipe}
+    training = {"fp8": "hybrid", "fp8_recipe": recipe, "fp8_gemm": gemm}
     recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     plain = run_trainer(0, 1, job_of(tiny_spec(training=training)), iters=2)["losses"]
     assert run_trainer(0, 1, job_of(tiny_spec(training=training, model=recompute)), iters=2)["losses"] == plain

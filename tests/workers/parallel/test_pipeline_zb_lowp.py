@@ -7,7 +7,7 @@ GEMMs summed as autograd sums them) fills the fp32 main-grad buffer with exactly
 backward's bits, and its hooks run at W; a tied table (lookup + GEMM in one backward) keeps its
 GEMM in B; the whole model at pp 2 gives 1F1B's losses, grad norms, iteration-0 gradients and
 final params bit for bit (ZB-H1), ZBV the same V layout's with its backwards unsplit, in bf16,
-fp16 and FP8 (over bf16 and fp32), and both agree with the single bf16 process within the bf16
+fp16 and FP8 (over bf16 and fp32, and through ``_scaled_mm``), and both agree with the single bf16 process within the bf16
 tolerances.
 """
 
@@ -150,7 +150,8 @@ _LAYOUTS = {  # name: (parallel, W deferred)
     "zbv-unsplit": (_ZBV, False),  # the same V table, each B a whole backward (W has nothing to run)
 }
 _PRECISIONS = {"bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 2.0**10},
-               "fp8-bf16": {"bf16": True, "fp8": "hybrid"}, "fp8-fp32": {"fp8": "e4m3"}}
+               "fp8-bf16": {"bf16": True, "fp8": "hybrid"}, "fp8-fp32": {"fp8": "e4m3"},
+               "fp8-scaled_mm": {"bf16": True, "fp8": "hybrid", "fp8_gemm": "scaled_mm"}}
 _SAME = ("loss", "grad_norm", "mtp_loss", "loss_scale", "skipped", "val_loss")
 
 
