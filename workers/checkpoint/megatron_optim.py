@@ -7,10 +7,12 @@ Megatron-Core keeps the state of model tensor ``KEY`` in its ``fully_reshardable
 ``optimizer.state.exp_avg.KEY``, ``optimizer.state.exp_avg_sq.KEY`` and ``optimizer.state.param.KEY``
 (``fp32_param`` in older files): tensors of KEY's own shape and sharding, so any layout reads its own
 slices of them as of the weights. Adam's step is in the common state, in each of the optimizer's
-``param_groups``. The ``dp_reshardable`` format (``optimizer.distributed.*``: Megatron's flat grad
-buckets of one tp x pp layout) and the ``fully_sharded_model_space`` format of megatron-core before 0.14
-(a flattened reformulation whose shape depends on the saving layout) are not read: the job starts a
-fresh optimizer, and the reader says why (:func:`optimizer_source`).
+``param_groups``. The ``dp_reshardable`` format (Megatron-LM's default; ``optimizer.distributed.*``:
+Megatron's flat grad buckets of one tp x pp layout) and ``fully_sharded_model_space`` (a flattened
+reformulation whose shape depends on the saving layout; the default of megatron-core's
+``DistributedOptimizer.sharded_state_dict``, whose 0.19 save refuses it: "ShardedTensor.flattened_range
+is not supported") are not read: the job starts a fresh optimizer, and the reader says why
+(:func:`optimizer_source`).
 """
 
 from __future__ import annotations
