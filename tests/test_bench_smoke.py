@@ -21,6 +21,7 @@ if ROOT not in sys.path:
 
 from bench import comm_bench  # noqa: E402
 from bench.comm_bench import Layout, all_reduce_bytes, analytic_bytes, layout_job, ratio  # noqa: E402
+from tests.helpers.hf import MLA  # noqa: E402
 
 # h 8, 2 heads of d 4, 2 kv groups, ffn 16, vocab 16, seq 4 (8 with cp 2), one layer, one sample.
 TINY = {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "num_query_groups": 2,
@@ -96,11 +97,20 @@ def test_tp2_measurement_runs():
     # the ring across the pairs: 3 blocks of 2 x 2 tokens x 2 kv heads / 2 x 2 d x 4 B = 128 B each.
     (4, {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [2, 2]},
      256 + 3 * 128),
-], ids=["a2a", "a2a+p2p"])
-def test_a2a_context_parallelism_moves_exactly_the_minimum(world, parallel, minimum):
-    job, rows, results = comm_bench.run_layout(Layout("cp-a2a", parallel), world,
-                                               model={**TINY, "seq_length": 8, "vocab_size": 256},
-                                               training=ONE_SAMPLE)  # the builtin data's byte tokens
+    # Multi-latent attention, 4 heads, seq 1024 (s_local 256): K and V per head, q, k, v and the output
+    # at one head dim max(8 + 4, 6) = 12; a2a at cp4: 2 x 3/4 x 256 x (4+4+4+4) x 12 x 4 B = 294,912 B.
+    (4, {"context_parallel_size": 4, "cp_comm_type": "a2a"}, 294_912),
+    # cp4 as 2x2: the pairs' all-to-all 2 x 1/2 x 256 x 16 x 12 x 4 = 196,608 B; the ring across the
+    # pairs: 3 blocks of 256 tokens x 4 heads x 2 x 12 x 4 B = 98,304 B each.
+    (4, {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [2, 2]},
+     196_608 + 3 * 98_304),
+], ids=["a2a", "a2a+p2p", "mla-seq1024-a2a", "mla-seq1024-a2a+p2p"])
+def test_a2a_context_parallelism_moves_exactly_the_minimum(request, world, parallel, minimum):
+    model = {**TINY, "seq_length": 8, "vocab_size": 256}  # the builtin data's byte tokens
+    if "mla" in request.node.callspec.id:
+        model = {**model, **MLA, "num_attention_heads": 4, "seq_length": 1024}
+    job, rows, results = comm_bench.run_layout(Layout("cp-a2a", parallel), world, model=model,
+                                               training=ONE_SAMPLE)
     cp = next(r for r in rows if r.traffic == "cp")
     assert cp.minimum == minimum and cp.ratio == 1.0
 

@@ -268,11 +268,18 @@ class JobConfig:
     gpus_per_node: int = 1
     max_restarts: int = 3
     """New attempts after rank failures before the job fails (fault_tolerance.max_restarts)."""
+    max_preemptions: int = 10
+    """Preemption and drain notices the job moves off before it fails (fault_tolerance.max_preemptions);
+    they do not count as restarts."""
+    sigterm_grace_s: float = 30.0
+    """After a SIGTERM, how long a rank process has before it is killed (fault_tolerance.sigterm_grace_s)."""
     collective_timeout_s: float = 300.0
     """A peer silent this long inside a collective is a failure (fault_tolerance.collective_timeout_s)."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     min_nodes: int | None = None
     """Elastic floor (resources.min_nodes): dp may shrink down to what min_nodes hold; None = num_nodes."""
+    spare_nodes: int = 0
+    """Hot spare nodes held beside the job's, with idle rank actors (resources.spare_nodes; Ray launcher)."""
     node_grace_s: float = 60.0
     """How long a lost node may take to come back before the job shrinks (fault_tolerance.node_grace_s)."""
     relayout_spec: str | None = None

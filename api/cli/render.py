@@ -48,7 +48,7 @@ class RunView:
             where = event.data["from_checkpoint"] or "iteration 0 (no checkpoint yet)"
             if event.data["from_checkpoint"] or "(attempt" in event.message:
                 print(f"raytron: a new attempt from {where}", file=self.out)
-        elif event.kind in ("resize", "waiting", "layout", "tracking", "restore") or (event.kind == "state" and event.state is JobState.QUEUED
+        elif event.kind in ("resize", "waiting", "layout", "tracking", "restore", "preempted") or (event.kind == "state" and event.state is JobState.QUEUED
                                         and "checkpoints" in event.message and not self.quiet):
             print(f"raytron: {event.message}", file=self.out)
         if event.kind == "state" and event.state.is_terminal:

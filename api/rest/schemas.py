@@ -116,12 +116,23 @@ class RankPlacement(BaseModel, extra="allow"):
     expert_dp: int | None = Field(None, description="expert data-parallel rank")
 
 
+class SparePublic(BaseModel):
+    """A hot spare node of a job (resources.spare_nodes): idle rank actors that take a lost node's ranks."""
+
+    job_id: str | None = None
+    bundle: int = Field(description="the spare's bundle in the job's placement group")
+    node_id: str | None = Field(None, description="the Ray node holding it (none while Ray places it)")
+    actors: int = Field(description="spare rank actors started on it")
+    ready: int = Field(description="of those, the ones up (torch and the trainer imported)")
+
+
 class PlacementPublic(BaseModel):
     job_id: str
     attempt: int = Field(description="the attempt these ranks belong to (1-based; 0 before any started)")
     reported_at: float | None = None
     gpus_per_node: int | None = Field(None, description="GPU slots per node (the map draws the free ones too)")
     ranks: list[RankPlacement]
+    spares: list[SparePublic] = Field([], description="the job's hot spares when its ranks were placed")
 
 
 class CheckpointEntry(BaseModel):
@@ -164,6 +175,7 @@ class ClusterPublic(BaseModel):
     gpu_type: str | None = Field(None, description="the resources.gpu_type a spec that names no accelerator "
                                  "gets: the type every GPU node reports (none: the simulated CPU cluster's figures)")
     nodes: list[NodePublic]
+    spares: list[SparePublic] = Field([], description="the hot spares of the active jobs, as last placed")
     gpus_total: int
     gpus_free: int
     queue_length: int

@@ -41,7 +41,8 @@ from service.spec.megatron_load import source_optimizer_note
 from service.spec.placement import check_tp_in_node
 from service.control.relayout import ElasticRelayout
 from service.control.trials import layout_message
-from service.control.recovery import restore_event
+from service.control.recovery import restore_event, resume_source
+from service.control.preemption import PreemptionWatch, count_preemptions, preempted_event, save_before_leaving
 from service.control.policy import Decision, ElasticDataParallel, FailurePolicy, RestartUpTo, ScalingPolicy
 from service.control.rank_group import RankGroup
 from service.control.result import result_object
@@ -57,10 +58,11 @@ def is_restart(event: JobEvent) -> bool:
     """Whether ``event`` counts as a restart: a RESTARTING transition that recovers the job (after
     a failure the policy restarts, or a controller rebuilt after its ranks were lost), not one that
     only resizes it (``data["resize"]``: a shrink while an attempt waited for nodes, a grow back at
-    a checkpoint). Every ``restarts`` (the controller's, so ``raytron run --json``'s and the failure
+    a checkpoint) or moves it off nodes being drained (``data["preempted"]``). Every ``restarts`` (the controller's, so ``raytron run --json``'s and the failure
     policy's; the REST API's; /metrics') is the number of these events; a job has one attempt per
     STARTING, so after a resize it has more attempts than restarts + 1."""
-    return event.kind == "state" and event.state is JobState.RESTARTING and not event.data.get("resize")
+    return (event.kind == "state" and event.state is JobState.RESTARTING and not event.data.get("resize")
+            and not event.data.get("preempted"))  # a move off drained nodes: service.control.preemption
 
 
 def count_restarts(events: Iterable[JobEvent]) -> int:
@@ -102,6 +104,8 @@ class JobController:
             attempts (ranks kept warm for a restart).
         layout: the record of an auto layout's choice (``parallel: auto``), emitted as a ``layout``
             event after QUEUED.
+        drain_notices: node id -> deadline of the nodes being drained (a preemption notice), asked
+            between calls (:mod:`service.control.preemption`); None: never.
     """
 
     def __init__(self, job: JobConfig, grid: ParallelGrid, *, job_id: str,
@@ -110,13 +114,14 @@ class JobController:
                  iterations_per_call: int = 1, call_target_s: float = 0.0, faults: list[Fault] | tuple = (),
                  history: list[JobEvent] | None = None, nodes_available: Callable[[], int | None] | None = None,
                  scaling_policy: ScalingPolicy | None = None, release: Callable[[], None] | None = None,
-                 layout: dict | None = None):
+                 layout: dict | None = None, drain_notices: Callable[[], dict] | None = None):
         self.job, self.grid, self.job_id = job, grid, job_id
         self.current = job  # this attempt's job: its size may differ after a resize
         self.sizer = Sizer(job, scaling_policy or (ElasticRelayout() if job.relayout_spec else ElasticDataParallel()),
                            nodes_available)
         self._make_group, self._on_event, self._release = make_group, on_event, release
         self.policy = failure_policy or RestartUpTo(job.max_restarts)
+        self.preemption = PreemptionWatch(drain_notices)
         # Calls end where a restart can resume: at a disk save, or at an in-memory snapshot.
         ends = [i for i in (job.checkpoint.save_interval, job.memory_interval) if i]
         self.calls = CallSizer(max(1, iterations_per_call), call_target_s, min(ends) if ends else None)
@@ -195,8 +200,8 @@ class JobController:
         if job is None:
             raise JobCancelled(self._cancel_reason)
         self.attempts += 1
-        if self.attempts > 1:
-            self._say_if_waiting(job)
+        if self.attempts > 1 and (waiting := self.sizer.waiting_event(job, self.state)) is not None:
+            self._emit(waiting)
         grid = ParallelGrid.from_config(job.parallel, job.world_size)
         if grid.world_size != self.grid.world_size:
             before, after = self.grid.sizes(), grid.sizes()
@@ -227,8 +232,9 @@ class JobController:
         split = check_tp_in_node(self.grid, {p["rank"]: p["node_id"] for p in self.placement})
         if split:  # the plan keeps them together; this guards the plan -> node mapping end to end
             raise JobError(f"tensor-parallel groups {split} span several nodes")
+        extra = getattr(self._group, "placement_extra", dict)()  # the Ray launcher's hot spares
         self._emit(JobEvent.now("placement", self.state, f"{len(self.placement)} ranks placed",
-                                {"placement": self.placement}))
+                                {"placement": self.placement, **extra}))
         if job.memory_interval and self.attempts > 1:
             self._emit(restore_event(self.state, start, source, self.placement))
         self._transition(JobState.RUNNING, "training")
@@ -254,6 +260,11 @@ class JobController:
                     what = "Megatron-Core torch_dist copy" if kind == "megatron" else "Hugging Face copy"
                     self._emit(JobEvent.now("checkpoint", self.state, f"{what} of iteration "
                                             f"{copy['iteration']} written to {copy['path']}", {kind: copy}))
+            sigterms = getattr(self._group, "notices", None)  # ranks that got a SIGTERM (local processes)
+            notice = (self.preemption.check(self.placement, sigterms() if sigterms else None)
+                      if self.iteration < total else None)
+            if notice is not None:
+                return self._preempt(notice)
             if self.iteration < total and self.sizer.should_grow(self.current, self.iteration):
                 self._shutdown_group()
                 self._transition(JobState.RESTARTING, f"nodes returned: growing back to {self.job.num_nodes} "
@@ -268,6 +279,22 @@ class JobController:
             value = metrics.get(name)
             if value is not None and not math.isfinite(value):
                 raise NonFiniteMetric(iteration, "lm loss" if name == "loss" else name.replace("_", " "), value)
+
+    def _preempt(self, notice) -> None:
+        """Nodes holding ranks are being drained: save this iteration, leave them, record PREEMPTED."""
+        saved = save_before_leaving(self._group)
+        self._shutdown_group()
+        retention = saved.pop("retention", None)
+        if retention is not None:
+            self._emit(JobEvent.now("checkpoint", self.state, retention_message(retention), retention))
+        number, limit = count_preemptions(self.events) + 1, self.job.max_preemptions
+        self._emit(preempted_event(self.state, notice, saved, self._resume_source(), number, limit))
+        if number > limit:
+            self.error = JobError(f"preempted {number} times; fault_tolerance.max_preemptions is {limit}")
+            self._transition(JobState.FAILED, str(self.error))
+        else:
+            self._transition(JobState.RESTARTING, f"moving off the node(s) being preempted from iteration {self.iteration}",
+                             {"preempted": True, "nodes": list(notice.nodes)})
 
     def _judge(self, exc: BaseException) -> tuple["Outcome", JobError]:
         """What a failed attempt leads to (decided before the teardown, which it shapes)."""
@@ -304,18 +331,6 @@ class JobController:
         group, self._group = self._group, None
         if group is not None:
             group.shutdown(keep_warm=keep_warm)
-
-    def _say_if_waiting(self, job: JobConfig) -> None:
-        """An attempt that needs more nodes than the cluster offers now waits for its placement (a job
-        that may not shrink, or not below its size): a ``waiting`` event says so, with the numbers."""
-        available = self.sizer.available()
-        if available is None or available >= job.num_nodes:
-            return
-        why = ("resources.min_nodes is not below num_nodes, so the job does not shrink" if not self.sizer.elastic
-               else f"the job does not shrink below resources.min_nodes {job.min_nodes}")
-        self._emit(JobEvent.now("waiting", self.state, f"{available} of the {job.num_nodes} node(s) with "
-                                f"{job.gpus_per_node} GPU(s) the attempt needs are available: waiting for a "
-                                f"replacement ({why})", {"available": available, "needed": job.num_nodes}))
 
     def _transition(self, state: JobState, message: str = "", data: dict | None = None) -> None:
         if self.state.is_terminal:
@@ -363,19 +378,5 @@ class JobController:
             # a restart like any other: _emit counts it (and so does a later replay of it)
             self._transition(JobState.RESTARTING, "the controller was restarted; the ranks are gone")
 
-    # -- checkpoints ------------------------------------------------------------------------
     def _resume_source(self) -> str | None:
-        """The latest complete checkpoint under ``checkpoint.dir``, else ``checkpoint.load``, else None.
-
-        Once the job has recorded iterations, the latest one not past them: the ranks may save a
-        checkpoint and die before the call that saved it returns its metrics, and resuming from
-        it would leave those iterations out of the curve (``keep_last`` >= 2 keeps the one before)."""
-        from workers.checkpoint.storage import Storage, list_checkpoints
-
-        ckpt = self.job.checkpoint
-        if ckpt.dir:
-            found = list_checkpoints(Storage.from_uri(ckpt.dir))
-            held = [c for c in found if c.iteration <= len(self.metrics)] if self.metrics else []
-            if found:
-                return (held or found)[-1].storage.uri  # a URI on an object store, not its bare path
-        return ckpt.load
+        return resume_source(self.job.checkpoint, len(self.metrics))

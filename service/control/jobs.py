@@ -58,8 +58,9 @@ def start_job(job: JobConfig, *, launcher: Launcher, on_event: Callable[[JobEven
         history: the job's recorded events, to rebuild its controller.
         background: run in a thread (then ``controller.wait()``); False: only build it
             (then ``controller.run()``).
-        checkpoint_root: where a job with ``checkpoint.save_interval`` and no ``checkpoint.dir``
-            saves (in ``ROOT/JOB_ID``); default ``./raytron-checkpoints``.
+        checkpoint_root: where a job with ``checkpoint.save_interval`` (or a launcher whose
+            preemption notices save, ``saves_on_notice``) and no ``checkpoint.dir`` saves (in ``ROOT/JOB_ID``);
+            default ``./raytron-checkpoints``.
         layout: an auto layout's record (:func:`service.control.trials.layout_record`): a
             ``layout`` event after QUEUED.
 
@@ -68,7 +69,8 @@ def start_job(job: JobConfig, *, launcher: Launcher, on_event: Callable[[JobEven
     """
     grid = ParallelGrid.from_config(job.parallel, job.world_size)
     job_id = job_id or new_job_id(job)
-    if job.checkpoint.save_interval and not job.checkpoint.dir:
+    drains = getattr(launcher, "drain_notices", None)
+    if (job.checkpoint.save_interval or getattr(launcher, "saves_on_notice", False)) and not job.checkpoint.dir:
         root = checkpoint_root or os.path.join(os.getcwd(), "raytron-checkpoints")
         job = replace(job, checkpoint=replace(job.checkpoint, dir=os.path.join(root, job_id)))
     nodes = getattr(launcher, "nodes_available", None)
@@ -80,5 +82,6 @@ def start_job(job: JobConfig, *, launcher: Launcher, on_event: Callable[[JobEven
         nodes_available=None if nodes is None else (lambda: nodes(job.gpus_per_node)),
         make_group=lambda attempt, attempt_job, attempt_grid: launcher.make_group(
             attempt_job, attempt_grid, attempt, job_id=job_id),
-        release=None if release is None else (lambda: release(job_id)), layout=layout)
+        release=None if release is None else (lambda: release(job_id)), layout=layout,
+        drain_notices=drains)  # preemption notices (service.control.preemption)
     return controller.start() if background else controller

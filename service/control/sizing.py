@@ -13,6 +13,7 @@ import time
 from typing import Callable
 
 from service.control.errors import InsufficientResources
+from service.control.events import JobEvent, JobState
 from service.control.policy import ScalingPolicy, resized
 from workers.config import JobConfig
 
@@ -70,3 +71,15 @@ class Sizer:
             return False
         available = self.available() or 0
         return self.scaling.decide(self.job, available).num_nodes not in (None, current.num_nodes)
+
+    def waiting_event(self, job: JobConfig, state: JobState) -> JobEvent | None:
+        """An attempt that needs more nodes than the cluster offers now waits for its placement (a job
+        that may not shrink, or not below its size): the ``waiting`` event that says so, with the numbers."""
+        available = self.available()
+        if available is None or available >= job.num_nodes:
+            return None
+        why = ("resources.min_nodes is not below num_nodes, so the job does not shrink" if not self.elastic
+               else f"the job does not shrink below resources.min_nodes {job.min_nodes}")
+        return JobEvent.now("waiting", state, f"{available} of the {job.num_nodes} node(s) with {job.gpus_per_node} "
+                            f"GPU(s) the attempt needs are available: waiting for a replacement ({why})",
+                            {"available": available, "needed": job.num_nodes})

@@ -48,6 +48,7 @@ class ProcessRankGroup:
         self.conns: list = []
         self.placement: list[PlacementRecord] = []
         self.stalls: dict[int, str] = {}
+        self.sigterms: dict[int, float | None] = {}  # rank -> deadline, from its SIGTERM notice
 
     def start(self, faults: list[Fault]) -> list[dict]:
         for attempt in range(_PORT_RETRIES):
@@ -89,6 +90,18 @@ class ProcessRankGroup:
                       grace_s=self.config.failure_grace_s, stall_s=self.job.collective_timeout_s,
                       stall_hint=lambda r: self.stalls.get(r, ""), what="run")
         return [out[r] for r in range(len(self.conns))]
+
+    def save_now(self) -> list[dict]:
+        """Every rank saves a checkpoint of the current iteration, committed when this returns (a preemption)."""
+        for conn in self.conns:
+            conn.send(("save_now",))
+        out = collect(list(range(len(self.conns))), self._poll("saved"), where=self._where,
+                      grace_s=self.config.failure_grace_s, timeout_s=self.config.start_timeout_s, what="save")
+        return [out[r] for r in range(len(self.conns))]
+
+    def notices(self) -> dict[int, float | None]:
+        """Rank -> deadline of the ranks that got a SIGTERM (a preemption notice), as reported so far."""
+        return dict(self.sigterms)
 
     def kill(self) -> None:
         for proc in list(self.procs):
@@ -141,6 +154,8 @@ class ProcessRankGroup:
                 break
             if msg[0] == "stall":
                 self.stalls[rank] = msg[1]
+            elif msg[0] == "notice":
+                self.sigterms[rank] = msg[1]["deadline"]
             elif msg[0] == expected:
                 return msg[1]
             elif msg[0] == "port_in_use":
@@ -177,6 +192,7 @@ class ProcessLauncher:
     """Builds a :class:`ProcessRankGroup` per attempt (``start_job(launcher=...)``)."""
 
     name = "processes"
+    saves_on_notice = True  # a rank's SIGTERM saves a checkpoint: jobs get a checkpoint.dir
 
     def __init__(self, config: LauncherConfig | None = None):
         self.config = config or LauncherConfig()

@@ -1,9 +1,10 @@
-"""Ending a job's Ray actors and placement group: killed and known dead, and what an earlier
-runner of the job left behind (:func:`clear_leftovers`)."""
+"""Ending a job's Ray actors and placement group: killed and known dead, what an earlier runner of
+the job left behind (:func:`clear_leftovers`), and the ranks kept between attempts (:class:`WarmRanks`)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 
 def kill_actors(actors: list) -> None:
@@ -55,3 +56,33 @@ def clear_leftovers(job_id: str, world_size: int, wait_s: float = 30.0) -> None:
     deadline = time.monotonic() + wait_s
     while placement_group_table(pg).get("state") not in ("REMOVED", None) and time.monotonic() < deadline:
         time.sleep(0.1)
+
+
+@dataclass
+class WarmRanks:
+    """The ranks that survived a failed attempt, reset, with the attempt's placement group and hot
+    spares: what the next attempt of the same shape (``key``) starts on instead of new actors."""
+
+    key: tuple
+    pg: object
+    actors: dict  # rank -> actor handle
+    spares: object = None  # service.ranks.spares.Spares, or None
+
+    def release(self) -> None:
+        """Kill the actors and the spares, remove the placement group."""
+        from ray.util.placement_group import remove_placement_group
+
+        kill_and_wait(list(self.actors.values()))
+        self.actors = {}
+        if self.spares is not None:
+            self.spares.release()
+            self.spares = None
+        remove_placement_group(self.pg)
+
+
+def error_summary(exc: BaseException) -> str:
+    """First line of a Ray error, plus its last line when that is the underlying exception."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return lines[0] if len(lines) == 1 or lines[-1] in lines[0] else f"{lines[0]} ... {lines[-1]}"

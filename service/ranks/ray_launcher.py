@@ -19,18 +19,22 @@ may have another size). One attempt:
 A restart after a rank failure does not start over (``shutdown(keep_warm=True)``): the ranks that
 survived the attempt (their call returned or raised, their node is alive) ``reset`` (leave the
 process groups, free the trainer) and wait, with the placement group, in the launcher
-(:class:`WarmRanks`). The next attempt of the same size reuses them and creates actors only for
+(:class:`WarmRanks`; which ones: :func:`service.ranks.ray_survivors.survivors_of`). The next attempt of the same size reuses them and creates actors only for
 the ranks that died, in their bundles: it pays one torch import instead of one per rank (the
 bulk of a restart). A rank that does not answer within ``LauncherConfig.reuse_wait_s`` (hung,
 stopped) is killed like the dead ones; a resize means a full teardown, and so does a lost node
 unless the job keeps its state in memory (``fault_tolerance.memory_interval``): then the ranks on
-the nodes left stay, and the lost node's ranks start in its bundle, which Ray moves to another node.
+the nodes left stay, and the lost node's ranks start in its bundle, which Ray moves to another node
+(every actor answers a ping before the setup calls go out, so a new one cancelled fails the attempt
+with the kept ranks untouched).
+With hot spares (``resources.spare_nodes``, :mod:`service.ranks.spares`) the placement group holds
+the spare nodes' bundles too, and a node that lost a rank moves whole onto a spare node's started
+actors instead of new ones.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from service.control.rank_group import LauncherConfig
@@ -38,30 +42,15 @@ from service.control.errors import InsufficientResources, RankDied, RankRaised
 from service.ranks.gather import collect
 from service.spec.placement import RankPlacement, plan_placement
 from service.ranks.ray_cluster import RaySession
-from service.ranks.ray_actors import clear_leftovers, kill_actors, kill_and_wait
-from service.ranks.ray_nodes import capacity_message, could_ever_fit, dead_nodes, node_totals
+from service.ranks.ray_actors import WarmRanks, clear_leftovers, error_summary as _summary, kill_actors, kill_and_wait
+from service.ranks.ray_drain import draining_nodes, schedulable_totals
+from service.ranks.spares import SPARE_START_WAIT_S, Spares, spare_ranks
+from service.ranks.ray_survivors import survivors_of
+from service.ranks.ray_nodes import capacity_message, could_ever_fit, dead_nodes
 from workers.config import JobConfig
 from workers.rank.faults import Fault
 from workers.grid import COORDS, ParallelGrid
 from workers.rank.placement_record import PlacementRecord
-
-
-@dataclass
-class WarmRanks:
-    """The ranks that survived a failed attempt, reset, with the attempt's placement group: what
-    the next attempt of the same shape (``key``) starts on instead of new actors."""
-
-    key: tuple
-    pg: object
-    actors: dict  # rank -> actor handle
-
-    def release(self) -> None:
-        """Kill the actors, remove the placement group."""
-        from ray.util.placement_group import remove_placement_group
-
-        kill_and_wait(list(self.actors.values()))
-        self.actors = {}
-        remove_placement_group(self.pg)
 
 
 class RayRankGroup:
@@ -84,6 +73,7 @@ class RayRankGroup:
         self.key = (job.num_nodes, job.gpus_per_node, config.cpus_per_rank, tuple(plan))
         self.actors: list = []
         self.pg = None
+        self.spares: Spares | None = None  # the hot spares (resources.spare_nodes), from _place() or the warm ranks
         self.placement: list[PlacementRecord] = []
         self.reused: list[int] = []  # ranks this attempt took over from the previous one
         self._inflight: list = []  # refs of the last call, drained at shutdown
@@ -97,20 +87,27 @@ class RayRankGroup:
             warm.release()  # another shape (a resize): its bundles are not this attempt's
             warm = None
         if warm is not None:
-            self.pg, kept = warm.pg, warm.actors
+            self.pg, kept, self.spares = warm.pg, warm.actors, warm.spares
         else:
             self._place()
             kept = {}
+        taken = spare_ranks(self.plan, kept, self.spares, min(SPARE_START_WAIT_S, cfg.start_timeout_s))  # whole nodes moved onto hot spares
         self.reused = sorted(kept)
-        self.actors = [kept.get(p.rank) or self._new_actor(p) for p in self.plan]
+        self.actors = [taken.get(p.rank) or kept.get(p.rank) or self._new_actor(p) for p in self.plan]
+        if job.memory_interval and (kept or taken):
+            # New actors up before any setup goes out: one cancelled (its bundle moving off a lost
+            # node) then fails this attempt with the kept ranks untouched, their in-memory state kept.
+            self._collect([a.ping.remote() for a in self.actors], cfg.start_timeout_s, what="start")
         addr, port = self._collect([self.actors[0].rendezvous_address.remote()], cfg.start_timeout_s,
                                    what="rendezvous")[0]
         timeout = float(job.collective_timeout_s)
         self._setup_sent = True
         records = self._collect(
-            [a.setup.remote(job, addr, port, self.grid.world_size, p.local, timeout, tuple(faults), p.node)
+            [a.setup.remote(job, addr, port, self.grid.world_size, p.local, timeout, tuple(faults), p.node,
+                            p.rank if p.rank in taken else None)
              for a, p in zip(self.actors, self.plan)], cfg.start_timeout_s, what="start")
-        self.placement = [replace(rec, node=p.node, reused=p.rank in kept) for rec, p in zip(records, self.plan)]
+        self.placement = [replace(rec, node=p.node, reused=p.rank in kept, spare=p.rank in taken)
+                          for rec, p in zip(records, self.plan)]
         return [record.to_dict() for record in self.placement]
 
     def _place(self) -> None:
@@ -118,33 +115,64 @@ class RayRankGroup:
 
         cfg, job = self.config, self.job
         bundle = {"GPU": job.gpus_per_node, "CPU": cfg.cpus_per_rank * job.gpus_per_node}
-        if cfg.static_cluster and not could_ever_fit(job, cfg.strategy, bundle):
-            raise InsufficientResources(capacity_message(job, cfg, bundle, waited=False))
+        held = replace(job, num_nodes=job.num_nodes + job.spare_nodes)  # the spares hold nodes of their own
+        spares = f" (resources.spare_nodes {job.spare_nodes} included: lower it)" if job.spare_nodes else ""
+        if cfg.static_cluster and not could_ever_fit(held, cfg.strategy, bundle):
+            raise InsufficientResources(capacity_message(held, cfg, bundle, waited=False) + spares)
         clear_leftovers(self.job_id, len(self.plan))
-        self.pg = placement_group([dict(bundle) for _ in range(job.num_nodes)], strategy=cfg.strategy,
+        self.pg = placement_group([dict(bundle) for _ in range(held.num_nodes)], strategy=cfg.strategy,
                                   name=f"raytron:{self.job_id}")
         if not self.pg.wait(timeout_seconds=cfg.placement_timeout_s):
-            raise InsufficientResources(capacity_message(job, cfg, bundle))
+            raise InsufficientResources(capacity_message(held, cfg, bundle) + spares)
+        if job.spare_nodes:
+            self.spares = Spares(self.pg, job.num_nodes, job.spare_nodes, job.gpus_per_node, self._spare_actor)
 
     def _new_actor(self, p: RankPlacement):
         """Rank ``p.rank``'s actor in its node's bundle. All are created before any is waited for,
         so that their torch imports overlap."""
+        from workers.rank.actor import actor_name
+
+        name = actor_name(self.job_id, p.rank)
+        if self.spares is not None:  # ranks and spares trade places: a name of each actor's own
+            import uuid
+
+            name += f"-{uuid.uuid4().hex[:8]}"
+        return self._actor(self.spares.slots[p.node] if self.spares is not None else p.node, p.rank, name)
+
+    def _spare_actor(self, pg, bundle: int):
+        """A hot spare: a rank actor with no rank yet (its torch import starts now)."""
+        import uuid
+
+        return self._actor(bundle, -1, f"raytron:{self.job_id}:spare-{uuid.uuid4().hex[:8]}", pg)
+
+    def _actor(self, bundle: int, rank: int, name: str, pg=None):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from workers.rank.actor import RankActor, actor_name
+        from workers.rank.actor import RankActor
 
         return ray.remote(RankActor).options(
-            name=actor_name(self.job_id, p.rank), num_gpus=1, num_cpus=self.config.cpus_per_rank, max_restarts=0,
+            name=name, num_gpus=1, num_cpus=self.config.cpus_per_rank, max_restarts=0,
             max_concurrency=2,  # a second thread answers stall() while run() is blocked
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=p.node),
-        ).remote(p.rank, self.job_id)
+                placement_group=self.pg if pg is None else pg, placement_group_bundle_index=bundle),
+        ).remote(rank, self.job_id)
+
+    def placement_extra(self) -> dict:
+        """What the placement event carries beside the ranks: the hot spares, when the job has some."""
+        return {"spares": self.spares.view()} if self.spares is not None else {}
 
     def run(self, iterations: int) -> list[list[dict]]:
-        self._ran = True
-        return self._collect([a.run.remote(iterations) for a in self.actors], None, stall_s=self.job.collective_timeout_s,
-                             what="run")
+        first, self._ran = not self._ran, True
+        out = self._collect([a.run.remote(iterations) for a in self.actors], None, stall_s=self.job.collective_timeout_s,
+                            what="run")
+        if first and self.spares is not None:
+            self.spares.refill()  # after the restore and a first call, not competing with them
+        return out
+
+    def save_now(self) -> list[dict]:
+        """Every rank saves a checkpoint of the current iteration, committed when this returns (a preemption)."""
+        return self._collect([a.save_now.remote() for a in self.actors], self.config.start_timeout_s, what="save")
 
     def kill(self) -> None:
         kill_actors(list(self.actors))
@@ -152,7 +180,7 @@ class RayRankGroup:
     def shutdown(self, keep_warm: bool = False) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        survivors = self._survivors() if keep_warm and self._park is not None else {}
+        survivors = survivors_of(self) if keep_warm and self._park is not None else {}
         doomed = [a for r, a in enumerate(self.actors) if r not in survivors]
         self.actors = []
         kill_and_wait(doomed)
@@ -162,85 +190,14 @@ class RayRankGroup:
             self.warm = None
         if self.pg is None:
             return
+        spares, self.spares = self.spares, None
         if survivors:
-            self._park(WarmRanks(self.key, self.pg, survivors))
+            self._park(WarmRanks(self.key, self.pg, survivors, spares))
         else:
+            if spares is not None:
+                spares.release()
             remove_placement_group(self.pg)
         self.pg = None
-
-    def _survivors(self) -> dict:
-        """rank -> actor for the ranks whose last call ended (returned, or raised: the process
-        lives) on a live node and that ``reset`` within ``reuse_wait_s``; empty when a node is lost
-        or may be (Ray reports it dead, or a dead rank's raylet stopped answering).
-
-        Each is reset as soon as its call ends: that frees its process groups, which makes peers
-        still blocked in a collective with it fail now rather than at their timeout."""
-        import ray
-        from ray.exceptions import ActorUnavailableError, RayActorError
-
-        if not self._ran and not self._setup_sent and self.job.memory_interval and self.pg is not None:
-            return self._untouched()
-        if not self._ran or self.pg is None or len(self._inflight) != len(self.actors):
-            return {}
-        nodes = {p.node_id for p in self.placement}
-        # A lost node: Ray moves its bundle to another node. Without in-memory state the attempt
-        # starts over; with it (fault_tolerance.memory_interval) the ranks on the nodes left keep
-        # their snapshots and the replicas they hold, and only the lost node's ranks are new.
-        in_memory = bool(self.job.memory_interval)
-        if nodes & dead_nodes() and not in_memory:
-            return {}  # the placement group is being rescheduled: start over
-        deadline = time.monotonic() + self.config.reuse_wait_s
-        calls = dict(zip(self._inflight, range(len(self.actors))))  # ref -> rank
-        resets: dict = {}
-        kept = {}
-        node_suspect = False
-        while calls or resets:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break  # still blocked (a hung or stopped rank, its peers): killed with the dead
-            ready, _ = ray.wait([*calls, *resets], num_returns=1, timeout=left)
-            for ref in ready:
-                if ref in calls:
-                    rank = calls.pop(ref)
-                    try:
-                        ray.get(ref, timeout=0)
-                    except ActorUnavailableError:
-                        # Its raylet does not answer: the node may be lost before Ray says so
-                        # (a health check away); its bundle must not be reused.
-                        node_suspect = True
-                        continue
-                    except RayActorError:
-                        continue  # dead
-                    except Exception:  # noqa: BLE001 - it raised: the process lives on
-                        pass
-                    resets[self.actors[rank].reset.remote()] = rank
-                else:
-                    rank = resets.pop(ref)
-                    try:
-                        ray.get(ref, timeout=0)
-                        kept[rank] = self.actors[rank]
-                    except Exception:  # noqa: BLE001 - not reusable: killed with the dead
-                        pass
-        return {} if (node_suspect or nodes & dead_nodes()) and not in_memory else kept
-
-    def _untouched(self) -> dict:
-        """With in-memory state, after an attempt that failed before its setup calls went out (a
-        new rank cancelled while Ray moves a lost node's bundle): the ranks it kept are as the last
-        attempt left them, reset and holding their snapshots and replicas; keep those that answer."""
-        import ray
-
-        if not self.reused:
-            return {}
-        refs = {self.actors[rank].reset.remote(): rank for rank in self.reused}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.config.reuse_wait_s)
-        kept = {}
-        for ref in ready:
-            try:
-                ray.get(ref, timeout=0)
-                kept[refs[ref]] = self.actors[refs[ref]]
-            except Exception:  # noqa: BLE001 - gone: started again with the others
-                pass
-        return kept
 
     def _drain(self) -> None:
         """Read the answers a failed call left behind, so Ray does not log them as unhandled errors."""
@@ -317,6 +274,8 @@ class RayLauncher:
     """
 
     name = "ray"
+    drain_notices = staticmethod(draining_nodes)  # nodes Ray is draining -> deadlines (a preemption notice)
+    saves_on_notice = True  # a drain notice saves a checkpoint: jobs get a checkpoint.dir
 
     def __init__(self, session: RaySession, config: LauncherConfig | None = None):
         self.session = session
@@ -349,13 +308,5 @@ class RayLauncher:
             warm.release()
 
     def nodes_available(self, gpus_per_node: int) -> int:
-        """Alive nodes with at least ``gpus_per_node`` GPUs (what the scaling policy may use)."""
-        return sum(1 for r in node_totals() if r.get("GPU", 0) >= gpus_per_node)
-
-
-def _summary(exc: BaseException) -> str:
-    """First line of a Ray error, plus its last line when that is the underlying exception."""
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    if not lines:
-        return ""
-    return lines[0] if len(lines) == 1 or lines[-1] in lines[0] else f"{lines[0]} ... {lines[-1]}"
+        """Alive nodes with at least ``gpus_per_node`` GPUs, not being drained (what the scaling policy may use)."""
+        return sum(1 for r in schedulable_totals() if r.get("GPU", 0) >= gpus_per_node)

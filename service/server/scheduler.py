@@ -59,7 +59,8 @@ def max_restarts(row: dict) -> int:
 def queued_job(row: dict) -> QueuedJob:
     res = stored_section(row["spec"], "resources")
     return QueuedJob(id=row["id"], submitted_at=row["submitted_at"], priority=row["priority"],
-                     num_nodes=res.num_nodes, gpus_per_node=res.gpus_per_node, owner=row.get("owner"))
+                     num_nodes=res.num_nodes + res.spare_nodes, gpus_per_node=res.gpus_per_node,
+                     owner=row.get("owner"))  # hot spares hold nodes of their own
 
 
 class Scheduler:
@@ -94,10 +95,14 @@ class Scheduler:
     def submit(self, spec: JobSpec, *, sizes: dict | None = None, owner: str = BOOTSTRAP_ADMIN) -> dict:
         """Store ``owner``'s job QUEUED, in the queue at ``spec.priority``; raises :class:`NeverFits` when
         the cluster can never hold it."""
-        probe = QueuedJob(id=spec.name, submitted_at=0.0, priority=spec.priority, num_nodes=spec.resources.num_nodes,
-                          gpus_per_node=spec.resources.gpus_per_node)
+        res = spec.resources
+        probe = QueuedJob(id=spec.name, submitted_at=0.0, priority=spec.priority,
+                          num_nodes=res.num_nodes + res.spare_nodes, gpus_per_node=res.gpus_per_node)
         refusal = can_ever_fit(probe, self.total_slots())
         if refusal is not None:
+            if res.spare_nodes:
+                refusal += (f" (resources.num_nodes {res.num_nodes} + resources.spare_nodes {res.spare_nodes}: "
+                            f"lower spare_nodes)")
             raise NeverFits(refusal.replace(f"job {spec.name} ", "this job ", 1))
         row = self.store.create_job(spec.model_dump(mode="json"), name=spec.name, priority=spec.priority, sizes=sizes,
                                     owner=owner)

@@ -70,7 +70,7 @@ def field_errors(e: ValidationError) -> list[tuple[str, str, dict]]:
 def format_validation_error(e: ValidationError) -> str:
     parts = []
     for loc, msg, err in field_errors(e):
-        if err["type"].endswith(("_type", "finite_number", "_parsing")) and "input" in err:
-            msg += f", got {err['input']!r}"  # tp: "2" or tp: true shows as what it is
+        if err["type"].endswith(("_type", "finite_number", "_parsing", "than", "than_equal")) and "input" in err:
+            msg += f", got {err['input']!r}"  # tp: "2", tp: true or max_restarts: -1 shows as what it is
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "invalid job spec: " + "; ".join(parts)

@@ -281,6 +281,10 @@ class ResourcesSpec(BaseModel):
     gpus_per_node: int = Field(1, ge=1, description="world_size = num_nodes * gpus_per_node")
     min_nodes: int | None = Field(None, ge=1, description="elastic floor: dp may shrink down to what min_nodes "
                                   "hold; default num_nodes (no shrinking)")
+    spare_nodes: int = Field(0, ge=0, le=64, description="hot spares: nodes held beside the job's with gpus_per_node "
+                             "rank actors each, started and idle (Ray launcher), that take a lost node's ranks (or a "
+                             "lost rank's node) at a restart instead of new actors; a spare taken is replaced in the "
+                             "background when the cluster has room")
     # The cluster the cost model (raytron plan, parallel: auto) predicts for; see service/spec/cost.py.
     gpu_type: Literal["A100", "H100", "H200", "B200", "cpu"] | None = Field(
         None, description="an accelerator with known figures (memory, dense bf16 peak, NVLink, InfiniBand), or "
@@ -316,6 +320,11 @@ def resources_problems(r: ResourcesSpec) -> list[str]:
 class FaultToleranceSpec(BaseModel):
     model_config = STRICT
     max_restarts: int = Field(3, ge=0, description="new attempts after rank failures before the job fails")
+    max_preemptions: int = Field(10, ge=0, description="preemption or drain notices of nodes holding ranks that the "
+                                 "job saves a checkpoint for and moves off (not restarts) before the next one fails it")
+    sigterm_grace_s: float = Field(30.0, gt=0, description="after a SIGTERM to a rank process (a preemption "
+                                   "notice, like Kubernetes' terminationGracePeriodSeconds), how long the rank has "
+                                   "before it is killed: the deadline the PREEMPTED event measures the save against")
     collective_timeout_s: float = Field(300.0, ge=5, description="a peer silent this long inside a collective "
                                         "is a failure")
     node_grace_s: float = Field(60.0, ge=0, description="how long a lost node may take to come back before the "

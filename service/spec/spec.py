@@ -304,11 +304,12 @@ def to_job_config(spec: JobSpec) -> JobConfig:
     checkpoint = _by_name(CheckpointConfig, spec.checkpoint,
                           hf_tokenizer=spec.checkpoint.hf_tokenizer or training.chat_tokenizer or m.from_hf)
     return JobConfig(
-        checkpoint=checkpoint, min_nodes=spec.resources.min_nodes,
+        checkpoint=checkpoint, min_nodes=spec.resources.min_nodes, spare_nodes=spec.resources.spare_nodes,
         node_grace_s=spec.fault_tolerance.node_grace_s,
         name=spec.name, model=model, parallel=parallel, training=training, world_size=spec.world_size,
         num_nodes=spec.resources.num_nodes, gpus_per_node=spec.resources.gpus_per_node,
-        max_restarts=spec.fault_tolerance.max_restarts,
+        max_restarts=spec.fault_tolerance.max_restarts, max_preemptions=spec.fault_tolerance.max_preemptions,
+        sigterm_grace_s=spec.fault_tolerance.sigterm_grace_s,
         collective_timeout_s=spec.fault_tolerance.collective_timeout_s,
         relayout_spec=spec.model_dump_json() if spec.fault_tolerance.relayout_on_resize else None,
         memory_interval=spec.fault_tolerance.memory_interval, memory_replicas=spec.fault_tolerance.memory_replicas,

@@ -15,9 +15,13 @@ and the dashboard, each in its node's placement-group bundle with one GPU. Its l
    coordinates, the checkpoint it resumed from).
 4. ``run(n)``: ``n`` iterations (through :class:`~workers.rank.main.RankRunner`, which also fires
    failure drills); returns their metrics and exports each as Ray metrics.
-5. ``stall()``: answered from a second thread while ``run`` is blocked: the group kind a hang
+5. ``save_now()``: a checkpoint of the current iteration, committed before it returns (the job
+   controller asks for one between calls when a node holding ranks is to be preempted).
+6. ``stall()``: answered from a second thread while ``run`` is blocked: the group kind a hang
    drill blocked in, or "" (the controller asks a rank that stopped answering).
-6. ``reset()``: after a failed attempt, a rank that survived it forgets the attempt (its trainer
+7. a hot spare (``resources.spare_nodes``, :mod:`service.ranks.spares`) is this actor started
+   with no rank, idle after step 1, until ``setup(..., as_rank=r)`` makes it rank r.
+8. ``reset()``: after a failed attempt, a rank that survived it forgets the attempt (its trainer
    and process groups) but keeps its process, torch imported, so that the next attempt starts
    it again with ``setup`` instead of a new actor (see ``service/ranks/ray_launcher.py``). It
    keeps its in-memory snapshots and the replicas it holds (``fault_tolerance.memory_interval``,
@@ -61,6 +65,11 @@ class RankActor:
         # has its GPU and intra-op CPU threads only fight the data loader.
         torch.set_num_threads(1)
         import workers.train.trainer  # noqa: F401 - warm the rest of the stack during the start-up overlap
+        import gc
+
+        # What the imports made lives as long as the process: out of the collector's reach, a full
+        # collection (reset() after a failure, on every survivor at once) scans only the attempt's objects.
+        gc.freeze()
 
         self.rank, self.job_id = rank, job_id
         self.runner = None
@@ -78,9 +87,13 @@ class RankActor:
         return ip, free_port(ip)
 
     def setup(self, job: JobConfig, master_addr: str, master_port: int, world_size: int, local_rank: int,
-              collective_timeout_s: float, faults: tuple[Fault, ...] = (), node: int | None = None) -> PlacementRecord:
+              collective_timeout_s: float, faults: tuple[Fault, ...] = (), node: int | None = None,
+              as_rank: int | None = None) -> PlacementRecord:
         """Join the process group and build the trainer of ``job`` (this attempt's: its size and the
-        checkpoint to resume from); returns this rank's placement record."""
+        checkpoint to resume from); returns this rank's placement record. ``as_rank``: a hot spare
+        (or a rank turned spare) takes that rank, with no in-memory state of its own."""
+        if as_rank is not None:
+            self.rank, self.memory = as_rank, None
         import ray
         import torch.distributed as dist
 
@@ -124,6 +137,12 @@ class RankActor:
         self.reset()
         raise error
 
+    def save_now(self) -> dict:
+        """A checkpoint of the current iteration, committed before this returns (a preemption notice)."""
+        if self.runner is None:
+            raise RuntimeError(f"rank {self.rank}: save_now() before setup()")
+        return self.runner.save_now()
+
     def stall(self) -> str:
         """The collective a hang drill blocked in ("tp all_reduce"), or ""."""
         return self.stalled_in
@@ -141,8 +160,13 @@ class RankActor:
 
         import torch
 
+        import torch.distributed as dist
+
         from workers.rank.main import abort_process_groups
 
+        if self.runner is None and not dist.is_initialized():
+            self.stalled_in = ""
+            return os.getpid()  # reset already (a failed run() resets before it raises): nothing to free
         runner, self.runner = self.runner, None
         if runner is not None:
             try:

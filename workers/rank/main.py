@@ -59,13 +59,7 @@ class RankRunner:
             t0 = time.perf_counter()
             loaded = load_checkpoint(self.trainer, open_source(ckpt.resume_from))
             self.resumed.update(loaded, load_s=time.perf_counter() - t0)
-        self.checkpointer = None
-        if ckpt.save_interval and ckpt.dir:
-            from workers.checkpoint.checkpointer import Checkpointer
-
-            self.checkpointer = Checkpointer(ckpt.dir, keep_last=ckpt.keep_last, keep_best=ckpt.keep_best,
-                                             best_metric=ckpt.best_metric, async_save=ckpt.async_save,
-                                             timeout_s=max(60.0, 2 * job.collective_timeout_s))
+        self.checkpointer = self._checkpointer() if ckpt.save_interval and ckpt.dir else None
         self.hf_copies = None
         megatron = ckpt.save_format == "megatron"
         if self.checkpointer is not None and (ckpt.save_hf or megatron) and rank == 0:
@@ -74,6 +68,31 @@ class RankRunner:
             total = job.training.train_iters
             self.hf_copies = HFCopies(ckpt.dir, ckpt.save_hf_interval, total - total % ckpt.save_interval,
                                       tokenizer=ckpt.hf_tokenizer, hf=ckpt.save_hf, megatron=megatron)
+
+    def _checkpointer(self):
+        from workers.checkpoint.checkpointer import Checkpointer
+
+        ckpt = self.job.checkpoint
+        return Checkpointer(ckpt.dir, keep_last=ckpt.keep_last, keep_best=ckpt.keep_best, best_metric=ckpt.best_metric,
+                            async_save=ckpt.async_save, timeout_s=max(60.0, 2 * self.job.collective_timeout_s))
+
+    def save_now(self) -> dict:
+        """Save a checkpoint of the current iteration now and return once it is committed, whatever
+        ``save_interval`` says (a preemption notice: :mod:`service.control.preemption`); collective, every
+        rank at the same iteration. Returns the iteration, the seconds it took and (rank 0) the commit's
+        retention; {} without ``checkpoint.dir`` or before the first iteration."""
+        ckpt, it = self.job.checkpoint, self.trainer.iteration
+        if not ckpt.dir or it == 0:
+            return {}
+        t0 = time.perf_counter()
+        if self.checkpointer is None:
+            self.checkpointer = self._checkpointer()
+        self.checkpointer.wait()  # a pending async save of an earlier iteration first
+        if not (ckpt.save_interval and it % ckpt.save_interval == 0):  # else this iteration's save is done
+            self.checkpointer.save(self.trainer)
+            self.checkpointer.wait()
+        return {"iteration": it, "save_s": round(time.perf_counter() - t0, 4),
+                "retention": self.checkpointer.take_retention()}
 
     def _recover_from_memory(self, node, memory) -> dict:
         """Join the in-memory replication (:mod:`workers.rank.replicas`) and restore the newest iteration
@@ -132,8 +151,8 @@ class RankRunner:
         the last iteration waits for an async save so the job ends with a complete checkpoint."""
         if self.checkpointer is None:
             return
-        it = self.trainer.iteration
-        if it % self.job.checkpoint.save_interval == 0:
+        it, interval = self.trainer.iteration, self.job.checkpoint.save_interval
+        if interval and it % interval == 0:  # none: a checkpointer made by save_now alone
             fault = self.save_faults.pop(it, None)
             if fault is not None:
                 crash_in_save(self.checkpointer)
@@ -165,6 +184,40 @@ class RankRunner:
                 self.hf_copies.wait()
         finally:
             self.trainer.close()
+
+
+class SigtermNotice:
+    """A SIGTERM with a grace period, taken as a preemption notice: the rank does not exit, it
+    notes when the signal came and its deadline (``grace_s`` later, when whoever sent it kills the
+    process: Kubernetes' terminationGracePeriodSeconds, Slurm's KillWait); the rank's host tells the
+    driver after its call (:meth:`take`), and the job controller saves the current iteration and
+    leaves (:mod:`service.control.preemption`). A second SIGTERM, or the deadline, ends the process.
+    Only a process's main thread can install it."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s, self._notice = grace_s, None
+
+    def install(self) -> "SigtermNotice":
+        import signal
+
+        signal.signal(signal.SIGTERM, self._received)
+        return self
+
+    def _received(self, signum, frame) -> None:
+        import signal
+
+        if self._notice is None:  # the first one sets the deadline
+            now = time.time()
+            self._notice = {"signal": "SIGTERM", "time": now, "deadline": now + self.grace_s}
+            # A second SIGTERM ends the process, and so does the deadline (SIGALRM's default action),
+            # so that a SIGTERM meant as "stop" (multiprocessing's terminate()) stops it in the end.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.setitimer(signal.ITIMER_REAL, self.grace_s)
+
+    def take(self) -> dict | None:
+        """The notice once (then None): ``{"signal", "time", "deadline"}``, or None when none came."""
+        notice, self._notice = self._notice, None
+        return notice
 
 
 def disk_iteration(path: str | None) -> int | None:

@@ -57,6 +57,8 @@ class PlacementRecord:
     """The rank's node index in the attempt's placement plan (set by the launcher)."""
     reused: bool | None = None
     """Whether the rank's process was kept from the previous attempt (Ray launcher only)."""
+    spare: bool | None = None
+    """Whether the rank's process was a hot spare before this attempt (resources.spare_nodes; Ray launcher only)."""
 
     def coords(self) -> dict[str, int]:
         """The coordinates in :data:`workers.grid.COORDS`."""

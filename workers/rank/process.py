@@ -4,13 +4,17 @@ The launcher (``service/ranks/process_launcher.py``) starts one process per rank
 :func:`rank_process_main` and talks to it over a duplex pipe:
 
 ==================  ================================================================
-launcher -> rank    ``("run", n)``: n iterations; ``("shutdown",)``: leave and exit
+launcher -> rank    ``("run", n)``: n iterations; ``("save_now",)``: a checkpoint of the
+                    current iteration (answered ``("saved", {...})``); ``("shutdown",)``: leave and exit
 rank -> launcher    ``("ready", record)`` after rendezvous and trainer construction (its
                     :class:`~workers.rank.placement_record.PlacementRecord`);
                     ``("metrics", [per-iteration dicts])`` after each run;
                     ``("error", cause, traceback)`` and exit, when anything raised;
                     ``("port_in_use", message)`` when the rendezvous port was taken;
-                    ``("stall", group kind)`` when a hang drill blocks in a collective
+                    ``("stall", group kind)`` when a hang drill blocks in a collective;
+                    ``("notice", {"signal", "time", "deadline"})`` before a run's metrics,
+                    once, when the process got a SIGTERM (a preemption notice:
+                    :class:`~workers.rank.main.SigtermNotice`)
 ==================  ================================================================
 
 A rank that raised exits: its process groups are broken, and the controller decides whether a
@@ -32,9 +36,10 @@ def rank_process_main(conn, rank: int, world_size: int, job: JobConfig, master_a
     """Entry point of a rank process (see the module docstring)."""
     # Ctrl-C reaches the whole terminal process group; the launcher alone decides what it means.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from workers.rank.main import RankRunner, abort_process_groups
+    from workers.rank.main import RankRunner, SigtermNotice, abort_process_groups
     from workers.rank.distributed import init_distributed, rank_device
 
+    sigterm = SigtermNotice(job.sigterm_grace_s).install()  # a SIGTERM is a notice, not an exit
     try:
         try:
             init_distributed(rank, world_size, master_addr, master_port, timeout_s=collective_timeout_s)
@@ -52,7 +57,12 @@ def rank_process_main(conn, rank: int, world_size: int, job: JobConfig, master_a
             except EOFError:  # the launcher is gone
                 return
             if command[0] == "run":
-                conn.send(("metrics", runner.run(command[1])))
+                metrics = runner.run(command[1])
+                if (notice := sigterm.take()) is not None:
+                    conn.send(("notice", notice))
+                conn.send(("metrics", metrics))
+            elif command[0] == "save_now":
+                conn.send(("saved", runner.save_now()))
             else:
                 runner.close()
                 return

@@ -225,7 +225,8 @@ def get_placement(job_id: str, store: StoreDep) -> dict:
     ranks = placement_view((last["data"] or {}).get("placement") or [], lambda: _planned(store, row, last["time"]),
                            nodes)
     return {"job_id": job_id, "attempt": sum(1 for a in attempts if a["started_at"] <= last["time"]),
-            "reported_at": last["time"], "gpus_per_node": gpus_per_node, "ranks": ranks}
+            "reported_at": last["time"], "gpus_per_node": gpus_per_node, "ranks": ranks,
+            "spares": (last["data"] or {}).get("spares") or []}
 
 
 def _planned(store: JobStore, row: dict, before: float) -> list[dict]:

@@ -1,15 +1,17 @@
 """Recovery from in-memory checkpoints on the path `make run` takes (`raytron serve --simulate`, jobs as Ray
 Jobs): a rank killed with SIGKILL comes back from memory (the survivors from their own copies, its
 replacement from the replica its peer on another node holds) without recomputing a recorded
-iteration; a node lost together with the node holding its replicas falls back to the disk
-checkpoint and says why; a node lost alone comes back from memory, its ranks on another node. Each
-ends SUCCEEDED on the undisturbed curve (1e-6). One served cluster of 5 worker nodes for the
-module; the nodes are killed last (the cluster ends three nodes short)."""
+iteration; with a hot spare node (``resources.spare_nodes: 1``) the lost rank's node and then a lost node
+move onto the spare node of the moment, no actor created; a node lost together with the node holding its replicas
+falls back to the disk checkpoint and says why; a node lost alone comes back from memory, its ranks
+on another node. Each ends SUCCEEDED on the undisturbed curve (1e-6). One served cluster of 6
+worker nodes for the module; the nodes are killed last (the cluster ends four nodes short)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -24,7 +26,7 @@ ITERS = 12
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    yield from ray_server_client(tmp_path_factory, "memrec", simulate="5x2")
+    yield from ray_server_client(tmp_path_factory, "memrec", simulate="6x2")
 
 
 def memory_spec(name: str) -> dict:
@@ -78,6 +80,45 @@ def test_a_rank_killed_comes_back_from_memory_without_recomputing_an_iteration(a
     assert restore["from_replicas"] == [1]  # the replacement took its peer's replica; the others their own
     holder = replica_holders([r["node"] for r in sorted(ranks, key=lambda r: r["rank"])], 1)[1][0]
     assert f"replica from rank {holder}" in next(p["resumed_from"] for p in placement(api, job_id) if p["rank"] == 1)
+
+
+def test_a_hot_spare_takes_a_killed_rank_s_node_then_a_lost_node_s_ranks(api):
+    """spare_nodes 1: rank 1 SIGKILLed, then the node of ranks 2 and 3 lost, in one job. The first
+    time ranks 0 and 1 restart as the spare node's actors (tp groups stay in a node) and the
+    node they left, its survivor reset and one actor started beside it, is the spare; the
+    second time ranks 2 and 3 move onto that one. Each restore is the newest recorded iteration
+    from memory (none recomputed); the curve is the undisturbed one."""
+    s = memory_spec("memspare")
+    s["resources"]["spare_nodes"] = 1
+    job_id = submit(api, s)
+    wait_iteration(api, job_id, 4)
+    view = api.get(f"/jobs/{job_id}/placement").json()
+    ranks = view["ranks"]
+    spare_node = view["spares"][0]["node_id"]
+    assert len(view["spares"]) == 1 and spare_node not in {r["node_id"] for r in ranks}, view["spares"]
+    assert any(sp["job_id"] == job_id for sp in api.get("/cluster").json()["spares"])
+    os.kill(next(r for r in ranks if r["rank"] == 1)["pid"], signal.SIGKILL)
+    while not any(e["kind"] == "restore" for e in events(api, job_id)):
+        time.sleep(0.2)
+    wait_iteration(api, job_id, 8)
+    moved = {r["rank"]: r for r in placement(api, job_id)}
+    assert all(moved[r]["node_id"] == spare_node and moved[r]["spare"] for r in (0, 1)), moved
+    lost = moved[2]["node_id"]
+    kill_node(lost, list(moved.values()))
+    log = succeeded_on_the_curve(api, job_id, s)
+    kills = [i for i, e in enumerate(log) if e["kind"] == "failure"]
+    restores = [e["data"] for e in log if e["kind"] == "restore"]
+    assert len(kills) == 2 and len(restores) == 2, story(api, job_id, [], [])
+    for at, restore, ranks_moved in zip(kills, restores, ([0, 1], [2, 3])):
+        recorded = [e["data"]["iteration"] for e in log[:at] if e["kind"] == "iteration"]
+        assert restore["source"] == "memory" and restore["iteration"] == recorded[-1], restores
+        assert restore["spare_ranks"] == ranks_moved == restore["from_replicas"], restores
+    assert [e["data"]["iteration"] for e in log if e["kind"] == "iteration"] == list(range(1, ITERS + 1))
+    before = {r["rank"]: r["node_id"] for r in ranks}
+    after = {r["rank"]: r for r in placement(api, job_id)}
+    assert after[0]["node_id"] == after[1]["node_id"] == spare_node  # the spare node taken first
+    assert after[2]["node_id"] == after[3]["node_id"] == before[0] != lost  # the node ranks 0, 1 left
+    assert all(after[r]["spare"] for r in (2, 3)) and not any(after[r]["spare"] for r in (0, 1))
 
 
 def test_a_lost_node_s_ranks_come_back_from_memory_on_another_node(api):

@@ -59,6 +59,25 @@ def test_never_fits_is_refused_at_submission(env):
         sched.submit(spec("wide", nodes=1, gpus=4))
 
 
+def test_hot_spares_hold_nodes_of_their_own(env):
+    """resources.spare_nodes: the spares' nodes count at submission (a job whose nodes and spares
+    exceed the cluster is refused, naming spare_nodes) and at admission (they hold slots)."""
+    store, launcher, sched = env
+    with_spare = spec("spared", nodes=2).model_copy(deep=True)
+    with_spare.resources.spare_nodes = 1
+    with pytest.raises(NeverFits, match=r"needs 3 node\(s\).*spare_nodes 1: lower spare_nodes"):
+        sched.submit(with_spare)  # mutation: spares not counted -> accepted on 2 nodes
+    one = spec("one", nodes=1).model_copy(deep=True)
+    one.resources.spare_nodes = 1
+    a = sched.submit(one)["id"]
+    b = sched.submit(spec("b", nodes=1))["id"]
+    sched.step()
+    assert launcher.launched == [a]  # the spare holds the second node: b waits
+    finish(store, launcher, a)
+    sched.step(); sched.step()
+    assert launcher.launched == [a, b]
+
+
 def test_a_runner_that_exits_without_a_final_state_is_started_again_until_its_restarts_are_spent(env):
     """A runner gone while its job runs gets a successor (on the slots the job holds), which goes
     on from the job's record; each one counts under fault_tolerance.max_restarts (3 here), so a

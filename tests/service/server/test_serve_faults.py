@@ -4,14 +4,19 @@ tests share. Each drill breaks a running job from outside (kill -9 and then SIGS
 one job, the job's runner killed, a raylet killed) or from inside (a crash while saving, through
 `serve --fault`; exhausted restarts); the job must end as stated, with the loss curve of an
 undisturbed run (computed here on local processes: layout invariance) and events that tell what
-happened. The lost-node drill runs last: it leaves the cluster a node short.
+happened. The lost-node and drain drills run last: each leaves the cluster a node short.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+
+from pathlib import Path
 
 import pytest
 
@@ -220,3 +225,46 @@ def test_a_lost_node_shrinks_dp_with_the_same_global_batch_and_curve_under_the_s
     assert len(api.get(f"/jobs/{job_id}/placement").json()["ranks"]) == 4
     assert any(f.get("node_id") == victim["node_id"] for f in failures(api, job_id)), failures(api, job_id)
     assert [e for e in log if e["kind"] == "runner"] == []  # the runner lived on
+
+
+def test_a_drained_node_is_left_with_a_checkpoint_of_the_current_iteration_before_the_deadline(api):
+    """`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds 10` (a
+    preemption notice) on a node holding ranks of a job without periodic checkpoints: every rank
+    saves the iteration it finished, committed before the deadline; the job leaves the node (Ray
+    places nothing new on it) for the free node, goes on from that iteration (none run twice) on the
+    undisturbed curve, and records one PREEMPTED event; with max_restarts 0 it still SUCCEEDS and
+    `restarts` stays 0. Runs after the lost-node drill: 3 nodes, the job on 2 of them; the drained
+    node, idle once the job left, leaves the cluster."""
+    s = spec("drain", nodes=2, gpus=2, tp=2, iters=36, save_interval=None, max_restarts=0)
+    job_id = submit(api, s)
+    wait_iteration(api, job_id, 1)
+    victim = rank_record(api, job_id, 3)
+    address = api.get("/cluster").json()["ray_address"]
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    done = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "drain-node", "--address", address,
+                           "--node-id", victim["node_id"], "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                           "--reason-message", "raytron test: a spot preemption", "--deadline-remaining-seconds", "10"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    sent = time.time()  # the CLI set the deadline before it returned: at most sent + 10
+    assert done.returncode == 0, done.stderr[-2000:]
+    job = wait_for(api, job_id, DONE, timeout_s=300)
+    assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
+    assert job["restarts"] == 0 and failures(api, job_id) == []
+    expected = undisturbed(s)
+    losses = job_losses(api, job_id)
+    assert close(losses, expected, rel=1e-6), story(api, job_id, losses, expected)
+    log = whole_and_once(api, job_id)
+    at = [i for i, e in enumerate(log) if e["kind"] == "preempted"]
+    assert len(at) == 1, [e["message"] for e in log if e["kind"] != "iteration"]
+    pre = log[at[0]]["data"]
+    print(log[at[0]]["message"])  # the save's time and its margin to the deadline (with -s)
+    assert pre["nodes"] == [victim["node_id"]] and 3 in pre["ranks"], pre
+    before = [e["data"]["iteration"] for e in log[:at[0]] if e["kind"] == "iteration"]
+    after = [e["data"]["iteration"] for e in log[at[0]:] if e["kind"] == "iteration"]
+    assert pre["iteration"] == before[-1] < 36 and after == list(range(before[-1] + 1, 37)), (before, after)
+    manifest = json.loads((Path(pre["checkpoint"]) / "manifest.json").read_text())
+    assert manifest["iteration"] == pre["iteration"]
+    assert manifest["created_unix"] < pre["saved_time"] < pre["deadline"] <= sent + 10, (manifest["created_unix"], pre)
+    assert job["attempts"][1]["from_checkpoint"] == pre["checkpoint"]
+    placed = api.get(f"/jobs/{job_id}/placement").json()["ranks"]
+    assert victim["node_id"] not in {r["node_id"] for r in placed} and len(placed) == 4
