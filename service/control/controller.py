@@ -37,6 +37,7 @@ from typing import Callable, Iterable
 from service.control.calls import CallSizer
 from service.control.errors import InsufficientResources, JobCancelled, JobError, NonFiniteMetric
 from service.control.events import JobEvent, JobState, retention_message
+from service.spec.megatron_load import source_optimizer_note
 from service.spec.placement import check_tp_in_node
 from service.control.relayout import ElasticRelayout
 from service.control.trials import layout_message
@@ -215,10 +216,10 @@ class JobController:
         job = replace(job, checkpoint=replace(job.checkpoint, resume_from=source), memory_upto=len(self.metrics))
         number = 1 + sum(1 for e in self.events if e.kind == "state" and e.state is JobState.STARTING)
         attempt = f" (attempt {number})" if number > 1 else ""  # numbered as the job store numbers attempts
-        # hf:DIR and megatron:DIR hold weights only: the attempt starts a fresh optimizer, and says so
-        fresh = bool(source) and source.startswith(("hf:", "megatron:"))
+        # hf:DIR holds weights only, megatron:DIR maybe Adam's state too: the attempt says which
+        fresh, note = source_optimizer_note(source)
         self._transition(JobState.STARTING, "placing ranks" + attempt + (f" from {source}" if source else "")
-                         + (" (weights only: a fresh optimizer from iteration 0)" if fresh else ""),
+                         + (f" ({note})" if note else ""),
                          {"from_checkpoint": source, "num_nodes": job.num_nodes, "sizes": grid.sizes(),
                           "fresh_optimizer": fresh})
         self._group = self._make_group(self.restarts, job, grid)

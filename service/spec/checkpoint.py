@@ -8,9 +8,6 @@ def retention_problems(c, t) -> list[str]:
     """What ``checkpoint.keep_best`` / ``best_metric`` / ``save_hf`` get wrong, given the training section ``t``."""
     if c.save_hf and not c.save_interval:
         return ["checkpoint.save_hf needs checkpoint.save_interval (it copies the checkpoints the job saves)"]
-    if c.save_hf and c.dir and "://" in c.dir and not c.dir.startswith("file://"):
-        return [f"checkpoint.save_hf writes next to a local checkpoint.dir; {c.dir} is not one: drop save_hf and "
-                f"run raytron export on a local copy"]
     if not c.keep_best:
         return []
     if not c.save_interval:

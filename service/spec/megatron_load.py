@@ -1,7 +1,7 @@
 """``checkpoint.load: megatron:DIR`` and ``checkpoint.save_format: megatron`` checked before the job
 starts: the directory is a Megatron-Core torch_dist checkpoint of a model raytron runs, and the spec's
 model is that model (each differing field named, with both values); the copies are written of a dense
-model, next to a local checkpoint.dir."""
+model, next to the checkpoints (a local directory or an object store)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ def megatron_save_problems(c, m) -> list[str]:
         return []
     if not c.save_interval:
         return ["checkpoint.save_format megatron needs checkpoint.save_interval (it copies the checkpoints the job saves)"]
-    if c.dir and "://" in c.dir and not c.dir.startswith("file://"):
-        return [f"checkpoint.save_format megatron writes next to a local checkpoint.dir; {c.dir} is not one: use "
-                f"raytron export --format megatron on a local copy"]
     moe = [k for k in ("num_moe_experts", "multi_latent_attention", "mtp_num_layers") if getattr(m, k, None)]
     if moe:
         return [f"checkpoint.save_format megatron writes dense GPT/Llama models; this model has "
@@ -45,3 +42,20 @@ def megatron_load_problems(c, m) -> list[str]:
         return []
     return [f"checkpoint.load {c.load} holds another model ({'; '.join(diff)}); set those model fields to the "
             f"checkpoint's"]
+
+
+def source_optimizer_note(source: str | None) -> tuple[bool, str]:
+    """``(fresh, note)`` of a job's checkpoint source for its STARTING event: ``hf:DIR`` holds weights
+    only; ``megatron:DIR`` holds Adam's state where it is in a format raytron reads (the note says which,
+    or why the optimizer starts fresh); a raytron checkpoint resumes everything (``(False, "")``)."""
+    if not source or not source.startswith(("hf:", "megatron:")):
+        return False, ""
+    if source.startswith("megatron:"):
+        from workers.checkpoint.megatron_import import MegatronReader
+
+        try:
+            optim = MegatronReader(source[len("megatron:"):]).optim
+            return not optim.keys, optim.note
+        except ValueError:
+            pass  # the ranks say what is wrong with it
+    return True, "weights only: a fresh optimizer from iteration 0"

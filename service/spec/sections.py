@@ -271,7 +271,7 @@ class CheckpointSpec(BaseModel):
         "checkpoint is still what a restart resumes from)")
     load: str | None = Field(None, min_length=1, description="start from a raytron checkpoint (dir or root), "
                              "hf:DIR (a Hugging Face model directory) or megatron:DIR (a Megatron-Core torch_dist "
-                             "checkpoint or Megatron-LM --save root; weights only, a fresh optimizer) when "
+                             "checkpoint or Megatron-LM --save root; Adam's state too where it is fully_reshardable) when "
                              "checkpoint.dir holds none")
 
 

@@ -25,6 +25,12 @@ import torch
 MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
          "ffn_hidden_size": 96, "vocab_size": 128, "seq_length": 16}
 STD = 0.2
+# Megatron-LM's arguments of MODEL as its pretrain_gpt.py keeps them in the checkpoint
+ARGS = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4,
+        "group_query_attention": True, "num_query_groups": 2, "kv_channels": 16, "padded_vocab_size": 128,
+        "swiglu": True, "normalization": "RMSNorm", "add_bias_linear": False, "position_embedding_type": "rope",
+        "rotary_base": 10000, "rotary_percent": 1.0, "norm_epsilon": 1e-5,
+        "untie_embeddings_and_output_weights": True, "seq_length": 16}
 PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
 
 
@@ -145,12 +151,12 @@ def save_rank(rank, world_size, root: str, model: dict | None = None, tp: int = 
     return mcore_loss(gpt, *batch) if batch is not None else None
 
 
-def load_rank(rank, world_size, ckpt_dir: str, model: dict | None = None, tp: int = 1, batch=None,
-              strict: str = "raise_all") -> dict:
+def load_rank(rank, world_size, ckpt_dir: str, model: dict | None = None, tp: int = 1, batch=None) -> dict:
     """A rank function: megatron-core's GPTModel at ``tp`` loads ``ckpt_dir`` (the ``model`` part of a
-    Megatron-LM checkpoint) with its own ``dist_checkpointing.load``, strict (every key of both sides),
-    then ``load_state_dict(strict=True)``; returns its ``loss`` on ``batch`` (tokens, labels), and at
-    tp 1 its ``logits``, and the checkpoint's ``args`` as a dict."""
+    Megatron-LM checkpoint) with its own ``dist_checkpointing.load``, strict (every key it asks for
+    is there; the checkpoint has no other key but the optimizer's), then ``load_state_dict(strict=True)``;
+    returns its ``loss`` on ``batch`` (tokens, labels), and at tp 1 its ``logits``, and the checkpoint's
+    ``args`` as a dict."""
     init_parallel(tp, 1)
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -158,7 +164,10 @@ def load_rank(rank, world_size, ckpt_dir: str, model: dict | None = None, tp: in
     # Megatron-LM's checkpointing lets torch.load build its args namespace (torch >= 2.6 loads weights only)
     torch.serialization.add_safe_globals([argparse.Namespace])
     gpt = gpt_model(model, seed=99)  # other weights than any checkpoint's
-    state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, ckpt_dir, strict=StrictHandling(strict))
+    # megatron-core's names: ``unexpected``, asked for and not in the checkpoint; ``missing``, the other way
+    state, missing, unexpected = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, ckpt_dir,
+                                                         strict=StrictHandling.RETURN_ALL)
+    assert not unexpected and all(k.startswith("optimizer.state.") for k in missing), (missing, unexpected)
     gpt.load_state_dict(state["model"], strict=True)
     out = {"loss": mcore_loss(gpt, *batch), "args": vars(state.get("args") or argparse.Namespace())}
     if tp == 1:

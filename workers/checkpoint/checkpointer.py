@@ -92,6 +92,8 @@ def local_pieces(trainer) -> list[tuple[Piece, torch.Tensor]]:
 
 
 _KEY = {"param": "master"}  # the distributed optimizer's name for its fp32 main params
+# the optimizer's hyperparameters kept in the manifest (an export to Megatron-Core writes them)
+OPTIMIZER_FIELDS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad")
 
 
 def assign_owners(per_rank: list[list[tuple[Piece, int]]]) -> list[set[Piece]]:
@@ -199,6 +201,7 @@ class Checkpointer:
                            "etp": trainer.grid.etp, "vpp": trainer.vpp, "world_size": self.world_size,
                            "use_distributed_optimizer": trainer.job.parallel.use_distributed_optimizer},
                 "trainer_state": trainer.state_for_checkpoint(), "rng": rng_state(),
+                "training": {k: getattr(trainer.job.training, k) for k in OPTIMIZER_FIELDS},
                 "metrics": {k: float(v) for k, v in (metrics or {}).items()
                             if k in ("val_loss", "lm_loss") and isinstance(v, (int, float)) and math.isfinite(v)}}
         tmp = f".{checkpoint_name(trainer.iteration)}.tmp-{self._nonce()}"

@@ -7,8 +7,10 @@ reads (``model``, ``trainer_state``, ``has``, ``shape``, ``read``): each rank re
 the stored tensors that overlap its own boxes, through ``torch.distributed.checkpoint``'s reader and
 a planner of those boxes (no collectives, no megatron-core import). Names and shapes are
 :mod:`workers.checkpoint.megatron_names`'. The model fields come from the tensors' shapes and from the
-checkpoint's Megatron-LM ``args`` where it has them; weights only: the job starts at iteration 0
-with a fresh optimizer.
+checkpoint's Megatron-LM ``args`` where it has them. Adam's moments, the fp32 main params and Adam's step
+come along where the checkpoint holds them in a format raytron reads
+(:mod:`workers.checkpoint.megatron_optim`); otherwise the job starts a fresh optimizer. Either way the
+job counts its iterations from 0.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from workers.checkpoint.layout import Box
 from workers.checkpoint.megatron_names import model_from_args, raytron_names, stored_parts
+from workers.checkpoint.megatron_optim import optimizer_source
 
 # one process reads (writes) its own part: torch.distributed need not be initialised, as it says each time
 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -135,9 +138,11 @@ class _BoxPlanner(LoadPlanner):
 
 
 class MegatronReader:
-    """A Megatron-Core torch_dist checkpoint of a GPT/Llama model (dense or MoE) as a checkpoint source
-    (weights only). A tied model also loads into an untied job: its output layer starts as a copy
-    of the embedding."""
+    """A Megatron-Core torch_dist checkpoint of a GPT/Llama model (dense or MoE) as a checkpoint source:
+    the weights (``model/NAME``) and, where :attr:`optim` found them, Adam's moments and fp32 main params
+    (``optim/exp_avg/NAME``, ``optim/exp_avg_sq/NAME``, ``optim/master/NAME``) and step
+    (:attr:`optimizer_steps`). A tied model also loads into an untied job: its output layer starts as a
+    copy of the embedding."""
 
     trainer_state = None
 
@@ -171,6 +176,9 @@ class MegatronReader:
         self.model.pop("untie_embeddings_and_output_weights", None)  # either kind of job may load it
         self.names["output.weight"] = self.names.get("output.weight", self.names["embedding.weight"])
         self.iteration = int(self.common.get("iteration") or 0)
+        self.optim = optimizer_source(self.tensors, {k for k, _ in self.names.values()}, self.common,
+                                      self.split_experts)
+        self.optimizer_steps = self.optim.step
 
     def _split_experts(self, layers_of: dict) -> set[str]:
         """With ``singleton_local_shards`` each expert has keys of its own
@@ -220,11 +228,28 @@ class MegatronReader:
             common = {}
         return common if isinstance(common, dict) else {}
 
+    def _stored(self, key: str) -> tuple[str, str, int | None] | None:
+        """``(name, stored key, layer)`` of ``model/NAME`` or ``optim/KIND/NAME``; None: not held."""
+        if key.startswith("model/"):
+            name, kind = key[6:], None
+        elif key.startswith("optim/") and key.count("/") >= 2:
+            kind, name = key[6:].split("/", 1)
+        else:
+            return None
+        if name not in self.names:
+            return None
+        mkey, layer = self.names[name]
+        if kind is not None:
+            mkey = self.optim.keys.get(kind, {}).get(mkey)
+            if mkey is None:
+                return None
+        return name, mkey, layer
+
     def has(self, key: str) -> bool:
-        return key.startswith("model/") and key[6:] in self.names
+        return self._stored(key) is not None
 
     def shape(self, key: str) -> tuple[int, ...]:
-        name = key[6:]
+        name, _, _ = self._stored(key)
         mkey, layer = self.names[name]
         shape = self.tensors[mkey][0 if layer is None else 1 :]
         if name.endswith("gate_up.weight"):
@@ -234,19 +259,20 @@ class MegatronReader:
         return shape
 
     def read(self, key: str, box: Box) -> torch.Tensor:
-        """The ``box`` of logical tensor ``key``, from the stored chunks that overlap it."""
-        name = key[6:]
-        mkey, layer = self.names[name]
+        """The ``box`` of logical tensor ``key`` (``model/NAME``, ``optim/KIND/NAME``), from the stored
+        chunks that overlap it."""
+        name, stored, layer = self._stored(key)
+        mkey = self.names[name][0]
         out = torch.empty(box.lengths, dtype=torch.float32)
         boxes = []
         for j, offsets in stored_parts(name, box.offsets, box.lengths, self.tensors[mkey][0 if layer is None else 1 :]):
             target = out if j is None else out[j]
             if mkey in self.split_experts:  # one key per expert: dim 0 of the box, expert by expert
                 for e in range(target.shape[0]):
-                    one = mkey.replace(".experts.experts.", f".experts.experts.{offsets[0] + e}.")
+                    one = stored.replace(".experts.experts.", f".experts.experts.{offsets[0] + e}.")
                     boxes.append(_stored_box(one, layer, offsets[1:], target[e]))
             else:
-                boxes.append(_stored_box(mkey, layer, offsets, target))
+                boxes.append(_stored_box(stored, layer, offsets, target))
         dcp_load({}, storage_reader=self.reader, planner=_BoxPlanner(boxes), no_dist=True)
         return out
 

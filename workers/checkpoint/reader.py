@@ -4,8 +4,10 @@
 restarts): build the :class:`~workers.train.trainer.Trainer` as usual (its O(shard) init is cheap),
 then overwrite every parameter, Adam moment and the trainer state from a source. A source is
 anything with the :class:`CheckpointReader` interface (``model``, ``trainer_state``, ``has``,
-``shape``, ``read``): a raytron checkpoint here, or a Hugging Face directory
-(:class:`workers.hf.interop.HFReader`), which has weights only.
+``shape``, ``read``): a raytron checkpoint here, a Hugging Face directory
+(:class:`workers.hf.interop.HFReader`), which has weights only, or a Megatron-Core checkpoint
+(:class:`workers.checkpoint.megatron_import.MegatronReader`), which may add Adam's state and step
+(``optimizer_steps``) but no trainer state.
 
 A rank reads just the pieces that overlap its boxes (``read_at``, never whole files) and
 checks each piece's CRC-32; the manifest (file sizes) and the index (its CRC-32) are checked
@@ -170,6 +172,8 @@ def load_checkpoint(trainer, source) -> dict:
     if state is not None:
         trainer.load_state_from_checkpoint(state)
         _load_rng(trainer, source)
+    elif getattr(source, "optimizer_steps", None):  # a Megatron-Core optimizer's step: Adam's bias
+        trainer.optimizer.num_steps = int(source.optimizer_steps)  # correction and the LR schedule go on
     return {"iteration": trainer.iteration, "path": where}
 
 

@@ -106,8 +106,6 @@ def test_unknown_field_is_refused_with_its_path():
      ["= 2 is not divisible by hierarchical_context_parallel_sizes[0] 4"]),
     (dict(checkpoint={"keep_best": 2}), ["checkpoint.keep_best 2 needs checkpoint.save_interval"]),
     (dict(checkpoint={"save_hf": True}), ["checkpoint.save_hf needs checkpoint.save_interval"]),
-    (dict(checkpoint={"save_hf": True, "save_interval": 2, "dir": "s3://bucket/run"}),
-     ["checkpoint.save_hf writes next to a local checkpoint.dir; s3://bucket/run is not one"]),
     (dict(checkpoint={"keep_best": 2, "save_interval": 4}, training={"eval_interval": 3}),
      ["training.eval_interval 3 must divide checkpoint.save_interval 4", "best_metric: lm_loss"]),
     (dict(checkpoint={"keep_best": 2, "best_metric": "accuracy"}), ["checkpoint.best_metric"]),

@@ -1,30 +1,23 @@
 """``checkpoint.load: megatron:DIR``: a checkpoint megatron-core's own ``dist_checkpointing.save`` wrote
 from its own GPTModel (tp2, Megatron-LM's directory layout and ``args``) loads into raytron at
 tp1, tp2+sp, pp2 and tp2 x pp2 x dp2, and the first iteration's loss is megatron-core's own on that
-batch."""
+batch; with megatron-core's distributed-optimizer state (fully_reshardable), raytron's next update is
+megatron-core's own next step."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.helpers.megatron import MODEL, stand_ins
+from tests.helpers.megatron import ARGS, MODEL, stand_ins
 from tests.helpers.parity import job_of, tiny_spec
 
 stand_ins()
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.procs
 
-# Megatron-LM's arguments of MODEL as its pretrain_gpt.py keeps them in the checkpoint (save_rank adds a
-# torch dtype and an enum of megatron-core's: the reader builds no class of it)
-ARGS = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4,
-        "group_query_attention": True, "num_query_groups": 2, "kv_channels": 16, "padded_vocab_size": 128,
-        "swiglu": True, "normalization": "RMSNorm", "add_bias_linear": False, "position_embedding_type": "rope",
-        "rotary_base": 10000, "rotary_percent": 1.0, "norm_epsilon": 1e-5,
-        "untie_embeddings_and_output_weights": True, "seq_length": 16}
 
-
-def spec(world: int = 1, parallel: dict | None = None, **model) -> dict:
-    return tiny_spec(world=world, parallel=parallel, model={**MODEL, **model}, training={"train_iters": 1})
+def spec(world: int = 1, parallel: dict | None = None, training: dict | None = None, **model) -> dict:
+    return tiny_spec(world=world, parallel=parallel, model={**MODEL, **model}, training=training or {"train_iters": 1})
 
 
 def first_batch(job):
@@ -106,3 +99,35 @@ def test_an_moe_checkpoint_loads_with_megatron_cores_loss(tmp_path, world, paral
                     timeout_s=300)
     got = out[0]["losses"][0]
     assert abs(got - want) <= 1e-5 * want, (got, want)
+
+
+@pytest.fixture(scope="module")
+def mcore_optimizer_ckpt(tmp_path_factory):
+    """megatron-core's model and distributed Adam at tp2, one step taken (on a batch of no raytron
+    iteration), saved with the optimizer in fully_reshardable format; then its loss on raytron's batch
+    of iteration 0, its step on it, and its loss on the batch of iteration 1."""
+    from tests.helpers.megatron_optim import global_batches, train_save_rank
+    from tests.helpers.ranks import run_ranks
+
+    root = tmp_path_factory.mktemp("mcore-optim")
+    job = job_of(spec(training={"train_iters": 2}))
+    out = run_ranks(train_save_rank, 2, args=(str(root), job.training, global_batches(job, 9, 0, 1), 2),
+                    kwargs={"args": ARGS}, timeout_s=300)
+    assert out[0] == out[1]
+    return root, out[0]
+
+
+@pytest.mark.parametrize("world,parallel", [
+    (1, {}),
+    (4, {"tensor_model_parallel_size": 2, "use_distributed_optimizer": True}),
+], ids=["tp1", "tp2-dp2-distopt"])
+def test_the_next_update_is_megatron_cores_next_step(mcore_optimizer_ckpt, world, parallel):
+    from tests.helpers.checkpoints import train_ranks
+    from tests.helpers.ranks import run_ranks
+
+    root, want = mcore_optimizer_ckpt
+    job = job_of(spec(world, parallel, training={"train_iters": 2}))
+    out = run_ranks(train_ranks, world, args=(job,), kwargs={"load": f"megatron:{root}", "until": 2}, timeout_s=300)
+    got = out[0]["losses"]
+    # loss 0: the loaded weights; loss 1: after one update, which needs Adam's moments and step
+    assert all(abs(g - w) <= 1e-5 * w for g, w in zip(got, want)), (got, want)

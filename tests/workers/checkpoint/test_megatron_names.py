@@ -62,6 +62,11 @@ def test_export_reads_back_with_the_same_logits(exported):
     load_checkpoint(fresh, reader)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     assert_close(raytron_logits(fresh, ids), raytron_logits(t, ids))
+    # Adam's moments and step came along: the next update is the one the exported trainer makes
+    assert result["optimizer"] and reader.optimizer_steps == 1 and fresh.optimizer.num_steps == 1
+    fresh.train_step()
+    t.train_step()
+    assert_close(raytron_logits(fresh, ids), raytron_logits(t, ids))
 
 
 def spec_loading(load: str, **model) -> dict:
@@ -107,7 +112,7 @@ def test_export_refuses_a_moe_checkpoint_in_one_line(tmp_path, capsys):
     assert len(err) == 1 and "num_moe_experts=2" in err[0] and "--format hf" in err[0]
 
 
-def test_the_starting_event_says_the_optimizer_starts_fresh(exported):
+def test_the_starting_event_says_what_the_optimizer_starts_from(exported):
     from service.control.controller import JobController
     from service.control.events import JobState
     from tests.helpers.controller import FakeGroup
@@ -119,8 +124,29 @@ def test_the_starting_event_says_the_optimizer_starts_fresh(exported):
     JobController(job, ParallelGrid.from_config(job.parallel, 1), job_id="m1", on_event=events.append,
                   make_group=lambda *_: FakeGroup(1)).run()
     (start,) = [e for e in events if e.kind == "state" and e.state is JobState.STARTING]
-    assert start.data["fresh_optimizer"] and start.data["from_checkpoint"] == f"megatron:{exported[1]}"
-    assert "weights only: a fresh optimizer from iteration 0" in start.message
+    assert not start.data["fresh_optimizer"] and start.data["from_checkpoint"] == f"megatron:{exported[1]}"
+    assert "weights and optimizer state (fully_reshardable: Adam's moments and fp32 main params, step 1)" \
+        in start.message
+
+
+def test_optimizer_state_in_a_format_raytron_does_not_read_starts_fresh_and_says_why():
+    from workers.checkpoint.megatron_optim import optimizer_source
+
+    model = {"embedding.word_embeddings.weight": (8, 4), "decoder.layers.mlp.linear_fc2.weight": (2, 4, 6)}
+    full = {**model, **{f"optimizer.state.{k}.{key}": shape for key, shape in model.items()
+                        for k in ("exp_avg", "exp_avg_sq", "param")}}
+    common = {"iteration": 9, "optimizer": {"optimizer": {"param_groups": [{"step": 7}, {"step": 7}]},
+                                            "param_state_sharding_type": "fully_reshardable"}}
+    got = optimizer_source(full, set(model), common, set())
+    assert got.step == 7 and set(got.keys) == {"exp_avg", "exp_avg_sq", "master"}
+    bucketed = {**model, "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32)."
+                         "bucket_idx_0.exp_avg": (136,)}
+    common["optimizer"]["param_state_sharding_type"] = "dp_reshardable"
+    got = optimizer_source(bucketed, set(model), common, set())
+    assert not got.keys and got.step is None
+    assert got.note.startswith("weights only: a fresh optimizer from iteration 0; its distributed-optimizer state "
+                               "is dp_reshardable") and "--dist-ckpt-optim-fully-reshardable" in got.note
+    assert optimizer_source(model, set(model), {}, set()).note.endswith("it holds no optimizer state")
 
 
 def test_save_format_megatron_copies_every_committed_checkpoint(tmp_path):
