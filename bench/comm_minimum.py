@@ -39,7 +39,14 @@ head dim, ``g = num_query_groups / tp`` local kv heads, ``V`` vocab padded to a 
   saved from the forward ring) so K/V circulate again (cp-1) and each block's dK/dV, partial on
   the cp-1 ranks that used it, must be summed back to its owner: a chain of cp-1 hops
   (reduce-scatter bound ``(cp-1)/cp x cp K``). Total ``3 (cp-1) K`` per layer per microbatch.
-  ``all_gather``: AG of K/V forward + RS of dK/dV backward, ``2 (cp-1) K``.
+  ``all_gather``: AG of K/V forward + RS of dK/dV backward, ``2 (cp-1) K``. ``a2a``: each
+  token's q, k, v and attention output cross once each way, ``(a2a-1)/a2a`` of them leaving the
+  rank: ``2 (a2a-1)/a2a s b (2 H + 2 G) d 4`` (``H`` query heads, ``G`` K/V heads per TP rank; K/V
+  heads that do not divide by the a2a size travel repeated, ``G = H``); ``a2a+p2p`` adds the ring
+  across the a2a groups, ``3 (cp/a2a - 1)`` blocks of ``s b G 2d 4``. Multi-latent attention
+  expands K and V per head (``G = H``), and its attention runs at one head dim,
+  ``d = max(qk_head_dim + qk_pos_emb_head_dim, v_head_dim)`` (the smaller padded with zeros: the
+  attention kernels take one head dim), so the minimum counts that width.
 * **ep**: each token choice routed to an expert on another EP rank must go there and its output
   come back, forward and backward: ``2 (sent + received) h 4`` with ``sent`` / ``received``
   the rank's remote choices counted from the actual routing (a forward hook on the routers),
@@ -59,6 +66,7 @@ from __future__ import annotations
 
 import math
 
+from service.spec.mla import MLADims
 from workers.config import JobConfig
 from workers.grid import ParallelGrid
 from workers.parallel.pipeline import partition_layers
@@ -132,15 +140,18 @@ def analytic_bytes(job: JobConfig, rank: int, routes: dict[int, list[int]] | Non
     # Context parallelism: K/V blocks of the local kv heads (ring, all-gather); with a2a every
     # token's q, k, v and output once each way, (cp-1)/cp of them leaving the rank (K/V heads that do
     # not divide by cp travel repeated to one per query head).
+    # Multi-latent attention: K and V expanded per head, q, k, v and the output at one head dim.
+    mla = MLADims.of(m)
+    groups, width = (m.num_attention_heads, max(mla.qk, mla.v_head_dim)) if mla else (m.num_query_groups, d)
     if cp > 1 and p.cp_comm_type in ("a2a", "a2a+p2p"):
         a2a = p.hierarchical_context_parallel_sizes[0] if p.cp_comm_type == "a2a+p2p" else cp
         heads = m.num_attention_heads // tp
-        kv_heads = m.num_query_groups // tp if (m.num_query_groups // tp) % a2a == 0 else heads
-        out["cp"] = nmb * layers * 2 * (a2a - 1) / a2a * s * b * (2 * heads + 2 * kv_heads) * d * FLOAT
+        kv_heads = groups // tp if (groups // tp) % a2a == 0 else heads
+        out["cp"] = nmb * layers * 2 * (a2a - 1) / a2a * s * b * (2 * heads + 2 * kv_heads) * width * FLOAT
         # a2a+p2p: the ring across the a2a groups, each member's block its group's tokens, its kv heads
-        out["cp"] += nmb * layers * 3 * (cp // a2a - 1) * s * b * kv_heads * 2 * d * FLOAT
+        out["cp"] += nmb * layers * 3 * (cp // a2a - 1) * s * b * kv_heads * 2 * width * FLOAT
     elif cp > 1:
-        kv_block = s * b * (m.num_query_groups // tp) * 2 * d * FLOAT
+        kv_block = s * b * (groups // tp) * 2 * width * FLOAT
         blocks = 3 * (cp - 1) if p.cp_comm_type == "p2p" else 2 * (cp - 1)
         out["cp"] = nmb * layers * blocks * kv_block
 
