@@ -27,7 +27,6 @@ def draining_nodes() -> dict[str, float | None]:
 
 def schedulable_totals() -> list[dict]:
     """Each alive node's total resources, less the nodes being drained (no new work goes there)."""
-    import ray
+    from service.ranks.ray_nodes import node_totals
 
-    draining = draining_nodes()
-    return [n["Resources"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in draining]
+    return node_totals(excluding=draining_nodes())

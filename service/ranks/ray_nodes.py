@@ -17,11 +17,11 @@ def dead_nodes() -> set[str]:
         return set()
 
 
-def node_totals() -> list[dict]:
-    """Each alive node's total resources."""
+def node_totals(excluding=()) -> list[dict]:
+    """Each alive node's total resources, leaving out the node ids in ``excluding``."""
     import ray
 
-    return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    return [n["Resources"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in excluding]
 
 
 def could_ever_fit(job: JobConfig, strategy: str, bundle: dict) -> bool:
