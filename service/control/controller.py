@@ -27,57 +27,28 @@ iterations up to it, so ``losses`` stays the whole curve. Before an attempt a
 
 from __future__ import annotations
 
-import enum
-import math
 import threading
 import time
 from dataclasses import replace
-from typing import Callable, Iterable
+from typing import Callable
 
 from service.control.calls import CallSizer
-from service.control.errors import InsufficientResources, JobCancelled, JobError, NonFiniteMetric
-from service.control.events import JobEvent, JobState, retention_message
-from service.spec.megatron_load import source_optimizer_note
-from service.spec.placement import check_tp_in_node
+from service.control.errors import JobCancelled, JobError
+from service.control.events import JobEvent, JobState
 from service.control.relayout import ElasticRelayout
 from service.control.trials import layout_message
 from service.control.recovery import restore_event, resume_source
 from service.control.preemption import PreemptionWatch, count_preemptions, preempted_event, save_before_leaving
+from service.control.outcome import Outcome, judge, outcome_transition
 from service.control.policy import Decision, ElasticDataParallel, FailurePolicy, RestartUpTo, ScalingPolicy
 from service.control.rank_group import RankGroup
+from service.control.record import (checkpoint_event, count_restarts, is_restart, iteration_events, placement_event,
+                                    queued_message, replay, resize_event, starting_transition)
 from service.control.result import result_object
 from service.control.sizing import Sizer
 from workers.config import JobConfig
 from workers.rank.faults import Fault, check_ranks
 from workers.grid import ParallelGrid
-
-CHECKED_METRICS = ("loss", "grad_norm")  # a non-finite value of either fails the job at that iteration
-
-
-def is_restart(event: JobEvent) -> bool:
-    """Whether ``event`` counts as a restart: a RESTARTING transition that recovers the job (after
-    a failure the policy restarts, or a controller rebuilt after its ranks were lost), not one that
-    only resizes it (``data["resize"]``: a shrink while an attempt waited for nodes, a grow back at
-    a checkpoint) or moves it off nodes being drained (``data["preempted"]``). Every ``restarts`` (the controller's, so ``raytron run --json``'s and the failure
-    policy's; the REST API's; /metrics') is the number of these events; a job has one attempt per
-    STARTING, so after a resize it has more attempts than restarts + 1."""
-    return (event.kind == "state" and event.state is JobState.RESTARTING and not event.data.get("resize")
-            and not event.data.get("preempted"))  # a move off drained nodes: service.control.preemption
-
-
-def count_restarts(events: Iterable[JobEvent]) -> int:
-    """The restarts in a job's events (:func:`is_restart`)."""
-    return sum(1 for e in events if is_restart(e))
-
-
-class Outcome(enum.Enum):
-    """What a failed attempt leads to."""
-
-    CANCEL = "cancel"
-    RESIZE = "resize"  # fewer nodes than the attempt waited for: size again (not a restart)
-    RESTART = "restart"
-    FAIL = "fail"
-
 
 class JobController:
     """Drives one job to a terminal state; :meth:`run` returns the job's result (:mod:`service.control.result`).
@@ -144,10 +115,7 @@ class JobController:
         if history:
             self._replay(history)
         else:
-            saves = f"; checkpoints every {job.checkpoint.save_interval} iterations in {job.checkpoint.dir}" \
-                if job.checkpoint.save_interval and job.checkpoint.dir else ""
-            self._emit(JobEvent.now("state", JobState.QUEUED, f"job {job_id}: {grid.world_size} ranks on "
-                                    f"{job.num_nodes} node(s) x {job.gpus_per_node} GPU(s){saves}"))
+            self._emit(JobEvent.now("state", JobState.QUEUED, queued_message(job, grid, job_id)))
             if layout:  # an auto layout: what was chosen, among what (service.control.trials.layout_record)
                 self._emit(JobEvent.now("layout", JobState.QUEUED, layout_message(layout), layout))
 
@@ -204,24 +172,11 @@ class JobController:
             self._emit(waiting)
         grid = ParallelGrid.from_config(job.parallel, job.world_size)
         if grid.world_size != self.grid.world_size:
-            before, after = self.grid.sizes(), grid.sizes()
-            changes = ", ".join(f"{k} {before[k]} -> {after[k]}" for k in ("tp", "pp", "cp", "ep", "dp")
-                                if before[k] != after[k])  # more than dp: a re-pick (service.control.relayout)
-            self._emit(JobEvent.now("resize", self.state, f"{changes} ({self.current.num_nodes} "
-                                    f"-> {job.num_nodes} node(s)); global batch {job.training.global_batch_size} kept",
-                                    {"old": {"num_nodes": self.current.num_nodes, "sizes": self.grid.sizes()},
-                                     "new": {"num_nodes": job.num_nodes, "sizes": grid.sizes()}}))
+            self._emit(resize_event(self.state, self.current, self.grid, job, grid))
         self.current, self.grid = job, grid
         source = self._resume_source()
         job = replace(job, checkpoint=replace(job.checkpoint, resume_from=source), memory_upto=len(self.metrics))
-        number = 1 + sum(1 for e in self.events if e.kind == "state" and e.state is JobState.STARTING)
-        attempt = f" (attempt {number})" if number > 1 else ""  # numbered as the job store numbers attempts
-        # hf:DIR holds weights only, megatron:DIR maybe Adam's state too: the attempt says which
-        fresh, note = source_optimizer_note(source)
-        self._transition(JobState.STARTING, "placing ranks" + attempt + (f" from {source}" if source else "")
-                         + (f" ({note})" if note else ""),
-                         {"from_checkpoint": source, "num_nodes": job.num_nodes, "sizes": grid.sizes(),
-                          "fresh_optimizer": fresh})
+        self._transition(JobState.STARTING, *starting_transition(self.events, source, job, grid))
         self._group = self._make_group(self.restarts, job, grid)
         if self._cancel.is_set():
             raise JobCancelled(self._cancel_reason)
@@ -229,12 +184,8 @@ class JobController:
         start = int(self.placement[0].get("resumed_iteration") or 0) if self.placement else 0
         del self.metrics[start:]  # iterations after the checkpoint are run again
         self.iteration = start
-        split = check_tp_in_node(self.grid, {p["rank"]: p["node_id"] for p in self.placement})
-        if split:  # the plan keeps them together; this guards the plan -> node mapping end to end
-            raise JobError(f"tensor-parallel groups {split} span several nodes")
-        extra = getattr(self._group, "placement_extra", dict)()  # the Ray launcher's hot spares
-        self._emit(JobEvent.now("placement", self.state, f"{len(self.placement)} ranks placed",
-                                {"placement": self.placement, **extra}))
+        # the Ray launcher's hot spares beside the ranks
+        self._emit(placement_event(self.state, self.grid, self.placement, getattr(self._group, "placement_extra", dict)))
         if job.memory_interval and self.attempts > 1:
             self._emit(restore_event(self.state, start, source, self.placement))
         self._transition(JobState.RUNNING, "training")
@@ -248,18 +199,10 @@ class JobController:
             self.calls.measured(n, time.monotonic() - t0)
             for metrics in per_rank[0]:  # global metrics: every rank returns the same numbers
                 self.iteration += 1
-                retention = metrics.pop("checkpoint_retention", None)  # rank 0's, after a commit
-                hf_copies = metrics.pop("checkpoint_hf", [])  # rank 0's, once written
-                self._check_finite(self.iteration, metrics)
+                events = iteration_events(self.state, self.iteration, metrics)  # raises on a non-finite loss
                 self.metrics.append(metrics)
-                self._emit(JobEvent.now("iteration", self.state, "", metrics))
-                if retention is not None:
-                    self._emit(JobEvent.now("checkpoint", self.state, retention_message(retention), retention))
-                for copy in hf_copies:
-                    kind = copy.get("format", "hf")
-                    what = "Megatron-Core torch_dist copy" if kind == "megatron" else "Hugging Face copy"
-                    self._emit(JobEvent.now("checkpoint", self.state, f"{what} of iteration "
-                                            f"{copy['iteration']} written to {copy['path']}", {kind: copy}))
+                for event in events:
+                    self._emit(event)
             sigterms = getattr(self._group, "notices", None)  # ranks that got a SIGTERM (local processes)
             notice = (self.preemption.check(self.placement, sigterms() if sigterms else None)
                       if self.iteration < total else None)
@@ -273,20 +216,13 @@ class JobController:
         self._shutdown_group()
         self._transition(JobState.SUCCEEDED, f"{len(self.metrics)} iterations")
 
-    @staticmethod
-    def _check_finite(iteration: int, metrics: dict) -> None:
-        for name in CHECKED_METRICS:
-            value = metrics.get(name)
-            if value is not None and not math.isfinite(value):
-                raise NonFiniteMetric(iteration, "lm loss" if name == "loss" else name.replace("_", " "), value)
-
     def _preempt(self, notice) -> None:
         """Nodes holding ranks are being drained: save this iteration, leave them, record PREEMPTED."""
         saved = save_before_leaving(self._group)
         self._shutdown_group()
         retention = saved.pop("retention", None)
         if retention is not None:
-            self._emit(JobEvent.now("checkpoint", self.state, retention_message(retention), retention))
+            self._emit(checkpoint_event(self.state, retention))
         number, limit = count_preemptions(self.events) + 1, self.job.max_preemptions
         self._emit(preempted_event(self.state, notice, saved, self._resume_source(), number, limit))
         if number > limit:
@@ -296,36 +232,22 @@ class JobController:
             self._transition(JobState.RESTARTING, f"moving off the node(s) being preempted from iteration {self.iteration}",
                              {"preempted": True, "nodes": list(notice.nodes)})
 
-    def _judge(self, exc: BaseException) -> tuple["Outcome", JobError]:
+    def _judge(self, exc: BaseException) -> tuple[Outcome, JobError]:
         """What a failed attempt leads to (decided before the teardown, which it shapes)."""
-        if self._cancel.is_set() or isinstance(exc, (JobCancelled, KeyboardInterrupt)):
-            return Outcome.CANCEL, JobCancelled(self._cancel_reason if self._cancel.is_set() else "interrupted")
-        error = exc if isinstance(exc, JobError) else JobError(f"{type(exc).__name__}: {exc}")
-        if isinstance(error, InsufficientResources) and self.sizer.fewer_nodes_now(self.current):
-            return Outcome.RESIZE, error
-        if self.policy.decide(error, self.restarts) is Decision.RESTART:
-            return Outcome.RESTART, error
-        return Outcome.FAIL, error
+        return judge(exc, cancel_reason=self._cancel_reason if self._cancel.is_set() else None,
+                     fewer_nodes=lambda: self.sizer.fewer_nodes_now(self.current),
+                     restart=lambda error: self.policy.decide(error, self.restarts) is Decision.RESTART)
 
-    def _after_failure(self, outcome: "Outcome", error: JobError) -> None:
-        if outcome is Outcome.CANCEL:
-            self.error = error
-            self._transition(JobState.CANCELLED, str(error))
-            return
-        if outcome is Outcome.RESIZE:
-            # A node was lost while the attempt waited for its placement: size again, not a restart.
+    def _after_failure(self, outcome: Outcome, error: JobError) -> None:
+        if outcome in (Outcome.RESTART, Outcome.FAIL):
+            # A drill fires once: those at or before the iteration that failed are spent.
+            reached = self.iteration + 1
+            self.faults = [f for f in self.faults if f.iteration > reached]
+        if outcome is not Outcome.CANCEL:
             self._emit(JobEvent.now("failure", self.state, str(error), error.to_dict()))
-            self._transition(JobState.RESTARTING, f"fewer nodes than the attempt needs: {error}", {"resize": True})
-            return
-        # A drill fires once: those at or before the iteration that failed are spent.
-        reached = self.iteration + 1
-        self.faults = [f for f in self.faults if f.iteration > reached]
-        self._emit(JobEvent.now("failure", self.state, str(error), error.to_dict()))
-        if outcome is Outcome.RESTART:
-            self._transition(JobState.RESTARTING, f"restart {self.restarts + 1} after: {error}")
-            return
-        self.error = error
-        self._transition(JobState.FAILED, str(error))
+        if outcome in (Outcome.CANCEL, Outcome.FAIL):
+            self.error = error
+        self._transition(*outcome_transition(outcome, error, self.restarts))
 
     def _shutdown_group(self, keep_warm: bool = False) -> None:
         group, self._group = self._group, None
@@ -353,27 +275,11 @@ class JobController:
         those at or before a recorded failure's iteration, or before the last recorded one, are spent.
         """
         self.restarts = count_restarts(history)
-        spent = 0
-        for event in history:
-            self.events.append(event)
-            if event.kind == "state":
-                self.state = event.state
-            elif event.kind == "iteration":
-                it = event.data.get("iteration")
-                if isinstance(it, int) and 1 <= it <= len(self.metrics):
-                    del self.metrics[it - 1:]  # a later attempt ran it again from a checkpoint
-                self.metrics.append(event.data)
-                self.iteration = len(self.metrics)
-            elif event.kind == "placement":
-                self.placement = event.data.get("placement", [])
-            elif event.kind == "failure":
-                spent = max(spent, self.iteration + 1)
-                if self.state.is_terminal:
-                    self.error = JobError(event.message)
-        self.faults = [f for f in self.faults if f.iteration > max(spent, self.iteration)]
-        if self.state.is_terminal and self.state is not JobState.SUCCEEDED and self.error is None:
-            last = history[-1]
-            self.error = JobError(last.message)
+        self.events.extend(history)
+        r = replay(history)
+        self.state, self.metrics, self.placement, self.error = r.state, r.metrics, r.placement, r.error
+        self.iteration = len(self.metrics)
+        self.faults = [f for f in self.faults if f.iteration > r.spent]
         if self.state in (JobState.STARTING, JobState.RUNNING):
             # a restart like any other: _emit counts it (and so does a later replay of it)
             self._transition(JobState.RESTARTING, "the controller was restarted; the ranks are gone")

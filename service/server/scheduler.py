@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Callable
 
-from service.control.controller import count_restarts
+from service.control.record import count_restarts
 from service.control.events import ACTIVE_STATES, TERMINAL_STATES, JobEvent, JobState
 from service.server.cluster_view import ClusterView, NodeSlots, StaticCluster  # noqa: F401 (re-exported)
 from service.server.runners import JobRunners

@@ -21,7 +21,7 @@ from api.rest.errors import ApiError, status_of
 from api.rest.limits import check_rate, check_submission
 from api.rest.placement_view import placement_view
 from api.rest.schemas import ErrorBody, JobList, JobPublic, JobStates, MetricsPage, PlacementPublic
-from service.control.controller import count_restarts
+from service.control.record import count_restarts
 from service.control.events import JobEvent, JobState
 from service.server.cluster_view import reported_gpu_type
 from service.server.store import STATES, TERMINAL_STATES, JobStore, UnknownJob
@@ -87,7 +87,7 @@ def job_public(store: JobStore, row: dict) -> dict[str, Any]:
 
 
 def job_restarts(store: JobStore, job_id: str) -> int:
-    """The job's restarts by the controller's rule (:func:`service.control.controller.is_restart`:
+    """The job's restarts by the controller's rule (:func:`service.control.record.is_restart`:
     a resize starts an attempt but is no restart), counted in its recorded state events."""
     return count_restarts(JobEvent.from_dict(e) for e in store.events(job_id, kind="state"))
 

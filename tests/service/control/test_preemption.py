@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from service.control.controller import JobController, count_restarts
+from service.control.controller import JobController
+from service.control.record import count_restarts
 from service.control.events import JobState
 from service.control.jobs import start_job
 from service.control.preemption import PreemptionWatch
