@@ -33,7 +33,8 @@ from pydantic import BaseModel, ValidationError
 from service.spec.cost import MEMORY_MARGIN, cluster_of
 from service.spec.placement import plan_placement
 from service.spec.plan import Shapes, count_traffic, estimate
-from service.spec.sections import AUTO, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec, resources_problems
+from service.spec.model_section import ModelSpec
+from service.spec.sections import AUTO, ParallelSpec, ResourcesSpec, TrainingSpec, resources_problems
 from workers.grid import ParallelGrid
 
 MAX_VPP = 8

@@ -1,10 +1,10 @@
-"""The rules of the MoE routing fields of the model section (:class:`service.spec.sections.ModelSpec`),
+"""The rules of the MoE routing fields of the model section (:class:`service.spec.model_section.ModelSpec`),
 Megatron-Core's ``TransformerConfig`` checks, each naming the fields, the numbers and the fix. The
 fields reach :class:`workers.config.ModelConfig` by name (:func:`service.spec.spec.to_job_config`)."""
 
 from __future__ import annotations
 
-from service.spec.sections import ModelSpec
+from service.spec.model_section import ModelSpec
 from workers.routing import Routing, routing_problem
 
 ROUTING_FIELDS = ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_score_function",

@@ -34,8 +34,9 @@ from service.spec.mla import mla_problems
 from service.spec.moe import moe_problems
 from service.spec.pipeline import pipeline_problems
 from service.spec.tracking import TrackingSpec
+from service.spec.model_section import ModelSpec  # noqa: F401 (the sections are part of this module's interface)
 from service.spec.sections import (  # noqa: F401 (the sections are part of this module's interface)
-    STRICT, Auto, CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
+    STRICT, Auto, CheckpointSpec, FaultToleranceSpec, ParallelSpec, ResourcesSpec, TrainingSpec,
     resources_problems, training_problems)
 from workers.config import CheckpointConfig, JobConfig, ModelConfig, ParallelConfig, TrainingConfig
 from workers.grid import ParallelGrid

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from service.spec.sections import (CheckpointSpec, FaultToleranceSpec, ModelSpec, ParallelSpec, ResourcesSpec,
-                                   TrainingSpec)
+from service.spec.model_section import ModelSpec
+from service.spec.sections import CheckpointSpec, FaultToleranceSpec, ParallelSpec, ResourcesSpec, TrainingSpec
 from service.spec.tracking import TrackingSpec
 
 SECTIONS: dict[str, type[BaseModel]] = {

@@ -11,7 +11,7 @@ import typing
 import pytest
 from pydantic import BaseModel
 
-from service.spec import sections as spec
+from service.spec import spec  # the spec module holds every section
 from service.spec.spec import parse_spec, to_job_config
 from workers import config
 
