@@ -168,10 +168,10 @@ def time_table(iters: int, ray: bool) -> dict:
     from service.spec.spec import parse_spec, search_layouts
 
     from bench.cpu_calibrate import calibrate
-    from service.spec.cost import CPU_FIGURES
+    from service.spec.cluster_figures import CPU_FIGURES
 
     now = calibrate()
-    print(f"\nthe simulated CPU cluster's figures (service/spec/cost.py CPU_FIGURES, what the model uses): "
+    print(f"\nthe simulated CPU cluster's figures (service/spec/cluster_figures.py CPU_FIGURES, what the model uses): "
           f"{CPU_FIGURES}\nmeasured now by bench/cpu_calibrate.py (8 ranks on {os.cpu_count()} cores): {now}")
     res = {"gpu_type": "cpu"}
     rows = []

@@ -139,7 +139,7 @@ def test_cpu_calibration_measures_every_figure_the_cpu_cluster_stores():
     """bench/cpu_calibrate.py on 2 real ranks: the figures of service.spec.cost.CPU_FIGURES, each
     positive (no value is asserted: they are the machine's)."""
     from bench.cpu_calibrate import calibrate
-    from service.spec.cost import CPU_FIGURES
+    from service.spec.cluster_figures import CPU_FIGURES
 
     got = calibrate(ranks=2, repeats=1)
     assert set(CPU_FIGURES) - {"memory_gb"} <= set(got)

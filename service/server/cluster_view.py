@@ -30,7 +30,7 @@ def reported_gpu_type(cluster: ClusterView) -> str | None:
     """The ``resources.gpu_type`` the cluster's GPU nodes report through Ray
     (:func:`service.spec.cost.gpu_type_of`), or None (none reported, a mixed cluster, or the cluster
     cannot be asked now: the spec's own figures, or the simulated CPU cluster's, apply)."""
-    from service.spec.cost import gpu_type_of
+    from service.spec.cluster_figures import gpu_type_of
 
     try:
         nodes = [n for n in cluster.nodes() if n.gpus > 0]

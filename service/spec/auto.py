@@ -30,7 +30,8 @@ from typing import Callable
 
 from pydantic import BaseModel, ValidationError
 
-from service.spec.cost import MEMORY_MARGIN, cluster_of
+from service.spec.cluster_figures import cluster_of
+from service.spec.cost import MEMORY_MARGIN
 from service.spec.placement import plan_placement
 from service.spec.plan import Shapes, count_traffic, estimate
 from service.spec.model_section import ModelSpec

@@ -42,7 +42,8 @@ replicated elementwise work of TP without SP, the CPU time of Python per operati
 
 from __future__ import annotations
 
-from service.spec.cost import Cluster, megatron_flops, state_bytes
+from service.spec.cluster_figures import Cluster
+from service.spec.cost import megatron_flops, state_bytes
 
 DEFAULT_BUCKET_ELEMENTS = 1_000_000
 """The trainer's gradient bucket (``workers.parallel.data.DEFAULT_BUCKET_SIZE``; not imported: no torch here)."""

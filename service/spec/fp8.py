@@ -85,7 +85,7 @@ def _block_problems(m, p, block: int) -> list[str]:
 
 # -- the plan's cost of the FP8 linears (service.spec.plan) ----------------------------------------
 FP32_TFLOPS = {"A100": 19.5, "H100": 67.0, "H200": 67.0, "B200": 80.0}
-"""Dense fp32 (non-tensor-core) peaks, the datasheets beside service.spec.cost.GPU_FIGURES's bf16."""
+"""Dense fp32 (non-tensor-core) peaks, the datasheets beside service.spec.cluster_figures.GPU_FIGURES's bf16."""
 FP8_TFLOPS = {"H100": 1979.0, "H200": 1979.0, "B200": 4500.0}
 """Dense FP8 tensor-core peaks (2x bf16), what the ``torch._scaled_mm`` GEMMs run at."""
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.spec import cost
+from service.spec.cluster_figures import cluster_of
 from service.spec.cost_cpu import spec_step_time
 from service.spec.fp8 import fp8_seconds
 from service.spec.mla import MLADims
@@ -241,7 +242,7 @@ def estimate(spec, grid: ParallelGrid, node_of: list[int], tr: _Traffic | None =
     (state and activations) and the predicted step time by part, on the spec's cluster figures.
     ``tr``: the spec's traffic when already counted (it does not depend on the optimizer or recompute)."""
     s, t, p, m = Shapes.of(spec), spec.training, spec.parallel, spec.model
-    cluster = cost.cluster_of(spec.resources)
+    cluster = cluster_of(spec.resources)
     mixed = t.bf16 or t.fp16
     ranks = [rank_parameters(s, grid, r) for r in grid.groups("pp")[0]]  # one rank per stage: the rest repeat
     busiest = max(ranks, key=lambda r: r["dense"] + r["expert"])

@@ -199,7 +199,7 @@ class ResourcesSpec(BaseModel):
                              "rank actors each, started and idle (Ray launcher), that take a lost node's ranks (or a "
                              "lost rank's node) at a restart instead of new actors; a spare taken is replaced in the "
                              "background when the cluster has room")
-    # The cluster the cost model (raytron plan, parallel: auto) predicts for; see service/spec/cost.py.
+    # The cluster the cost model (raytron plan, parallel: auto) predicts for; see service/spec/cluster_figures.py.
     gpu_type: Literal["A100", "H100", "H200", "B200", "cpu"] | None = Field(
         None, description="an accelerator with known figures (memory, dense bf16 peak, NVLink, InfiniBand), or "
         "cpu: the simulated CPU cluster, ranks sharing one machine's cores (measured figures); exclusive with "

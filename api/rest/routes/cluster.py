@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from api.rest.deps import ClusterDep, SchedulerDep, StoreDep
 from api.rest.schemas import ClusterPublic
-from service.spec.cost import gpu_type_of
+from service.spec.cluster_figures import gpu_type_of
 
 router = APIRouter(tags=["cluster"])
 ACTIVE = ("STARTING", "RUNNING", "RESTARTING")
