@@ -33,7 +33,8 @@ from pydantic import BaseModel, ValidationError
 from service.spec.cluster_figures import cluster_of
 from service.spec.cost import MEMORY_MARGIN
 from service.spec.placement import plan_placement
-from service.spec.plan import Shapes, count_traffic, estimate
+from service.spec.plan import count_traffic, estimate
+from service.spec.shapes import Shapes
 from service.spec.model_section import ModelSpec
 from service.spec.sections import AUTO, ParallelSpec, ResourcesSpec, TrainingSpec, resources_problems
 from workers.grid import ParallelGrid

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from service.spec import cost
-from service.spec.plan import Shapes, estimate, rank_parameters
+from service.spec.plan import estimate
+from service.spec.shapes import Shapes, rank_parameters
 from service.spec.spec import grid_of, parse_spec
 from workers.grid import ParallelGrid
 

@@ -72,7 +72,8 @@ def test_bubble_by_schedule():
 def test_plan_places_the_v():
     """ZBV: the output layer counts on stage 0 with the embedding, and the turn at the last stage
     sends nothing (2 pp - 2 boundaries on the wire, not 2 pp - 1)."""
-    from service.spec.plan import Shapes, count_traffic, rank_parameters
+    from service.spec.plan import count_traffic
+    from service.spec.shapes import Shapes, rank_parameters
     from service.spec.spec import grid_of
 
     par = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from service.spec import cost
-from service.spec.plan import BYTES, Shapes, plan_job, rank_parameters
+from service.spec.plan import BYTES, plan_job
+from service.spec.shapes import Shapes, rank_parameters
 from service.spec.spec import parse_spec, to_job_config
 from workers.grid import ParallelGrid
 

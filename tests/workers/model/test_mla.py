@@ -14,7 +14,8 @@ import torch
 
 from service.spec.cost import megatron_flops
 from service.spec.limits import rank_params
-from service.spec.plan import Shapes, plan_job
+from service.spec.plan import plan_job
+from service.spec.shapes import Shapes
 from service.spec.spec import parse_spec, to_job_config
 from workers.config import ModelConfig
 
