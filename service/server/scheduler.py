@@ -31,11 +31,12 @@ import threading
 import time
 from typing import Callable
 
-from service.control.record import count_restarts
 from service.control.events import ACTIVE_STATES, TERMINAL_STATES, JobEvent, JobState
 from service.server.cluster_view import ClusterView, NodeSlots, StaticCluster  # noqa: F401 (re-exported)
+from service.server.held_slots import HeldSlots, free_slots
 from service.server.runners import JobRunners
 from service.server.queue import QueuedJob, admit, can_ever_fit
+from service.server.runner_restarts import new_runner_event
 from service.spec.spec import JobSpec
 from service.spec.stored import stored_section
 from service.server.store import BOOTSTRAP_ADMIN, InvalidTransition, JobStore, UnknownJob
@@ -49,11 +50,6 @@ class NeverFits(ValueError):
 
 class JobNotActive(ValueError):
     """A cancel of a job that has already ended (HTTP 409)."""
-
-
-def max_restarts(row: dict) -> int:
-    """The job's ``fault_tolerance.max_restarts``."""
-    return stored_section(row.get("spec"), "fault_tolerance").max_restarts
 
 
 def queued_job(row: dict) -> QueuedJob:
@@ -80,10 +76,9 @@ class Scheduler:
                  vanish_grace_s: float = 2.0, quota_of: Callable[[str], int | None] | None = None):
         self.store, self.runners, self.cluster = store, runners, cluster
         self.quota_of = quota_of or (lambda owner: None)
-        self._owners: dict[str, tuple[str | None, int]] = {}  # launched job -> (owner, GPU slots)
         self._quota_noted: dict[str, str] = {}  # queued job -> the quota reason last recorded
         self.poll_s, self.vanish_grace_s = poll_s, vanish_grace_s
-        self._held: dict[str, tuple[tuple[str, ...], int]] = {}  # launched job -> (nodes, gpus per node)
+        self._held = HeldSlots()  # the launched jobs and their slots
         self._dead_since: dict[str, float] = {}
         self._cancelled: set[str] = set()
         self._lock = threading.RLock()
@@ -134,12 +129,8 @@ class Scheduler:
         return {n.node_id: n.gpus for n in self.cluster.nodes() if n.alive}
 
     def used_slots(self) -> dict[str, int]:
-        used: dict[str, int] = {}
         with self._lock:
-            for nodes, gpus in self._held.values():
-                for node in nodes:
-                    used[node] = used.get(node, 0) + gpus
-        return used
+            return self._held.used()
 
     def queue_length(self) -> int:
         with self._lock:
@@ -169,16 +160,15 @@ class Scheduler:
             if self.runners.reattach(row):
                 log.info("re-attached to job %s (%s)", row["id"], row["state"])
                 with self._lock:
-                    self._held[row["id"]] = (nodes, queued_job(row).gpus_per_node)
-                    self._owners[row["id"]] = (row.get("owner"), queued_job(row).num_gpus)
+                    self._held.hold(row["id"], nodes, queued_job(row))
             elif row["state"] == JobState.QUEUED.value:
                 # Admitted, but its runner never recorded a thing (the server died around the launch):
                 # nothing ran, so it simply waits for admission again.
                 log.info("job %s was admitted but never started; it is queued again", row["id"])
             else:
                 with self._lock:
-                    self._held[row["id"]] = self._slots_for(row, nodes)
-                    self._owners[row["id"]] = (row.get("owner"), queued_job(row).num_gpus)
+                    job = queued_job(row)
+                    self._held.hold(row["id"], self._held.recovered_nodes(job, nodes, self.total_slots()), job)
                 self._runner_gone(row["id"], "runner_vanished", "the job's runner was gone when the server restarted")
 
     def step(self) -> None:
@@ -224,13 +214,9 @@ class Scheduler:
             if not queued:
                 return
             total = self.total_slots()
-            used = self.used_slots()
-            free = {node: max(0, n - used.get(node, 0)) for node, n in total.items()}
-            held: dict[str, int] = {}
-            for owner, gpus in self._owners.values():
-                held[owner] = held.get(owner, 0) + gpus
+            free = free_slots(total, self.used_slots())
             quotas = {owner: self.quota_of(owner) for owner in {j.owner for j in queued if j.owner is not None}}
-            plan = admit(free, queued, cluster_total=total, quotas=quotas, held=held)
+            plan = admit(free, queued, cluster_total=total, quotas=quotas, held=self._held.by_owner())
             for job, why, owner_held in plan.over_quota:
                 if self._quota_noted.get(job.id) != why:
                     self._quota_noted[job.id] = why
@@ -247,8 +233,7 @@ class Scheduler:
         # Recorded before the runner starts: a server killed right after still knows the slots are held.
         self.store.append_event(job.id, {"time": time.time(), "kind": "admission", "state": JobState.QUEUED.value,
                                          "message": f"admitted on {', '.join(nodes)}", "data": {"nodes": list(nodes)}})
-        self._held[job.id] = (nodes, job.gpus_per_node)
-        self._owners[job.id] = (job.owner, job.num_gpus)
+        self._held.hold(job.id, nodes, job)
         self._quota_noted.pop(job.id, None)
         row = self.store.get_job(job.id)
         try:
@@ -257,28 +242,17 @@ class Scheduler:
         except Exception as exc:  # noqa: BLE001 - a launch failure fails the job, not the server
             log.exception("launching job %s failed", job.id)
             self._finish(job.id, JobState.FAILED.value, "launch_failed", f"could not start the job's runner: {exc}")
-            self._held.pop(job.id, None)
-            self._owners.pop(job.id, None)
+            self._held.drop(job.id)
 
     def _runner_gone(self, job_id: str, code: str, why: str) -> bool:
         """The runner of a job that has not ended is gone: start a new one, which goes on from the
-        job's record (True), or record FAILED when the job's restarts are spent (False).
-
-        The new runner replays the job's events into its controller, which counts the lost
-        attempt as a restart; a runner that died before recording anything starts the job afresh.
-        Each new runner is also counted here (its ``"runner"`` event), so a runner that keeps dying
-        before it records a restart still ends the job."""
-        row = self.store.get_job(job_id)
-        limit = max_restarts(row)
-        restarts = count_restarts(JobEvent.from_dict(e) for e in self.store.events(job_id, kind="state"))
-        started = len(self.store.events(job_id, kind="runner"))
-        if max(restarts, started) >= limit:
-            self._finish(job_id, JobState.FAILED.value, code, f"{why}, and its fault_tolerance.max_restarts "
-                         f"({limit}) are spent (see the job's logs)")
+        job's record (True), or record FAILED when the job's restarts are spent (False); see
+        :mod:`service.server.runner_restarts`."""
+        event = new_runner_event(self.store, self.store.get_job(job_id), code, why)
+        if isinstance(event, str):
+            self._finish(job_id, JobState.FAILED.value, code, event)
             return False
-        self.store.append_event(job_id, {"time": time.time(), "kind": "runner", "state": row["state"],
-                                         "message": f"{why}: starting runner {started + 2}, which goes on from "
-                                                    f"the job's record", "data": {"reason": code}})
+        self.store.append_event(job_id, event)
         self._dead_since.pop(job_id, None)
         try:
             handle = self.runners.launch(self.store.get_job(job_id))
@@ -289,19 +263,6 @@ class Scheduler:
             self._finish(job_id, JobState.FAILED.value, "launch_failed", f"could not start the job's runner: {exc}")
             return False
 
-    def _slots_for(self, row: dict, nodes: tuple) -> tuple[tuple[str, ...], int]:
-        """The slots a recovered job holds: its admitted nodes, or, when they are no longer in the
-        cluster (it was replaced), nodes of the cluster with room for it now."""
-        job = queued_job(row)
-        total = self.total_slots()
-        if nodes and all(n in total for n in nodes):
-            return nodes, job.gpus_per_node
-        used = self.used_slots()
-        free = {node: max(0, n - used.get(node, 0)) for node, n in total.items()}
-        plan = admit(free, [job], cluster_total=total)
-        picked = tuple(str(n) for n in plan.start[0].nodes) if plan.start else nodes
-        return picked, job.gpus_per_node
-
     def _cancel_runner(self, job_id: str) -> None:
         try:
             self.runners.cancel(job_id)
@@ -310,8 +271,7 @@ class Scheduler:
 
     def _release(self, job_id: str) -> None:
         with self._lock:
-            self._held.pop(job_id, None)
-            self._owners.pop(job_id, None)
+            self._held.drop(job_id)
             self._dead_since.pop(job_id, None)
             self._cancelled.discard(job_id)
         reap = getattr(self.runners, "reap", None)
