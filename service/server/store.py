@@ -1,14 +1,5 @@
 """The persistent job store: jobs, every event of their history, attempts and per-iteration metrics.
 
-SQLAlchemy Core over SQLite by default (one file in the data dir, WAL journal, a busy timeout)
-or any database a ``database_url`` names (PostgreSQL is tested). Several threads and several
-processes (the server and each job's controller) write at once: every write is one
-transaction that first locks the job's row on PostgreSQL (``SELECT ... FOR UPDATE``) and, on
-SQLite, starts with ``BEGIN IMMEDIATE`` so that writers queue on the file lock for up to
-``busy_timeout_s`` instead of failing when a read lock cannot be upgraded. Readers in WAL
-mode never wait for a writer. WAL needs the processes on one machine with the file on a local
-disk (not NFS): writers on other machines need PostgreSQL.
-
 Events are the record: the one history of a job, which the REST API, its event stream and a
 restarted server all read. An event is the dict of
 ``JobEvent.to_dict()`` (time, kind, state, message, data), numbered 1, 2, ... per job, and
@@ -26,26 +17,25 @@ appending one brings the job's row in step in the same transaction, so a control
 Every event also sets the row's ``last_seq`` and ``updated_at``: together they are the job's
 :meth:`JobStore.job_version`, which a reader's cache compares instead of reading the job again.
 
-The schema (tables, version, migrations) is :mod:`service.server.store_schema`; what appending an
+The database, its connections and write transactions are :mod:`service.server.store_db`; the
+schema (tables, version, migrations) :mod:`service.server.store_schema`; what appending an
 event does to the job's row, :mod:`service.server.store_events`.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import Connection
 
 from service.control.events import STATES, TERMINAL_STATES, JobState  # noqa: F401 (part of the store's interface)
 from service.server import store_schema
+from service.server.store_db import Database
 from service.server.store_events import InvalidTransition, append_event_row  # noqa: F401 (InvalidTransition: part of the interface)
-from service.server.store_schema import BOOTSTRAP_ADMIN, SchemaError, attempts, events, jobs, metrics, sqlite_pragmas  # noqa: F401
+from service.server.store_schema import BOOTSTRAP_ADMIN, SchemaError, attempts, events, jobs, metrics  # noqa: F401
 
 
 class UnknownJob(LookupError):
@@ -57,8 +47,9 @@ def sqlite_url(data_dir: str | Path) -> str:
     return f"sqlite:///{Path(data_dir).expanduser().resolve() / 'raytron.db'}"
 
 
-class JobStore:
-    """The job store over one database; thread-safe, and safe to share with other processes.
+class JobStore(Database):
+    """The job store over one database (:class:`~service.server.store_db.Database`); thread-safe, and
+    safe to share with other processes.
 
     Args:
         database_url: a SQLAlchemy URL, e.g. ``sqlite:////var/lib/raytron/raytron.db`` (see
@@ -71,52 +62,9 @@ class JobStore:
     """
 
     def __init__(self, database_url: str, *, busy_timeout_s: float = 30.0):
-        url = make_url(database_url)
-        self.url = url.render_as_string(hide_password=True)
-        self.dialect = url.get_backend_name()
-        if self.dialect == "sqlite":
-            if url.database in (None, "", ":memory:"):
-                raise ValueError(f"database_url {self.url!r} is an in-memory SQLite database, which every "
-                                 "connection sees empty; use a file, e.g. sqlite:////tmp/raytron/raytron.db")
-            Path(url.database).parent.mkdir(parents=True, exist_ok=True)
-            self.engine = sa.create_engine(url, connect_args={"timeout": busy_timeout_s, "check_same_thread": False})
-            sqlite_pragmas(self.engine, busy_timeout_s)
-        else:
-            self.engine = sa.create_engine(url, pool_pre_ping=True)
-        self._writer = self.engine.execution_options(raytron_write=True)
+        super().__init__(database_url, busy_timeout_s=busy_timeout_s)
         with self._write() as conn:
             store_schema.init_schema(conn, self.url, self.dialect)
-        self._watch = None  # SQLite: a connection kept only to ask PRAGMA data_version
-        self._watch_lock = threading.Lock()
-
-    def close(self) -> None:
-        with self._watch_lock:
-            if self._watch is not None:
-                self._watch.close()
-                self._watch = None
-        self.engine.dispose()
-
-    # ---- change detection (for readers' caches) ---------------------------------------------
-    def change_token(self) -> int | None:
-        """A value that changes whenever anyone (this store, another thread or another process)
-        commits a write; ``None`` where the database cannot tell cheaply (not SQLite), and then a
-        cache compares :meth:`job_version` on every read.
-
-        On SQLite this is ``PRAGMA data_version`` of a connection that never writes: it changes
-        when any other connection, in this process or another, commits (microseconds: SQLite
-        looks at the WAL index in shared memory, no table is read).
-        """
-        if self.dialect != "sqlite":
-            return None
-        with self._watch_lock:
-            if self._watch is None:
-                self._watch = self.engine.raw_connection()
-            cur = self._watch.cursor()
-            try:
-                version = cur.execute("PRAGMA data_version").fetchone()[0]
-            finally:
-                cur.close()
-        return version
 
     def job_version(self, job_id: str) -> tuple | None:
         """``(last_seq, updated_at)`` of the job: changes with each of its writes; None when no such job."""
@@ -263,11 +211,6 @@ class JobStore:
             return [tuple(r) for r in conn.execute(query)]
 
     # ---- internals --------------------------------------------------------------------------
-    @contextmanager
-    def _write(self) -> Iterator[Connection]:
-        with self._writer.begin() as conn:
-            yield conn
-
     def _lock(self, conn: Connection, job_id: str):
         """Lock the job's row for this transaction (PostgreSQL; SQLite holds the file lock); its
         ``state``, ``metric_names``, ``last_seq`` and current ``attempt`` (one query: every
