@@ -40,11 +40,13 @@ import os
 import sys
 import time
 import warnings
-from contextlib import contextmanager
 
 
 import torch  # noqa: E402
 
+from service.spec.cost import megatron_flops  # noqa: E402
+from service.spec.shapes import Shapes  # noqa: E402
+from bench.gpu_kernels import moe_gemm, ring_attention, timed  # noqa: E402
 from bench.gpu_throughput import PEAK_TFLOPS, flops_per_token, model_spec, run_mode  # noqa: E402
 
 BENCH = dict(layers=16, hidden=2048, heads=16, query_groups=8, ffn=5632, vocab=32000, seq=2048, gbs=8, mbs=2,
@@ -65,14 +67,11 @@ KERNEL_CLASSES = (  # first match wins; lower-case substrings of kernel names
 
 
 def megatron_flops_per_token(m) -> float:
-    """Training FLOPs per token by Megatron's formula for a dense SwiGLU GQA model: 12 h^2 L x
-    (attention (1 + groups/heads + s/(2h)) + MLP 1.5 f/h + logits V/(2 L h)); causal attention halved."""
-    h, L, s = m.hidden_size, m.num_layers, m.seq_length
-    q_ratio = m.num_attention_heads * m.head_dim / h
-    attention = (1 + m.num_query_groups / m.num_attention_heads + s / h / 2) * q_ratio
-    mlp = m.ffn_hidden_size / h * 1.5
-    logits = m.vocab_size / (2 * L * h)
-    return 12 * L * h * h * (attention + mlp + logits)
+    """Training FLOPs per token of a dense model config by Megatron's formula, as the cost model
+    counts them (:func:`service.spec.cost.megatron_flops`: causal attention halved)."""
+    s = Shapes(m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size,
+               m.vocab_size, m.seq_length, None, m.moe_router_topk, kv_channels=m.kv_channels)
+    return megatron_flops(s, 1) / m.seq_length
 
 
 def classify(name: str) -> str:
@@ -81,25 +80,6 @@ def classify(name: str) -> str:
         if any(n in low for n in needles):
             return cls
     return "other"
-
-
-@contextmanager
-def _timed():
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    box = {"t0": time.perf_counter()}
-    yield box
-    sync()
-    box["s"] = time.perf_counter() - box["t0"]
-
-
-def _peak_reset(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _peak_gib(device) -> float | None:
-    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
 def steps(job, device, cfg: dict, peak: dict) -> list[dict]:
@@ -148,7 +128,7 @@ def profile_step(trainer, device) -> dict:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     trainer.train_step()  # warm
-    with _timed() as wall, profile(activities=activities) as prof:
+    with timed() as wall, profile(activities=activities) as prof:
         trainer.train_step()
     by_class: dict[str, float] = {}
     kernels = 0
@@ -181,91 +161,6 @@ def host_syncs(trainer, device) -> int | None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchron" in str(w.message).lower() for w in caught)
-
-
-def ring_attention(device, seq: int, heads: int = 16, kv_heads: int = 8, dim: int = 128, cp: int = 2) -> dict:
-    """One CP rank's ring blocks (forward + backward) against the whole sequence in one fused call."""
-    from workers.parallel.attention_kernel import attention_backward, attention_forward, backward_blocks, forward_blocks
-    from workers.parallel.context_layout import cp_positions
-    from workers.parallel.context_ring import ring_plans
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    g = torch.Generator(device="cpu").manual_seed(0)
-    full_q = torch.randn(seq, 1, heads, dim, generator=g).to(device, dtype)
-    full_k = torch.randn(seq, 1, kv_heads, dim, generator=g).to(device, dtype)
-    full_v = torch.randn(seq, 1, kv_heads, dim, generator=g).to(device, dtype)
-    scale = dim ** -0.5
-    bhsd = lambda x: x.permute(1, 2, 0, 3)  # noqa: E731
-
-    _peak_reset(device)
-    with _timed() as whole:
-        out, lse = attention_forward(bhsd(full_q), bhsd(full_k), bhsd(full_v), causal=True, scale=scale)
-        attention_backward(torch.ones_like(out), bhsd(full_q), bhsd(full_k), bhsd(full_v), out, lse, causal=True,
-                           scale=scale)
-    whole_peak = _peak_gib(device)
-
-    rank = 0
-    pos = [cp_positions(seq, cp, r, device=device) for r in range(cp)]
-    q = full_q[pos[rank]]
-    plans = ring_plans(seq, cp, rank)
-    _peak_reset(device)
-    with _timed() as ring:
-        acc = torch.zeros(q.shape, dtype=torch.float32, device=device)
-        lse = torch.full((1, heads, q.shape[0]), float("-inf"), dtype=torch.float32, device=device)
-        for step in range(cp):
-            src = pos[(rank - step) % cp]
-            forward_blocks(q, full_k[src], full_v[src], plans[step], scale, acc, lse)
-        o = acc.to(dtype)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=device)
-        for step in range(cp):
-            src = pos[(rank - step) % cp]
-            dk = torch.zeros(full_k[src].shape, dtype=torch.float32, device=device)
-            dv = torch.zeros_like(dk)
-            backward_blocks(torch.ones_like(o), q, full_k[src], full_v[src], o, lse, plans[step], scale, dq, dk, dv)
-    return {"seq": seq, "cp": cp, "dtype": str(dtype).replace("torch.", ""), "whole_s": whole["s"],
-            "ring_rank_s": ring["s"], "ring_over_half_whole": ring["s"] / (whole["s"] / 2),
-            "whole_peak_gib": whole_peak, "ring_rank_peak_gib": _peak_gib(device)}
-
-
-def moe_gemm(device, tokens: int, hidden: int, ffn: int, experts: int = 8, topk: int = 2) -> dict:
-    """The SwiGLU experts of one MoE layer, forward and backward: the product's grouped GEMM
-    (:func:`workers.parallel.grouped_gemm.swiglu_experts`: ``torch._grouped_mm`` where the device
-    has it, one padded bmm otherwise) against the per-expert loop it replaced (bench/moe_bench.py)."""
-    from moe_bench import loop_swiglu_experts
-    from workers.parallel.grouped_gemm import ExpertRuns, grouped_mm_supported, swiglu_experts
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    g = torch.Generator(device="cpu").manual_seed(0)
-    counts = torch.multinomial(torch.ones(experts), tokens * topk, replacement=True, generator=g).bincount(
-        minlength=experts)
-    runs = ExpertRuns(counts.tolist(), counts.to(device))
-    x = torch.randn(tokens * topk, hidden, generator=g).to(device, dtype).requires_grad_(True)
-    w_gate, w_up = (torch.randn(experts, ffn, hidden, generator=g).to(device, dtype).requires_grad_(True)
-                    for _ in range(2))
-    w_down = torch.randn(experts, hidden, ffn, generator=g).to(device, dtype).requires_grad_(True)
-    params = (x, w_gate, w_up, w_down)
-
-    def step(fn):
-        for p in params:
-            p.grad = None
-        y = fn(x, w_gate, w_up, w_down, runs)
-        y.backward(torch.ones_like(y))
-        return y.detach(), [p.grad for p in params]
-
-    y_loop, g_loop = step(loop_swiglu_experts)
-    y_grp, g_grp = step(swiglu_experts)
-    rel = lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()  # noqa: E731
-    reps = 5
-    with _timed() as t_loop:
-        for _ in range(reps):
-            step(loop_swiglu_experts)
-    with _timed() as t_grouped:
-        for _ in range(reps):
-            step(swiglu_experts)
-    return {"tokens": tokens, "experts": experts, "topk": topk, "dtype": str(dtype).replace("torch.", ""),
-            "kernel": "torch._grouped_mm" if grouped_mm_supported(x, w_gate, w_up, w_down) else "padded bmm",
-            "loop_s": t_loop["s"] / reps, "grouped_s": t_grouped["s"] / reps, "speedup": t_loop["s"] / t_grouped["s"],
-            "max_rel_error": max(rel(y_grp, y_loop), *(rel(a, b) for a, b in zip(g_grp, g_loop)))}
 
 
 def main(argv: list[str] | None = None) -> int:
