@@ -46,7 +46,8 @@ import sys
 import time
 
 
-from bench.comm_bench import Layout, compare, header, layout_job, measure_trainer, print_table  # noqa: E402
+from bench.comm_attribution import measure_trainer  # noqa: E402
+from bench.comm_bench import Layout, compare, header, layout_job, print_table  # noqa: E402
 from workers.config import JobConfig  # noqa: E402
 
 LONG_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
