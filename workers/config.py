@@ -1,16 +1,13 @@
-"""The frozen configs a job runs from (model, parallel layout, training, checkpoints), and the
-per-parameter seeding every layout shares.
+"""The frozen configs a job runs from (model, parallel layout, training, checkpoints).
 
 The pydantic ``JobSpec`` (``service/spec/spec.py``) is parsed at the edge and turned into these
 by one function (``service.spec.spec.to_job_config``); nothing in ``workers/`` reads YAML, and no
 setting comes from an environment variable (torchrun's rendezvous variables, read by
 ``workers.rank.main.torchrun_env``, say where a rank is, not how the job runs).
-:func:`stable_seed` makes a parameter's initial value a function of (seed, name, shape) alone.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 
@@ -293,13 +290,3 @@ class JobConfig:
     memory_upto: int | None = None
     """Set by the controller for one attempt: the newest iteration it recorded, so the newest one an
     in-memory restore may go back to (None: any)."""
-
-
-def stable_seed(seed: int, name: str) -> int:
-    """A 63-bit seed derived from the job seed and a parameter's full name.
-
-    Every parameter is drawn from its own generator, so its initial value depends only on
-    (seed, name, full shape), never on which layers a rank happens to build or in what order.
-    """
-    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)

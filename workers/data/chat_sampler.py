@@ -17,7 +17,7 @@ Either way every rank reads the same rows and a restart goes on where the checkp
 
 from __future__ import annotations
 
-from workers.config import stable_seed
+from workers.data.seeding import stable_seed
 from workers.data.dataset import DataPosition
 from workers.data.chat import ChatDataError, ChatDataset, load_tokenizer, make_row, pack, samples
 from workers.data.packing import pack_rows

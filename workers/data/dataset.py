@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.config import stable_seed
+from workers.data.seeding import stable_seed
 from workers.data.blend import blending_indices, parse_blend
 from workers.data.corpus import SPLITS, Corpus, check_corpus, data_form_problem, load_tokens
 from workers.data.packing import DocumentRules, pack_rows, pack_window

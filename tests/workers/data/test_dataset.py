@@ -54,7 +54,7 @@ def test_npy_and_bin_token_files(tmp_path):
 
 # --- Megatron indexed datasets, blends, splits, validation batches --------------------------
 
-from workers.config import stable_seed  # noqa: E402
+from workers.data.seeding import stable_seed  # noqa: E402
 from workers.data.blend import parse_blend, parse_split, split_bookends  # noqa: E402
 from workers.data.corpus import data_form_problem  # noqa: E402
 from workers.data.dataset import check_data, eval_index  # noqa: E402
