@@ -100,11 +100,7 @@ class ModelConfig:
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether global layer ``index`` has a mixture of experts (else the dense MLP)."""
-        if not self.is_moe:
-            return False
-        if isinstance(self.moe_layer_freq, int):
-            return index % self.moe_layer_freq == 0
-        return bool(self.moe_layer_freq[index])
+        return self.is_moe and moe_layer_at(self.moe_layer_freq, index)
 
     @property
     def expert_ffn_hidden_size(self) -> int:
@@ -290,3 +286,9 @@ class JobConfig:
     memory_upto: int | None = None
     """Set by the controller for one attempt: the newest iteration it recorded, so the newest one an
     in-memory restore may go back to (None: any)."""
+
+
+def moe_layer_at(moe_layer_freq: int | tuple[int, ...], index: int) -> bool:
+    """Whether global layer ``index`` of an MoE model is MoE under ``moe_layer_freq`` (N: layers 0,
+    N, 2N, ...; a tuple: 1 per MoE layer)."""
+    return index % moe_layer_freq == 0 if isinstance(moe_layer_freq, int) else bool(moe_layer_freq[index])

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.spec.mla import MLADims
+from workers.config import moe_layer_at
 from workers.grid import ParallelGrid
 from workers.parallel.pipeline import V_SHAPED, place, virtual_stage
 
@@ -58,10 +59,7 @@ class Shapes:
                    v_shape=spec.parallel.pipeline_schedule in V_SHAPED)
 
     def is_moe_layer(self, index: int) -> bool:
-        if not self.experts:
-            return False
-        freq = self.moe_layer_freq
-        return index % freq == 0 if isinstance(freq, int) else bool(freq[index])
+        return bool(self.experts) and moe_layer_at(self.moe_layer_freq, index)
 
     @property
     def head_dim(self) -> int:
