@@ -43,6 +43,7 @@ import torch
 from safetensors import safe_open
 
 from workers.checkpoint.layout import Box
+from workers.config import moe_layer_at
 from workers.hf.families import family_of, hf_config, model_from_hf_config, read_hf_config  # noqa: F401
 from workers.hf.moe import ARCHITECTURES, hf_moe_names
 from workers.hf.mtp import as_layer_name, mtp_layers_in, mtp_own_shapes, mtp_own_to_hf, shared_copies
@@ -101,8 +102,7 @@ def _layer_shapes(m: dict, p: str, moe: bool) -> dict[str, tuple[int, ...]]:
 
 def _is_moe_layer(m: dict, i: int) -> bool:
     """:meth:`workers.config.ModelConfig.is_moe_layer` of a model dict."""
-    freq = m.get("moe_layer_freq", 1)
-    return bool(m.get("num_moe_experts")) and bool(i % freq == 0 if isinstance(freq, int) else freq[i])
+    return bool(m.get("num_moe_experts")) and moe_layer_at(m.get("moe_layer_freq", 1), i)
 
 
 def _mla_shapes(m: dict) -> dict[str, tuple[int, ...]]:
