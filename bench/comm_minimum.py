@@ -25,8 +25,11 @@ head dim, ``g = num_query_groups / tp`` local kv heads, ``V`` vocab padded to a 
   implementation also all-reduces the max for numerical stability, a third float per token,
   ~0.1% here; a log-add-exp reduction would avoid it).
 * **sp grads** (``tp-dp-cp``): weights applied to sequence shards (RMSNorm weights, MoE routers
-  with SP) have grads partial over tp and dp-cp: ``AR(tp dp cp, P_sp 4)``.
-* **dp grads** (``dp-cp``): every other non-expert local param once, ``AR(dp cp, P_dense 4)``;
+  with SP; with multi-latent attention also its down projections ``q_a_proj`` and
+  ``kv_a_proj_with_mqa`` and their latent norms, whole on every TP rank:
+  ``MLADims.replicated_parameters``) have grads partial over tp and dp-cp: ``AR(tp dp cp, P_sp 4)``.
+* **dp grads** (``dp-cp``): every other non-expert local param once, ``AR(dp cp, P_dense 4)``
+  (MLA's attention: ``MLADims.parameters`` less its replicated part);
   with the distributed optimizer a reduce-scatter of the grads plus an all-gather of the params,
   ``2 (n-1)/n P 4``, the same volume (buckets pad to a multiple of n: a few elements).
 * **expert grads** (``expert-dp``): ``AR(expert_dp, P_expert 4)``.
@@ -158,9 +161,13 @@ def analytic_bytes(job: JobConfig, rank: int, routes: dict[int, list[int]] | Non
     # Gradients (and the distributed optimizer's param all-gather) per param group.
     vocab = _padded_vocab(m.vocab_size, tp)
     heads, groups, f = m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
-    dense = layers * (groups * (heads // groups + 2) * d * h // tp + h * heads * d // tp)
-    dense += (pre + post) * vocab * h // tp
     seq = layers * 2 * h + post * h
+    if mla:  # the down projections and latent norms are whole on every TP rank: SP-marked, as the norms
+        dense = layers * (mla.parameters(h, heads, tp) - mla.replicated_parameters(h))
+        seq += layers * mla.replicated_parameters(h)
+    else:
+        dense = layers * (groups * (heads // groups + 2) * d * h // tp + h * heads * d // tp)
+    dense += (pre + post) * vocab * h // tp
     expert = 0
     if m.is_moe:
         seq += layers * m.num_moe_experts * h  # routers
