@@ -23,10 +23,19 @@ head dim, ``g = num_query_groups / tp`` local kv heads, ``V`` vocab padded to a 
   input grad (SP: AG forward, RS backward). Cross-entropy needs, per token, the log-sum-exp
   over the vocab shards and the target logit: 2 floats, ``AR(tp, 2 s b 4)`` (the
   implementation also all-reduces the max for numerical stability, a third float per token,
-  ~0.1% here; a log-add-exp reduction would avoid it).
+  ~0.1% here; a log-add-exp reduction would avoid it). Multi-latent attention: its down
+  projections are whole on every rank and run on the layer's input as it comes, so the
+  column-parallel inputs are the up projections' (the latents, ``q_lora_rank`` and
+  ``kv_lora_rank`` wide; ``q_proj``'s: ``h``), each an AR of its width (SP: AG forward, RS
+  backward, plus the backward re-gather), and the rotary key (``qk_pos_emb_head_dim`` wide, one
+  for every head of the rank) has its grad summed over tp (SP: AG forward, RS backward), in place
+  of qkv's ``AR(tp, A)`` (and re-gather).
 * **sp grads** (``tp-dp-cp``): weights applied to sequence shards (RMSNorm weights, MoE routers
-  with SP) have grads partial over tp and dp-cp: ``AR(tp dp cp, P_sp 4)``.
-* **dp grads** (``dp-cp``): every other non-expert local param once, ``AR(dp cp, P_dense 4)``;
+  with SP; with multi-latent attention also its down projections ``q_a_proj`` and
+  ``kv_a_proj_with_mqa`` and their latent norms, whole on every TP rank:
+  ``MLADims.replicated_parameters``) have grads partial over tp and dp-cp: ``AR(tp dp cp, P_sp 4)``.
+* **dp grads** (``dp-cp``): every other non-expert local param once, ``AR(dp cp, P_dense 4)``
+  (MLA's attention: ``MLADims.parameters`` less its replicated part);
   with the distributed optimizer a reduce-scatter of the grads plus an all-gather of the params,
   ``2 (n-1)/n P 4``, the same volume (buckets pad to a multiple of n: a few elements).
 * **expert grads** (``expert-dp``): ``AR(expert_dp, P_expert 4)``.
@@ -124,10 +133,24 @@ def analytic_bytes(job: JobConfig, rank: int, routes: dict[int, list[int]] | Non
     pre, post = stage == 0, stage == pp - 1
     out = dict.fromkeys(TRAFFIC, 0.0)
 
-    # Tensor parallelism: 4 (dense) or 2 (MoE: attention only) all-reduce volumes per layer.
-    # With SP, each column-parallel layer re-gathers its saved input shard in backward.
+    # Tensor parallelism: per layer, attention's and (dense) the MLP's row-parallel output summed
+    # and column-parallel input grads summed: 4 (dense) or 2 (MoE) all-reduce volumes. With SP,
+    # each column-parallel layer re-gathers its saved input shard in backward. MLA's column-parallel
+    # layers take the latents (q_lora_rank, kv_lora_rank wide; q_proj: hidden), and its rotary key
+    # (qk_pos_emb_head_dim wide, whole on each rank) has its grad summed too.
     regather = (tp - 1) / tp * act if sp else 0.0
-    per_layer = (2 if m.is_moe else 4) * all_reduce_bytes(tp, act) + (1 if m.is_moe else 2) * regather
+
+    def columns(*widths: int) -> float:  # column-parallel layers on inputs this wide per token
+        return sum(all_reduce_bytes(tp, s * b * w * FLOAT) + ((tp - 1) / tp * (s * b * w * FLOAT) if sp else 0.0)
+                   for w in widths)
+
+    mla = MLADims.of(m)
+    if mla:
+        rotary_key = all_reduce_bytes(tp, s * b * mla.qk_pos_emb_head_dim * FLOAT)
+        attention = columns(mla.q_lora_rank or h, mla.kv_lora_rank) + rotary_key
+    else:
+        attention = columns(h)
+    per_layer = all_reduce_bytes(tp, act) + attention + (0 if m.is_moe else all_reduce_bytes(tp, act) + columns(h))
     per_mb = layers * per_layer + pre * all_reduce_bytes(tp, act)
     per_mb += post * (all_reduce_bytes(tp, act) + regather + all_reduce_bytes(tp, 2 * s * b * FLOAT))
     out["tp"] = nmb * per_mb
@@ -141,7 +164,6 @@ def analytic_bytes(job: JobConfig, rank: int, routes: dict[int, list[int]] | Non
     # token's q, k, v and output once each way, (cp-1)/cp of them leaving the rank (K/V heads that do
     # not divide by cp travel repeated to one per query head).
     # Multi-latent attention: K and V expanded per head, q, k, v and the output at one head dim.
-    mla = MLADims.of(m)
     groups, width = (m.num_attention_heads, max(mla.qk, mla.v_head_dim)) if mla else (m.num_query_groups, d)
     if cp > 1 and p.cp_comm_type in ("a2a", "a2a+p2p"):
         a2a = p.hierarchical_context_parallel_sizes[0] if p.cp_comm_type == "a2a+p2p" else cp
@@ -158,9 +180,13 @@ def analytic_bytes(job: JobConfig, rank: int, routes: dict[int, list[int]] | Non
     # Gradients (and the distributed optimizer's param all-gather) per param group.
     vocab = _padded_vocab(m.vocab_size, tp)
     heads, groups, f = m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
-    dense = layers * (groups * (heads // groups + 2) * d * h // tp + h * heads * d // tp)
-    dense += (pre + post) * vocab * h // tp
     seq = layers * 2 * h + post * h
+    if mla:  # the down projections and latent norms are whole on every TP rank: SP-marked, as the norms
+        dense = layers * (mla.parameters(h, heads, tp) - mla.replicated_parameters(h))
+        seq += layers * mla.replicated_parameters(h)
+    else:
+        dense = layers * (groups * (heads // groups + 2) * d * h // tp + h * heads * d // tp)
+    dense += (pre + post) * vocab * h // tp
     expert = 0
     if m.is_moe:
         seq += layers * m.num_moe_experts * h  # routers

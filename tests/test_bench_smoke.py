@@ -80,6 +80,49 @@ def test_analytic_minimum_hand_computed():
     assert analytic_bytes(job, 0)["pp"] == 6 * 128 and analytic_bytes(job, 1)["pp"] == 6 * 128
 
 
+def test_mla_tensor_parallel_minimum_hand_computed():
+    # tp2, one layer, seq 4, h 8 (A = 128 B), q_lora_rank 16, kv_lora_rank 12, rotary key 4 wide:
+    # o_proj 128 + the up projections' input grads 4*16*4 = 256 and 4*12*4 = 192 + the rotary key's
+    # grad 4*4*4 = 64, the MLP 2 x 128; embedding 128, output layer 128 + cross-entropy 32: 1184 B.
+    # With SP each column-parallel layer re-gathers half its input: q_b 128, kv_b 96, gate_up 64,
+    # the output layer 64: 1536 B.
+    for sp, want in ((False, 1184), (True, 1536)):
+        job = layout_job(Layout("tp2", {"tensor_model_parallel_size": 2, "sequence_parallel": sp}), 2,
+                         model={**TINY, **MLA}, training=ONE_SAMPLE)
+        assert analytic_bytes(job, 0)["tp"] == want, sp  # mutation: qkv's 128 (+64) counted for MLA
+
+class _TpOfTwo:
+    """A tensor-parallel group that answers only its size (2) and this rank's place in it (0)."""
+
+
+@pytest.mark.parametrize("sp", [True, False])
+@pytest.mark.parametrize("q_lora_rank", [16, None])
+def test_mla_gradient_rows_are_the_real_shard_s_parameters(monkeypatch, sp, q_lora_rank):
+    """tp 2 x dp 2 with multi-latent attention: grads:dense and grads:sp are the parameters of
+    TP rank 0's real model shard (workers.model built on a group of two), split by their
+    sequence-parallel mark (the down projections and latent norms, whole on each TP rank, are
+    marked with SP); without SP every parameter is a dense one."""
+    import torch
+
+    from workers.model.decoder import ModelChunk, ShardContext
+    from workers.parallel import comm
+
+    real_size, real_rank = comm.world_size, comm.rank
+    monkeypatch.setattr(comm, "world_size", lambda g: 2 if isinstance(g, _TpOfTwo) else real_size(g))
+    monkeypatch.setattr(comm, "rank", lambda g: 0 if isinstance(g, _TpOfTwo) else real_rank(g))
+    model = {**TINY, **MLA, "num_layers": 2, "q_lora_rank": q_lora_rank}
+    job = layout_job(Layout("tp2dp2", {"tensor_model_parallel_size": 2, "sequence_parallel": sp}), 4,
+                     model=model, training={"global_batch_size": 2, "micro_batch_size": 1})
+    chunk = ModelChunk(job.model, ShardContext(tp_group=_TpOfTwo(), sequence_parallel=sp, seed=1), [0, 1],
+                       pre_process=True, post_process=True, positions=torch.arange(job.model.seq_length))
+    marked = sum(p.numel() for p in chunk.parameters() if getattr(p, "sequence_parallel", False))
+    others = sum(p.numel() for p in chunk.parameters()) - marked
+    assert (marked > 0) == sp
+    got = analytic_bytes(job, 0)
+    assert got["grads:dense"] == all_reduce_bytes(2, others * 4)  # dp 2
+    assert got["grads:sp"] == all_reduce_bytes(4, marked * 4)  # tp 2 x dp 2
+
+
 @pytest.mark.slow
 def test_tp2_measurement_runs():
     job, rows, results = comm_bench.run_layout(Layout("tp2", {"tensor_model_parallel_size": 2}), 2,
@@ -89,6 +132,17 @@ def test_tp2_measurement_runs():
     assert math.isfinite(tp.ratio) and tp.ratio >= 1.0
     assert all(math.isfinite(r.ratio) for r in rows)
 
+
+@pytest.mark.slow
+def test_mla_tp2_sp_moves_the_minimum_and_the_cross_entropy_max():
+    """Two real ranks, MLA at tp 2 with SP: the tp bytes are the minimum plus the cross-entropy's
+    max all-reduce (one float per token, see bench/comm_minimum.py), to the byte."""
+    model = {**TINY, **MLA, "seq_length": 8, "vocab_size": 256}  # the builtin data's byte tokens
+    job, rows, _ = comm_bench.run_layout(Layout("mla-tp2", {"tensor_model_parallel_size": 2,
+                                                            "sequence_parallel": True}), 2, model=model,
+                                         training=ONE_SAMPLE)
+    tp = next(r for r in rows if r.traffic == "tp")
+    assert tp.measured == tp.minimum + all_reduce_bytes(2, 8 * 4), rows
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,parallel,minimum", [

@@ -64,13 +64,16 @@ class MLADims:
     def parameters(self, hidden: int, heads: int, tp: int) -> int:
         """One layer's attention parameters on one TP rank: the column/row-parallel projections
         split over heads, the down projections and their norms whole."""
-        if self.q_lora_rank is None:
-            q = heads * self.qk * hidden // tp
-        else:
-            q = self.q_lora_rank * (hidden + 1) + heads * self.qk * self.q_lora_rank // tp
-        kv = ((self.kv_lora_rank + self.qk_pos_emb_head_dim) * hidden + self.kv_lora_rank
-              + heads * (self.qk_head_dim + self.v_head_dim) * self.kv_lora_rank // tp)
-        return q + kv + hidden * heads * self.v_head_dim // tp
+        q = heads * self.qk * (hidden if self.q_lora_rank is None else self.q_lora_rank) // tp
+        kv = heads * (self.qk_head_dim + self.v_head_dim) * self.kv_lora_rank // tp
+        return self.replicated_parameters(hidden) + q + kv + hidden * heads * self.v_head_dim // tp
+
+    def replicated_parameters(self, hidden: int) -> int:
+        """The part of :meth:`parameters` every TP rank holds whole: the down projections
+        (``q_a_proj``, ``kv_a_proj_with_mqa``) and their norms. With sequence parallelism they
+        see only the rank's sequence shard, so their gradients are summed over TP (as RMSNorm's)."""
+        q = self.q_lora_rank * (hidden + 1) if self.q_lora_rank is not None else 0
+        return q + (self.kv_lora_rank + self.qk_pos_emb_head_dim) * hidden + self.kv_lora_rank
 
     def flops_per_token(self, hidden: int, heads: int, seq: int) -> float:
         """Training FLOPs of one layer's attention per token, as Megatron's

@@ -6,7 +6,7 @@
 
 import { API, ApiError, followEvents, followLog, getJSON, postJSON, request, setOnUnauthorized, token } from "./api.js";
 import { drawChart } from "./plot.js";
-import { colourChoices, drawPlacement } from "./placement.js";
+import { colourChoices, drawPlacement, listSpares } from "./placement.js";
 
 const $ = (sel, root = document) => root.querySelector(sel);
 const POLL_MS = 1500;
@@ -256,13 +256,13 @@ function showPlan(plan) {
   }
 }
 
-/** Fill a colour-by select for `ranks` and (re)draw the map whenever it changes. */
-function setupMap(select, container, ranks, gpusPerNode) {
+/** Fill a colour-by select for `ranks` and (re)draw the map (and the hot `spares`) whenever it changes. */
+function setupMap(select, container, ranks, gpusPerNode, spares = []) {
   const previous = select.value;
   const choices = colourChoices(ranks);
   select.replaceChildren(...choices.map(([value, label]) => new Option(label, value)));
   if (choices.some(([v]) => v === previous)) select.value = previous;
-  const draw = () => drawPlacement(container, ranks, { gpusPerNode, colourBy: select.value || "group:tp" });
+  const draw = () => drawPlacement(container, ranks, { gpusPerNode, colourBy: select.value || "group:tp", spares });
   select.onchange = draw;
   draw();
 }
@@ -349,7 +349,8 @@ async function showJob(jobId, signal) {
     const placement = await getJSON(`${API}/jobs/${jobId}/placement`);
     $("#placement-note").textContent = placement.ranks.length
       ? `attempt ${placement.attempt}, as the ranks reported it` : "not placed yet";
-    setupMap($("#job-view .colour-by"), $("#placement-map"), placement.ranks, placement.gpus_per_node);
+    setupMap($("#job-view .colour-by"), $("#placement-map"), placement.ranks, placement.gpus_per_node,
+      placement.spares || []);
     $("#placement-map").dataset.attempt = placement.attempt;
   };
   drawMap().catch(() => {});
@@ -469,6 +470,7 @@ async function route() {
   getJSON(`${API}/cluster`).then((c) => {
     $("#cluster").textContent = `${c.nodes.length} node(s), ${c.gpus_free} of ${c.gpus_total} GPU slots free, ` +
       `${c.queue_length} queued`;
+    listSpares($("#cluster-spares"), c.spares || []);
   }).catch(() => {});
   const match = location.hash.match(/^#\/jobs\/([\w.-]+)/);
   const compare = location.hash.match(/^#\/compare\/([\w.,-]+)/);

@@ -254,6 +254,7 @@ def test_submit_watch_the_curve_grow_to_succeeded_and_the_placement(server, brow
     for s in slots:
         stages.setdefault(s["pp"], set()).add(s["node"])
     assert len({n for nodes in stages.values() for n in nodes}) == 2  # the stages span both nodes
+    assert not browser.find_elements(By.CSS_SELECTOR, "#placement-map .node.spare, #placement-map .slot.from-spare")
     shoot(browser, artifacts, "job")
     select = browser.find_element(By.CSS_SELECTOR, "#job-view .colour-by")
     options = [o.get_attribute("value") for o in select.find_elements(By.TAG_NAME, "option")]
@@ -379,3 +380,66 @@ def test_the_user_logged_in_and_an_owner_column_for_admins(server, browser, api,
     wait(browser, lambda d: (cells := d.find_elements(By.CSS_SELECTOR, "#jobs tbody tr td.owner-col"))
          and all(c.is_displayed() and c.text == "admin" for c in cells), 30, "every row's owner: admin")
     shoot(browser, artifacts, "teams-admin")
+
+
+def test_hot_spares_on_the_placement_map_and_in_the_header(server, browser, api, artifacts):
+    """Hot spares (resources.spare_nodes): the Ray launcher keeps them, and this server runs local
+    processes, so the job's runner is this test: it writes the events a runner writes, through the
+    job store, into the server's own database (a job over its owner's GPU quota, so that the
+    scheduler never launches it): STARTING, the placement of the finished tiny-5d job's reported
+    records with the ranks of node 1 restarted on a spare (``"spare": true``) and one spare node
+    left with 3 of its 4 actors up, RUNNING. The map draws the spare node apart from the ranks'
+    nodes (a "spare" box, its actors up or starting) and marks the restarted ranks; the header
+    lists the job's spare nodes while it runs."""
+    from service.control.events import JobEvent, JobState
+    from service.server.store import JobStore, sqlite_url
+
+    done = next(j for j in api.get("/jobs").json()["jobs"] if j["name"] == "tiny-5d")
+    assert api.post("/users", json={"name": "spare-owner", "gpu_quota": 1}).status_code == 201
+    store = JobStore(sqlite_url(server.data_dir))
+    try:
+        node_of = {r["rank"]: str(r["node"]) for r in api.get(f"/jobs/{done['id']}/placement").json()["ranks"]}
+        moved = sorted(rank for rank, node in node_of.items() if node == "1")
+        records = [{**r, "spare": r["rank"] in moved}
+                   for r in store.events(done["id"], kind="placement")[-1]["data"]["placement"]]
+        spares = [{"bundle": 2, "node_id": "spare-node-2", "actors": 4, "ready": 3}]
+        spec = {**example_spec(), "name": "spared"}
+        spec["resources"] = {**spec["resources"], "spare_nodes": 1}
+        job_id = store.create_job(spec, owner="spare-owner", sizes=store.get_job(done["id"])["sizes"])["id"]
+        store.update_job(job_id, state=JobState.STARTING.value, message="placing ranks")
+        store.append_event(job_id, JobEvent.now("placement", JobState.STARTING, f"{len(records)} ranks placed",
+                                                {"placement": records, "spares": spares}).to_dict())
+        store.update_job(job_id, state=JobState.RUNNING.value, message="training")
+        view = api.get(f"/jobs/{job_id}/placement").json()
+        assert [{k: sp[k] for k in spares[0]} for sp in view["spares"]] == spares
+        assert [r["rank"] for r in view["ranks"] if r["spare"]] == moved and len(moved) == 4
+
+        browser.get(f"{server.url}/#/jobs/{job_id}")
+        wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#placement-map .node.spare"), 30, "the spare node")
+        boxes = browser.find_elements(By.CSS_SELECTOR, "#placement-map .node.spare")
+        assert [(b.get_attribute("data-spare-bundle"), b.get_attribute("data-node"), b.get_attribute("data-actors"),
+                 b.get_attribute("data-ready")) for b in boxes] == [("2", "spare-node-2", "4", "3")]
+        box = boxes[0]
+        assert box.find_element(By.CSS_SELECTOR, ".node-title .tag").text == "spare"
+        assert not box.find_elements(By.CSS_SELECTOR, ".slot[data-rank]")  # no rank drawn in a spare node
+        assert len(box.find_elements(By.CSS_SELECTOR, ".slot.spare-actor.up")) == 3
+        assert len(box.find_elements(By.CSS_SELECTOR, ".slot.spare-actor.starting")) == 1
+        assert box.value_of_css_property("border-top-style") == "dashed"  # drawn unlike the ranks' nodes
+        ranks = browser.find_elements(By.CSS_SELECTOR, "#placement-map .node:not(.spare) .slot[data-rank]")
+        assert len(ranks) == 8
+        marked = sorted(int(s.get_attribute("data-rank")) for s in ranks if s.get_attribute("data-spare") == "true")
+        assert marked == moved  # mutation: the spare flag not drawn
+        assert all("from-spare" in s.get_attribute("class") and "from spare" in s.text
+                   for s in ranks if int(s.get_attribute("data-rank")) in marked)
+        wait(browser, lambda d: visible(d, "#cluster-spares"), 30, "the header's hot spares")
+        link = browser.find_element(By.CSS_SELECTOR, f"#cluster-spares a.spares-of[data-job-id='{job_id}']")
+        assert (link.get_attribute("data-nodes"), link.get_attribute("data-ready"), link.get_attribute("data-actors")) \
+            == ("1", "3", "4") and link.get_attribute("href").endswith(f"#/jobs/{job_id}")
+        assert [sp["job_id"] for sp in api.get("/cluster").json()["spares"]] == [job_id]
+        shoot(browser, artifacts, "job-spares")
+        store.update_job(job_id, state=JobState.CANCELLED.value, message="cancelled by the test")
+        browser.get(f"{server.url}/#/")  # a finished job's spares leave the header
+        wait(browser, lambda d: visible(d, "#jobs-view"))
+        wait(browser, lambda d: not visible(d, "#cluster-spares"), 30, "no hot spares in the header")
+    finally:
+        store.close()
