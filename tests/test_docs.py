@@ -141,3 +141,23 @@ def test_the_architecture_page_names_every_module():
     modules = sorted(str(p.relative_to(ROOT)) for package in ("api", "service", "workers")
                      for p in (ROOT / package).rglob("*.py") if p.name != "__init__.py")
     assert [m for m in modules if f"`{m}`" not in text] == []
+
+
+CONFLICT = re.compile(r"^(<{7}|>{7}) ", re.M)
+
+
+def conflict_markers(text: str) -> list[int]:
+    """Line numbers of a merge's conflict markers left in ``text``."""
+    return [text.count("\n", 0, m.start()) + 1 for m in CONFLICT.finditer(text)]
+
+
+def test_no_merge_conflict_is_left_in_a_tracked_file():
+    left = {}
+    paths = [ROOT / n for n in ("README.md", "Makefile", "pyproject.toml")]
+    paths += [p for top in TOP_FOLDERS for p in (ROOT / top).rglob("*") if ".venv" not in p.parts]
+    for path in paths:
+        if path.suffix in {".py", ".md", ".js", ".css", ".html", ".toml", ".yaml", ".yml", ".txt", ""} and path.is_file():
+            if lines := conflict_markers(path.read_text(errors="replace")):
+                left[str(path.relative_to(ROOT))] = lines
+    assert not left, f"merge conflict markers left in: {left}"
+    assert conflict_markers("a\n<<<<<<< HEAD\nb\n=======\nc\n>>>>>>> other\n") == [2, 6]
