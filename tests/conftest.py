@@ -120,6 +120,11 @@ def _guarded(item):
 # Setup and call only: a session fixture (a PostgreSQL server, say) ends in whichever test runs last.
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
+    if _session["tiers"].get(item.nodeid, tier_of(item)) in ("slow", "procs", "ray"):
+        # Before any test of the session starts one with a shorter list (tests/helpers/ranks.py).
+        from tests.helpers.ranks import start_forkserver
+
+        start_forkserver()
     with _guarded(item):
         yield
 

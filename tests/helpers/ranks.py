@@ -7,8 +7,12 @@ process joins a process group on a free loopback port through
 Results come back in rank order; the first rank that raises stops the others and surfaces as
 a :class:`RankFailure` naming the rank and carrying its traceback.
 
-Processes start from a ``forkserver`` that has already imported torch, so a rank costs a
-fork rather than a 3-second torch import.
+Processes start from a ``forkserver`` that has already imported torch, the trainer and the
+parity helpers (:data:`PRELOAD`), so a rank costs a fork rather than a 3-second torch import and
+a further 0.5 s of importing the trainer and the spec (pydantic) in every rank. The test session
+starts that forkserver itself (:func:`start_forkserver`, from ``tests/conftest.py``) before the
+first test of a process tier: a forkserver first started elsewhere in the pytest process (the
+process launcher's, which preloads less) would keep its own list for the whole session.
 """
 
 from __future__ import annotations
@@ -22,8 +26,19 @@ from typing import Any, Callable, Sequence
 
 from workers.rank.distributed import free_port, init_distributed
 
-_PRELOAD = ["torch", "torch.distributed"]
+# What every rank of a parity test imports anyway: torch, the trainer, the parity helpers (the
+# spec, pydantic, numpy) and pytest (a rank function defined in a test module imports it).
+PRELOAD = ["torch", "torch.distributed", "workers.train.trainer", "tests.helpers.parity", "pytest"]
 _PORT_IN_USE = "rendezvous port in use"
+
+
+def start_forkserver() -> None:
+    """Start this process's multiprocessing forkserver with :data:`PRELOAD` imported, unless one runs."""
+    from multiprocessing import forkserver
+
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
+        mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
 
 
 class RankFailure(RuntimeError):
@@ -105,7 +120,7 @@ def run_ranks(
     """
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)
+        start_forkserver()
     for attempt in range(3):
         try:
             return _run_once(ctx, fn, world_size, args, kwargs, backend, timeout_s, collective_timeout_s, on_event)
