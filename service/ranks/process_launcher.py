@@ -30,6 +30,7 @@ from multiprocessing.connection import wait as wait_any
 
 from service.control.rank_group import LauncherConfig
 from service.control.errors import JobError, RankDied, RankRaised
+from service.control.recovery import KeptRanks
 from service.ranks.gather import collect
 from service.spec.placement import RankPlacement, plan_placement
 from workers.config import JobConfig
@@ -273,21 +274,13 @@ class ProcessLauncher:
 
     def __init__(self, config: LauncherConfig | None = None):
         self.config = config or LauncherConfig()
-        self._warm: dict[str, WarmProcesses] = {}  # job id -> rank processes kept for its next attempt
+        self.kept = KeptRanks()  # job id -> rank processes kept for its next attempt
 
     def make_group(self, job: JobConfig, grid: ParallelGrid, attempt: int, *, job_id: str) -> ProcessRankGroup:
         plan = plan_placement(grid, job.gpus_per_node, job.num_nodes)
-        return ProcessRankGroup(job, grid, plan, config=self.config, warm=self._warm.pop(job_id, None),
-                                park=lambda warm: self._park(job_id, warm))
-
-    def _park(self, job_id: str, warm: WarmProcesses) -> None:
-        old = self._warm.pop(job_id, None)
-        if old is not None:
-            old.release()
-        self._warm[job_id] = warm
+        return ProcessRankGroup(job, grid, plan, config=self.config, warm=self.kept.take(job_id),
+                                park=lambda warm: self.kept.park(job_id, warm))
 
     def release(self, job_id: str) -> None:
         """The job is over: stop the rank processes kept for its next attempt."""
-        warm = self._warm.pop(job_id, None)
-        if warm is not None:
-            warm.release()
+        self.kept.release(job_id)
