@@ -245,10 +245,14 @@ def test_a_sigterm_to_a_rank_actor_saves_the_current_iteration_and_moves_off_its
     s = spec_dict(tp=2, pp=1, nodes=2, gpus=2, iters=3, gbs=4, max_restarts=0)
     s["fault_tolerance"]["sigterm_grace_s"] = 20
     job = to_job_config(parse_spec(s))
-    events, sent = [], {}
+    events, sent, drained = [], {}, {}
 
     def signal_rank_3(event):
+        from service.ranks.ray_drain import draining_nodes
+
         events.append(event)
+        if event.kind == "iteration" and sent:
+            drained.update(draining_nodes())  # asked for by the driver in the call that took the notice
         if event.kind == "iteration" and event.data["iteration"] == 1 and not sent:
             victim = next(e for e in events if e.kind == "placement").data["placement"][3]
             sent.update(victim, time=time.time())
@@ -266,7 +270,8 @@ def test_a_sigterm_to_a_rank_actor_saves_the_current_iteration_and_moves_off_its
     assert sent["time"] + 20 - 1 < pre.data["deadline"] <= time.time() + 20 and pre.data["before_deadline_s"] > 0
     print(pre.message)  # the save's time and its margin to the deadline (with -s)
     second = [e for e in events if e.kind == "placement"][-1].data["placement"]
-    assert sent["node_id"] not in {p["node_id"] for p in second}  # drained: nothing new placed there
+    assert drained.get(sent["node_id"]) == pytest.approx(pre.data["deadline"], abs=0.01)  # Ray drains the node
+    assert sent["node_id"] not in {p["node_id"] for p in second}  # so nothing new is placed there
 
 
 def test_cli_run_simulated_restarts_after_a_fault(tmp_path):
