@@ -2,8 +2,9 @@
 
 A launcher that can tell (the Ray launcher's ``drain_notices``: the nodes Ray is draining, with their
 deadlines, :mod:`service.ranks.ray_drain`) is asked between calls, so within a call's time (about a
-second of iterations) of the notice; so is a rank group that can tell (``notices()``: the local rank
-processes that got a SIGTERM, each with its deadline, ``fault_tolerance.sigterm_grace_s`` after it,
+second of iterations) of the notice; so is a rank group that can tell (``notices()``: the ranks that
+got a SIGTERM, local rank processes or Ray rank actors (:mod:`workers.rank.sigterm`; the Ray launcher
+then drains their nodes), each with its deadline, ``fault_tolerance.sigterm_grace_s`` after it,
 :class:`workers.rank.main.SigtermNotice`; the whole node of such a rank leaves). When a node holding
 ranks is being drained, the controller
 (:meth:`~service.control.controller.JobController`) has every rank save a checkpoint of the

@@ -9,6 +9,10 @@ whether from memory (each rank's own copy, or a peer's replica for the ranks tha
 :mod:`workers.rank.replicas`) or from the disk checkpoint, and then why memory was not enough
 (both copies of some rank's state lost, say, when a node and the node holding its replicas fail
 together).
+
+:class:`KeptRanks` is what a launcher keeps between a job's attempts: the ranks that survived a
+failed attempt, reset, for the next one to start on (the Ray launcher's actors, the process
+launcher's rank processes).
 """
 
 from __future__ import annotations
@@ -52,4 +56,26 @@ def restore_event(state: JobState, iteration: int, disk: str | None, placement: 
                         {"iteration": iteration, "source": "disk" if disk else "start", "why": why, "checkpoint": disk})
 
 
-__all__ = ["restore_event", "resume_source"]
+class KeptRanks:
+    """Per job id, the ranks a launcher kept from a failed attempt for the next (each kept set has a
+    ``release()`` that stops its ranks): the group of the next attempt takes them, a failed attempt
+    parks its survivors, and the job's end releases what is left."""
+
+    def __init__(self):
+        self._kept: dict = {}
+
+    def take(self, job_id: str):
+        """The ranks kept for ``job_id``'s next attempt (None: none); the caller owns them."""
+        return self._kept.pop(job_id, None)
+
+    def park(self, job_id: str, kept) -> None:
+        self.release(job_id)
+        self._kept[job_id] = kept
+
+    def release(self, job_id: str) -> None:
+        kept = self.take(job_id)
+        if kept is not None:
+            kept.release()
+
+
+__all__ = ["KeptRanks", "restore_event", "resume_source"]

@@ -7,6 +7,15 @@ between choosing and binding it is retried with a new one. Failures are typed ex
 Ray: a process that exits is :class:`~service.control.errors.RankDied` (with its exit code), an
 exception is :class:`~service.control.errors.RankRaised`, and a rank that stops answering while its
 peers give up is :class:`~service.control.errors.RankHung` (:mod:`service.ranks.gather`).
+
+With in-memory checkpoints (``fault_tolerance.memory_interval``) a restart keeps the rank processes
+that survived the failed attempt, as the Ray launcher keeps its actors: at ``shutdown(keep_warm=True)``
+every rank whose call ended is told to ``reset`` (leave its process groups, free its trainer, keep its
+snapshots and the replicas it holds), those that answer within ``LauncherConfig.reuse_wait_s`` wait in
+the launcher (:class:`WarmProcesses`), and the next attempt of the same shape starts new processes only
+for the others; every rank then restores the newest iteration held in memory
+(:class:`workers.rank.replicas.Replicator`), the replicas placed on another node of the plan
+(:func:`~service.spec.placement.plan_placement`'s simulated nodes).
 """
 
 from __future__ import annotations
@@ -15,11 +24,13 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from dataclasses import replace
+from typing import Callable
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait as wait_any
 
 from service.control.rank_group import LauncherConfig
 from service.control.errors import JobError, RankDied, RankRaised
+from service.control.recovery import KeptRanks
 from service.ranks.gather import collect
 from service.spec.placement import RankPlacement, plan_placement
 from workers.config import JobConfig
@@ -35,12 +46,31 @@ class _PortInUse(Exception):
     pass
 
 
+@dataclass
+class WarmProcesses:
+    """The rank processes that survived a failed attempt, reset, holding their in-memory state:
+    what the next attempt of the same shape (``key``) starts on instead of new processes."""
+
+    key: tuple
+    ranks: dict  # rank -> (process, pipe)
+
+    def release(self) -> None:
+        """Stop the processes."""
+        ranks, self.ranks = self.ranks, {}
+        _stop([p for p, _ in ranks.values()], [c for _, c in ranks.values()])
+
+
 class ProcessRankGroup:
     """The rank processes of one attempt (see the module docstring)."""
 
     def __init__(self, job: JobConfig, grid: ParallelGrid, plan: list[RankPlacement], *,
-                 config: LauncherConfig, start_method: str = "forkserver"):
+                 config: LauncherConfig, start_method: str = "forkserver", warm: WarmProcesses | None = None,
+                 park: Callable[[WarmProcesses], None] | None = None):
         self.job, self.grid, self.plan, self.config = job, grid, plan, config
+        self.key = (grid.world_size, job.num_nodes, job.gpus_per_node, tuple(plan))
+        self.warm, self._park = warm, park  # ranks kept from the last attempt; takes this one's survivors
+        self.reused: list[int] = []
+        self._ran = False  # run() was called: every rank's last call is a run
         self.ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             self.ctx.set_forkserver_preload(_PRELOAD)
@@ -65,22 +95,33 @@ class ProcessRankGroup:
         from workers.rank.distributed import free_port
 
         port = free_port()
+        warm, self.warm = self.warm, None
+        kept = warm.ranks if warm is not None and warm.key == self.key else {}
+        if warm is not None and not kept:
+            warm.release()  # another shape (a resize)
+        self.reused = sorted(kept)
         for p in self.plan:
-            parent, child = self.ctx.Pipe()
-            proc = self.ctx.Process(
-                target=rank_process_main, name=f"raytron-rank{p.rank}", daemon=True,
-                args=(child, p.rank, self.grid.world_size, self.job, "127.0.0.1", port, p.local,
-                      float(self.job.collective_timeout_s), faults))
-            proc.start()
-            child.close()
+            args = (self.grid.world_size, self.job, "127.0.0.1", port, p.local, float(self.job.collective_timeout_s),
+                    faults, p.node)
+            if p.rank in kept:
+                proc, parent = kept[p.rank]
+                parent.send(("setup", args))
+            else:
+                parent, child = self.ctx.Pipe()
+                proc = self.ctx.Process(target=rank_process_main, name=f"raytron-rank{p.rank}", daemon=True,
+                                        args=(child, p.rank, *args))
+                proc.start()
+                child.close()
             self.procs.append(proc)
             self.conns.append(parent)
         records = collect(list(range(len(self.procs))), self._poll("ready"), where=self._where,
                           grace_s=self.config.failure_grace_s, timeout_s=self.config.start_timeout_s, what="start")
-        self.placement = [replace(records[r], node=self.plan[r].node) for r in range(len(self.procs))]
+        self.placement = [replace(records[r], node=self.plan[r].node, reused=True if r in kept else None)
+                          for r in range(len(self.procs))]
         return [record.to_dict() for record in self.placement]
 
     def run(self, iterations: int) -> list[list[dict]]:
+        self._ran = True
         for conn in self.conns:
             try:
                 conn.send(("run", iterations))
@@ -104,29 +145,40 @@ class ProcessRankGroup:
         return dict(self.sigterms)
 
     def kill(self) -> None:
-        for proc in list(self.procs):
-            if proc.pid is not None:
-                try:
-                    os.kill(proc.pid, signal.SIGKILL)  # works on a stopped (SIGSTOP) process too
-                except OSError:
-                    pass
+        _kill(list(self.procs))
 
     def shutdown(self, keep_warm: bool = False) -> None:
-        """Stops every rank process (``keep_warm`` is not used: each attempt starts new processes)."""
-        for conn in self.conns:
+        """Stops every rank process; with ``keep_warm`` and in-memory checkpoints, all but the
+        survivors, which the launcher keeps for the next attempt (the module docstring)."""
+        kept = self._survivors() if keep_warm and self._park is not None and self.job.memory_interval and self._ran else {}
+        if self.warm is not None:  # start() never ran
+            self.warm.release()
+            self.warm = None
+        if kept:
+            self.procs = [p for r, p in enumerate(self.procs) if r not in kept]
+            self.conns = [c for r, c in enumerate(self.conns) if r not in kept]
+            self._park(WarmProcesses(self.key, kept))
+        procs, conns, self.procs, self.conns = self.procs, self.conns, [], []
+        _stop(procs, conns)
+
+    def _survivors(self) -> dict:
+        """rank -> (process, pipe) of the ranks that answer ``reset`` within ``reuse_wait_s``
+        (their call ended: returned, or raised and the process lives); the others are stopped."""
+        pending = set()
+        for r, conn in enumerate(self.conns):
             try:
-                conn.send(("shutdown",))
-            except (OSError, ValueError):
+                conn.send(("reset",))
+                pending.add(r)
+            except (OSError, ValueError):  # dead
                 pass
-        deadline = time.monotonic() + 2.0  # one grace for all: a rank stuck in a collective never reads the pipe
-        for proc in self.procs:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        self.kill()
-        for proc in self.procs:
-            proc.join(timeout=5)
-        for conn in self.conns:
-            conn.close()
-        self.procs, self.conns = [], []
+        deadline, kept = time.monotonic() + self.config.reuse_wait_s, {}
+        poll = self._poll("reset")
+        while pending and (left := deadline - time.monotonic()) > 0:
+            for r, answer in poll(pending, left):
+                pending.discard(r)
+                if not isinstance(answer, Exception):
+                    kept[r] = (self.procs[r], self.conns[r])
+        return kept
 
     def _poll(self, expected: str):
         """A ``poll(pending, timeout)`` for :func:`service.ranks.gather.collect` over pipes and process sentinels."""
@@ -160,7 +212,7 @@ class ProcessRankGroup:
                 return msg[1]
             elif msg[0] == "port_in_use":
                 raise _PortInUse(msg[1])
-            elif msg[0] == "error":
+            elif msg[0] == "error" and expected != "reset":  # an error before the reset: the failed call's
                 return RankRaised(rank, self._where(rank), msg[1], msg[2])
         proc = self.procs[rank]
         if proc.exitcode is None and eof:
@@ -177,6 +229,32 @@ class ProcessRankGroup:
         c = self.grid.coords(rank)
         pid = self.procs[rank].pid if rank < len(self.procs) else None
         return {"node": self.plan[rank].node, "pid": pid, **{k: c[k] for k in COORDS}}
+
+
+def _kill(procs: list) -> None:
+    for proc in procs:
+        if proc.pid is not None:
+            try:
+                os.kill(proc.pid, signal.SIGKILL)  # works on a stopped (SIGSTOP) process too
+            except OSError:
+                pass
+
+
+def _stop(procs: list, conns: list) -> None:
+    """Ask the rank processes to exit, kill those that do not within a grace, close their pipes."""
+    for conn in conns:
+        try:
+            conn.send(("shutdown",))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 2.0  # one grace for all: a rank stuck in a collective never reads the pipe
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    _kill(procs)
+    for proc in procs:
+        proc.join(timeout=5)
+    for conn in conns:
+        conn.close()
 
 
 def _exit_cause(code: int) -> str:
@@ -196,7 +274,13 @@ class ProcessLauncher:
 
     def __init__(self, config: LauncherConfig | None = None):
         self.config = config or LauncherConfig()
+        self.kept = KeptRanks()  # job id -> rank processes kept for its next attempt
 
     def make_group(self, job: JobConfig, grid: ParallelGrid, attempt: int, *, job_id: str) -> ProcessRankGroup:
         plan = plan_placement(grid, job.gpus_per_node, job.num_nodes)
-        return ProcessRankGroup(job, grid, plan, config=self.config)
+        return ProcessRankGroup(job, grid, plan, config=self.config, warm=self.kept.take(job_id),
+                                park=lambda warm: self.kept.park(job_id, warm))
+
+    def release(self, job_id: str) -> None:
+        """The job is over: stop the rank processes kept for its next attempt."""
+        self.kept.release(job_id)

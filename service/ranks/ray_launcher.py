@@ -39,11 +39,12 @@ from typing import Callable
 
 from service.control.rank_group import LauncherConfig
 from service.control.errors import InsufficientResources, RankDied, RankRaised
+from service.control.recovery import KeptRanks
 from service.ranks.gather import collect
 from service.spec.placement import RankPlacement, plan_placement
 from service.ranks.ray_cluster import RaySession
 from service.ranks.ray_actors import WarmRanks, clear_leftovers, error_summary as _summary, kill_actors, kill_and_wait
-from service.ranks.ray_drain import draining_nodes, schedulable_totals
+from service.ranks.ray_drain import SigtermNotices, draining_nodes, schedulable_totals
 from service.ranks.spares import SPARE_START_WAIT_S, Spares, spare_ranks
 from service.ranks.ray_survivors import survivors_of
 from service.ranks.ray_nodes import capacity_message, could_ever_fit, dead_nodes
@@ -79,6 +80,8 @@ class RayRankGroup:
         self._inflight: list = []  # refs of the last call, drained at shutdown
         self._ran = False  # run() was called: the in-flight refs are one per rank
         self._setup_sent = False  # start() sent its setup calls: a kept rank may be in this attempt's groups
+        self.sigterms = SigtermNotices(job_id)
+        self.notices = self.sigterms.notices  # rank -> deadline of the ranks that got a SIGTERM (a preemption notice)
 
     def start(self, faults: list[Fault]) -> list[dict]:
         cfg, job = self.config, self.job
@@ -168,6 +171,7 @@ class RayRankGroup:
                             what="run")
         if first and self.spares is not None:
             self.spares.refill()  # after the restore and a first call, not competing with them
+        self.sigterms.take(out, self.placement)  # rank actors that got a SIGTERM: their nodes are drained
         return out
 
     def save_now(self) -> list[dict]:
@@ -279,7 +283,7 @@ class RayLauncher:
 
     def __init__(self, session: RaySession, config: LauncherConfig | None = None):
         self.session = session
-        self._warm: dict[str, WarmRanks] = {}  # job id -> ranks kept for its next attempt
+        self._warm = KeptRanks()  # job id -> ranks kept for its next attempt (WarmRanks)
         self.config = config or LauncherConfig(
             placement_timeout_s=15.0 if session.static else 300.0, static_cluster=session.static,
             call_target_s=1.0,  # a driver round trip per second of iterations, not per iteration
@@ -292,20 +296,12 @@ class RayLauncher:
             # An elastic job after a failure: a node that does not come back within node_grace_s
             # makes the controller shrink the job rather than wait out the placement timeout.
             config = replace(config, placement_timeout_s=min(config.placement_timeout_s, max(10.0, job.node_grace_s)))
-        return RayRankGroup(job, grid, plan, job_id=job_id, config=config, warm=self._warm.pop(job_id, None),
-                            park=lambda warm: self._park(job_id, warm))
-
-    def _park(self, job_id: str, warm: WarmRanks) -> None:
-        old = self._warm.pop(job_id, None)
-        if old is not None:
-            old.release()
-        self._warm[job_id] = warm
+        return RayRankGroup(job, grid, plan, job_id=job_id, config=config, warm=self._warm.take(job_id),
+                            park=lambda warm: self._warm.park(job_id, warm))
 
     def release(self, job_id: str) -> None:
         """The job is over: kill the ranks kept warm for its next attempt, free their placement group."""
-        warm = self._warm.pop(job_id, None)
-        if warm is not None:
-            warm.release()
+        self._warm.release(job_id)
 
     def nodes_available(self, gpus_per_node: int) -> int:
         """Alive nodes with at least ``gpus_per_node`` GPUs, not being drained (what the scaling policy may use)."""

@@ -16,7 +16,8 @@ and the dashboard, each in its node's placement-group bundle with one GPU. Its l
 4. ``run(n)``: ``n`` iterations (through :class:`~workers.rank.main.RankRunner`, which also fires
    failure drills); returns their metrics and exports each as Ray metrics.
 5. ``save_now()``: a checkpoint of the current iteration, committed before it returns (the job
-   controller asks for one between calls when a node holding ranks is to be preempted).
+   controller asks for one between calls when a node holding ranks is to be preempted, or a rank
+   got a SIGTERM: :mod:`workers.rank.sigterm`, its notice in ``run``'s last metrics).
 6. ``stall()``: answered from a second thread while ``run`` is blocked: the group kind a hang
    drill blocked in, or "" (the controller asks a rank that stopped answering).
 7. a hot spare (``resources.spare_nodes``, :mod:`service.ranks.spares`) is this actor started
@@ -71,6 +72,9 @@ class RankActor:
         # collection (reset() after a failure, on every survivor at once) scans only the attempt's objects.
         gc.freeze()
 
+        from workers.rank import sigterm
+
+        self.sigterm = sigterm.install()  # a SIGTERM is a preemption notice, not an exit (workers/rank/sigterm.py)
         self.rank, self.job_id = rank, job_id
         self.runner = None
         self.memory = None  # in-memory snapshots and replicas (workers.rank.replicas), kept across reset()
@@ -105,6 +109,9 @@ class RankActor:
         backend = init_distributed(self.rank, world_size, master_addr, master_port, timeout_s=collective_timeout_s)
         if self.runner is not None:
             raise RuntimeError(f"rank {self.rank}: setup() twice without reset()")
+        from workers.rank.sigterm import arm
+
+        arm(self.sigterm, job.sigterm_grace_s)
         if job.memory_interval and self.memory is None:
             from workers.rank.replicas import MemoryStore
 
@@ -126,8 +133,10 @@ class RankActor:
         peers blocked in a collective with this rank fail at once instead of at their timeout."""
         if self.runner is None:
             raise RuntimeError(f"rank {self.rank}: run() before setup()")
+        from workers.rank.sigterm import attach
+
         try:
-            return self.runner.run(iterations, on_metrics=self._export)
+            return attach(self.sigterm, self.runner.run(iterations, on_metrics=self._export))
         except BaseException as exc:  # noqa: BLE001 - re-raised below, without its frames
             error = exc
         # Outside the handler, so that nothing holds the failed call's frames (and, through them,
@@ -156,29 +165,15 @@ class RankActor:
     def reset(self) -> int:
         """Forget the attempt, keep the process: finish a pending checkpoint write, leave the
         process groups (peers that are gone are not waited for), free the trainer. Returns the pid."""
-        import gc
-
-        import torch
-
         import torch.distributed as dist
 
-        from workers.rank.main import abort_process_groups
+        from workers.rank.main import forget_attempt
 
         if self.runner is None and not dist.is_initialized():
             self.stalled_in = ""
             return os.getpid()  # reset already (a failed run() resets before it raises): nothing to free
-        runner, self.runner = self.runner, None
-        if runner is not None:
-            try:
-                runner.close()
-            except Exception:  # noqa: BLE001 - a failed write leaves an incomplete checkpoint, never loaded
-                pass
-        abort_process_groups()
         self.stalled_in = ""
-        del runner
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        forget_attempt(self)
         return os.getpid()
 
     def _make_gauges(self, coords: dict) -> None:

@@ -251,6 +251,28 @@ def train_rank(rank: int, world_size: int, job: JobConfig, *, local_rank: int | 
     return runner.placement(local=local_rank), metrics
 
 
+def forget_attempt(owner) -> None:
+    """Leave an attempt, keep the process: finish a pending checkpoint write of ``owner.runner``,
+    leave the process groups (peers that are gone are not waited for), free the trainer and set
+    ``owner.runner`` to None. A rank that survives a failed attempt does this before the next one (a
+    Ray rank actor's ``reset``, a kept rank process)."""
+    import gc
+
+    import torch
+
+    runner, owner.runner = owner.runner, None
+    if runner is not None:
+        try:
+            runner.close()
+        except Exception:  # noqa: BLE001 - a failed write leaves an incomplete checkpoint, never loaded
+            pass
+    abort_process_groups()
+    del runner
+    gc.collect()  # gloo closes a group's connections only once nothing refers to it
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def torchrun_env() -> dict | None:
     """RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK when started by torchrun, else None."""
     needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

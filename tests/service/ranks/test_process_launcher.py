@@ -26,12 +26,13 @@ MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_grou
              vocab_size=256, seq_length=16)
 
 
-def spec(max_restarts=1, timeout=5, iters=4, lr=3e-3) -> dict:
+def spec(max_restarts=1, timeout=5, iters=4, lr=3e-3, nodes=1, memory_interval=0) -> dict:
     return {"name": "drill", "model": MODEL,
             "parallel": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
             "training": {"train_iters": iters, "global_batch_size": 4, "micro_batch_size": 1, "lr": lr},
-            "resources": {"num_nodes": 1, "gpus_per_node": 4},
-            "fault_tolerance": {"max_restarts": max_restarts, "collective_timeout_s": timeout}}
+            "resources": {"num_nodes": nodes, "gpus_per_node": 4 // nodes},
+            "fault_tolerance": {"max_restarts": max_restarts, "collective_timeout_s": timeout,
+                                "memory_interval": memory_interval}}
 
 
 def run(faults=(), on_event=None, **kw):
@@ -106,6 +107,34 @@ def test_a_rank_stopped_with_sigstop_is_named_and_replaced(undisturbed):
     failure = [e for e in events if e.kind == "failure"][0].data
     assert failure["code"] == RankHung.code and failure["rank"] == 1 and failure["pid"] == stopped["pid"]
     assert alive([stopped["pid"]]) == []  # SIGKILL reaches a stopped process
+
+
+def test_a_rank_killed_restores_from_memory_with_the_survivors_kept(undisturbed):
+    """memory_interval 1 on two simulated nodes: SIGKILL rank 1 during iteration 3; the other
+    three processes stay, rank 1 starts anew, and every rank restores iteration 2 from memory."""
+    killed = {}
+
+    def kill_rank_1(event, ctrl):
+        if event.kind == "iteration" and event.data["iteration"] == 2 and not killed:
+            killed["pid"] = ctrl.placement[1]["pid"]
+            threading.Timer(0.05, os.kill, (killed["pid"], signal.SIGKILL)).start()  # inside the next call
+
+    result, ctrl, events = run(on_event=kill_rank_1, nodes=2, memory_interval=1)
+    assert result["state"] == "SUCCEEDED" and result["restarts"] == 1
+    assert result["losses"] == pytest.approx(undisturbed, rel=1e-6)
+    failure = next(e for e in events if e.kind == "failure").data
+    assert failure["code"] == RankDied.code and failure["rank"] == 1 and "SIGKILL" in failure["cause"]
+    done = [e.data["iteration"] for e in events if e.kind == "iteration"]
+    cut = next(i for i, e in enumerate(events) if e.kind == "failure")
+    last = max(e.data["iteration"] for e in events[:cut] if e.kind == "iteration")  # recorded before the failure
+    assert done == list(range(1, 5))  # none recorded twice: none computed again
+    (restore,) = [e for e in events if e.kind == "restore"]
+    assert restore.data["source"] == "memory" and restore.data["iteration"] == last and restore.data["from_replicas"] == [1]
+    first, second = [[p for p in e.data["placement"]] for e in events if e.kind == "placement"]
+    assert [p["pid"] == q["pid"] for p, q in zip(first, second)] == [True, False, True, True]
+    assert [bool(p.get("reused")) for p in second] == [True, False, True, True]
+    assert {p["node"] for p in second} == {0, 1} and second[1]["resumed_from"].startswith("memory (replica from rank")
+    assert alive(p["pid"] for p in first + second) == []
 
 
 def test_cancel_stops_every_rank():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -232,6 +233,45 @@ def test_rank_metrics_reach_the_ray_metrics_export_with_their_coordinates(cluste
         for key, name in names.items():
             assert got[(name, rank)][1] in per_iteration[key], (name, got[(name, rank)], per_iteration[key])
         assert got[("raytron_tokens_per_s", rank)][1] > 0 and got[("raytron_peak_mem_mb", rank)][1] > 0
+
+
+def test_a_sigterm_to_a_rank_actor_saves_the_current_iteration_and_moves_off_its_node(cluster, tp2_dp2_curve):
+    """SIGTERM to rank 3's actor process (a cloud's preemption signal to a worker process) with
+    sigterm_grace_s 20: the actor lives on (Ray's own handler would exit it: a rank failure), every
+    rank saves the iteration it finished, the driver asks Ray to drain the node, and the job goes on
+    from that iteration on other nodes: one PREEMPTED event naming the signalled rank, no failure,
+    restarts 0, the undisturbed curve. Runs after the module's other jobs: the drained node, idle
+    once the job left it, leaves the cluster."""
+    s = spec_dict(tp=2, pp=1, nodes=2, gpus=2, iters=3, gbs=4, max_restarts=0)
+    s["fault_tolerance"]["sigterm_grace_s"] = 20
+    job = to_job_config(parse_spec(s))
+    events, sent, drained = [], {}, {}
+
+    def signal_rank_3(event):
+        from service.ranks.ray_drain import draining_nodes
+
+        events.append(event)
+        if event.kind == "iteration" and sent:
+            drained.update(draining_nodes())  # asked for by the driver in the call that took the notice
+        if event.kind == "iteration" and event.data["iteration"] == 1 and not sent:
+            victim = next(e for e in events if e.kind == "placement").data["placement"][3]
+            sent.update(victim, time=time.time())
+            os.kill(victim["pid"], signal.SIGTERM)
+
+    result, ctrl = run_job(job, cluster, on_event=signal_rank_3)
+    assert result["state"] == "SUCCEEDED" and result["restarts"] == 0 and not [e for e in events if e.kind == "failure"]
+    assert result["losses"] == pytest.approx(tp2_dp2_curve, rel=1e-6)
+    (pre,) = [e for e in events if e.kind == "preempted"]
+    at = events.index(pre)
+    before = [e.data["iteration"] for e in events[:at] if e.kind == "iteration"]
+    after = [e.data["iteration"] for e in events[at:] if e.kind == "iteration"]
+    assert pre.data["signalled"] == [3] and pre.data["nodes"] == [sent["node_id"]] and 3 in pre.data["ranks"]
+    assert pre.data["iteration"] == before[-1] and after == list(range(before[-1] + 1, 4)), (before, after)
+    assert sent["time"] + 20 - 1 < pre.data["deadline"] <= time.time() + 20 and pre.data["before_deadline_s"] > 0
+    print(pre.message)  # the save's time and its margin to the deadline (with -s)
+    second = [e for e in events if e.kind == "placement"][-1].data["placement"]
+    assert drained.get(sent["node_id"]) == pytest.approx(pre.data["deadline"], abs=0.01)  # Ray drains the node
+    assert sent["node_id"] not in {p["node_id"] for p in second}  # so nothing new is placed there
 
 
 def test_cli_run_simulated_restarts_after_a_fault(tmp_path):
