@@ -76,6 +76,8 @@ class RankActor:
         self.memory = None  # in-memory snapshots and replicas (workers.rank.replicas), kept across reset()
         self.stalled_in = ""
         self._gauges: dict = {}
+        self._groups: list = []  # the attempt's process groups, freed side by side at reset()
+        self._reapers: list = []  # the threads freeing the last attempt's process groups (reset())
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Where the process group meets: this node's IP and a port free on it a moment ago."""
@@ -95,11 +97,15 @@ class RankActor:
         if as_rank is not None:
             self.rank, self.memory = as_rank, None
         import ray
+        import torch
         import torch.distributed as dist
 
         from workers.rank.main import RankRunner
-        from workers.rank.distributed import init_distributed, rank_device
+        from workers.rank.distributed import init_distributed, process_groups, rank_device
 
+        if torch.cuda.is_available():
+            for thread in self._reapers:
+                thread.join()  # the last attempt's communicators gone before this one's
         # Ray exposes exactly one GPU to this actor (CUDA_VISIBLE_DEVICES), so any slot maps to it.
         device = rank_device(local_rank)
         backend = init_distributed(self.rank, world_size, master_addr, master_port, timeout_s=collective_timeout_s)
@@ -111,6 +117,7 @@ class RankActor:
             self.memory = MemoryStore()
         self.runner = RankRunner(job, self.rank, world_size, device=device, faults=faults,
                                  on_stall=self._stalled, node=node, memory=self.memory)
+        self._groups = process_groups()
         self._make_gauges(self.runner.trainer.coords)
         ctx = ray.get_runtime_context()
         return self.runner.placement(
@@ -123,7 +130,8 @@ class RankActor:
 
         When they fail, this rank forgets the attempt before it raises (:meth:`reset`): a gloo
         group closes its connections only once nothing refers to it any more, and only then do the
-        peers blocked in a collective with this rank fail at once instead of at their timeout."""
+        peers blocked in a collective with this rank fail at once instead of at their timeout; the
+        release threads drop the groups' last references while the error travels to the driver."""
         if self.runner is None:
             raise RuntimeError(f"rank {self.rank}: run() before setup()")
         try:
@@ -155,14 +163,16 @@ class RankActor:
 
     def reset(self) -> int:
         """Forget the attempt, keep the process: finish a pending checkpoint write, leave the
-        process groups (peers that are gone are not waited for), free the trainer. Returns the pid."""
+        process groups, free the trainer, and answer; the groups are freed on threads of their own,
+        side by side (:func:`~workers.rank.distributed.release_in_background`: a gloo group's
+        destructor waits for its connections to close, 30-70 ms a group in an 8-rank job).
+        Returns the pid."""
         import gc
 
         import torch
-
         import torch.distributed as dist
 
-        from workers.rank.main import abort_process_groups
+        from workers.rank.distributed import leave_process_groups, release_in_background
 
         if self.runner is None and not dist.is_initialized():
             self.stalled_in = ""
@@ -173,12 +183,14 @@ class RankActor:
                 runner.close()
             except Exception:  # noqa: BLE001 - a failed write leaves an incomplete checkpoint, never loaded
                 pass
-        abort_process_groups()
         self.stalled_in = ""
+        # Held here (a failed run() left torch.distributed already), so freeing the trainer closes no connection yet.
+        groups, self._groups = leave_process_groups(self._groups), []
         del runner
-        gc.collect()
+        gc.collect()  # what the trainer kept in reference cycles (the imports' objects are frozen)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        self._reapers = release_in_background(groups)
         return os.getpid()
 
     def _make_gauges(self, coords: dict) -> None:
