@@ -80,6 +80,8 @@ class RankActor:
         self.memory = None  # in-memory snapshots and replicas (workers.rank.replicas), kept across reset()
         self.stalled_in = ""
         self._gauges: dict = {}
+        self._groups: list = []  # the attempt's process groups, freed side by side at reset()
+        self._reapers: list = []  # the threads freeing the last attempt's process groups (reset())
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Where the process group meets: this node's IP and a port free on it a moment ago."""
@@ -99,11 +101,15 @@ class RankActor:
         if as_rank is not None:
             self.rank, self.memory = as_rank, None
         import ray
+        import torch
         import torch.distributed as dist
 
         from workers.rank.main import RankRunner
-        from workers.rank.distributed import init_distributed, rank_device
+        from workers.rank.distributed import init_distributed, process_groups, rank_device
 
+        if torch.cuda.is_available():
+            for thread in self._reapers:
+                thread.join()  # the last attempt's communicators gone before this one's
         # Ray exposes exactly one GPU to this actor (CUDA_VISIBLE_DEVICES), so any slot maps to it.
         device = rank_device(local_rank)
         backend = init_distributed(self.rank, world_size, master_addr, master_port, timeout_s=collective_timeout_s)
@@ -118,6 +124,7 @@ class RankActor:
             self.memory = MemoryStore()
         self.runner = RankRunner(job, self.rank, world_size, device=device, faults=faults,
                                  on_stall=self._stalled, node=node, memory=self.memory)
+        self._groups = process_groups()
         self._make_gauges(self.runner.trainer.coords)
         ctx = ray.get_runtime_context()
         return self.runner.placement(
@@ -130,7 +137,8 @@ class RankActor:
 
         When they fail, this rank forgets the attempt before it raises (:meth:`reset`): a gloo
         group closes its connections only once nothing refers to it any more, and only then do the
-        peers blocked in a collective with this rank fail at once instead of at their timeout."""
+        peers blocked in a collective with this rank fail at once instead of at their timeout; the
+        release threads drop the groups' last references while the error travels to the driver."""
         if self.runner is None:
             raise RuntimeError(f"rank {self.rank}: run() before setup()")
         from workers.rank.sigterm import attach
@@ -164,7 +172,9 @@ class RankActor:
 
     def reset(self) -> int:
         """Forget the attempt, keep the process: finish a pending checkpoint write, leave the
-        process groups (peers that are gone are not waited for), free the trainer. Returns the pid."""
+        process groups (peers that are gone are not waited for), free the trainer, and answer; the
+        groups are freed on threads of their own, side by side (:func:`workers.rank.main.forget_attempt`).
+        Returns the pid."""
         import torch.distributed as dist
 
         from workers.rank.main import forget_attempt
@@ -173,7 +183,8 @@ class RankActor:
             self.stalled_in = ""
             return os.getpid()  # reset already (a failed run() resets before it raises): nothing to free
         self.stalled_in = ""
-        forget_attempt(self)
+        groups, self._groups = self._groups, []
+        self._reapers = forget_attempt(self, groups)
         return os.getpid()
 
     def _make_gauges(self, coords: dict) -> None:

@@ -251,14 +251,20 @@ def train_rank(rank: int, world_size: int, job: JobConfig, *, local_rank: int | 
     return runner.placement(local=local_rank), metrics
 
 
-def forget_attempt(owner) -> None:
+def forget_attempt(owner, held: list = ()) -> list:
     """Leave an attempt, keep the process: finish a pending checkpoint write of ``owner.runner``,
-    leave the process groups (peers that are gone are not waited for), free the trainer and set
+    leave torch.distributed (peers that are gone are not waited for), free the trainer and set
     ``owner.runner`` to None. A rank that survives a failed attempt does this before the next one (a
-    Ray rank actor's ``reset``, a kept rank process)."""
+    Ray rank actor's ``reset``, a kept rank process). The process groups (torch's and ``held``)
+    are freed on threads of their own, side by side
+    (:func:`~workers.rank.distributed.release_in_background`: a gloo group's destructor waits for its
+    connections to close, 30-70 ms a group in an 8-rank job), so the caller answers at once; returns
+    those threads (on CUDA, join them before the next attempt's communicators)."""
     import gc
 
     import torch
+
+    from workers.rank.distributed import leave_process_groups, release_in_background
 
     runner, owner.runner = owner.runner, None
     if runner is not None:
@@ -266,11 +272,13 @@ def forget_attempt(owner) -> None:
             runner.close()
         except Exception:  # noqa: BLE001 - a failed write leaves an incomplete checkpoint, never loaded
             pass
-    abort_process_groups()
+    # Held here (torch.distributed is left already), so freeing the trainer closes no connection yet.
+    groups = leave_process_groups(held)
     del runner
-    gc.collect()  # gloo closes a group's connections only once nothing refers to it
+    gc.collect()  # what the trainer kept in reference cycles (the imports' objects are frozen)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return release_in_background(groups)
 
 
 def torchrun_env() -> dict | None:

@@ -78,6 +78,7 @@ class _Rank:
         self.conn, self.rank, self.keep = conn, rank, keep
         self.runner = None
         self.memory = None  # workers.rank.replicas.MemoryStore, kept across attempts
+        self.reapers: list = []  # the threads freeing the last attempt's process groups (forget())
 
     def serve(self, command: tuple, sigterm) -> bool:
         """Answer ``command``; False when the process is to exit (the error is sent, or raised
@@ -104,8 +105,13 @@ class _Rank:
     def setup(self, world_size: int, job: JobConfig, master_addr: str, master_port: int, local_rank: int,
               collective_timeout_s: float, faults: tuple, node: int | None) -> bool:
         from workers.rank.distributed import init_distributed, rank_device
+        import torch
+
         from workers.rank.main import RankRunner
 
+        if torch.cuda.is_available():
+            for thread in self.reapers:
+                thread.join()  # the last attempt's communicators gone before this one's
         try:
             init_distributed(self.rank, world_size, master_addr, master_port, timeout_s=collective_timeout_s)
         except Exception as exc:  # noqa: BLE001
@@ -126,4 +132,4 @@ class _Rank:
         """Leave the attempt, keep the process and its in-memory store."""
         from workers.rank.main import forget_attempt
 
-        forget_attempt(self)
+        self.reapers = forget_attempt(self)

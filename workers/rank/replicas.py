@@ -154,8 +154,12 @@ class Replicator:
         self.store, self.trainer, self.rank = store, trainer, trainer.rank
         world = trainer.grid.world_size
         self.group = dist.new_group(list(range(world)), backend="gloo")
-        nodes: list = [None] * world
-        dist.all_gather_object(nodes, node)
+        store.adopt(layout_key(trainer))
+        store.settle(wait=False)  # after a failure: the replicas that arrived whole
+        # One exchange tells every rank the others' nodes, state sizes and what they hold (recover()).
+        told: list = [None] * world
+        dist.all_gather_object(told, (node, snapshot_nbytes(trainer), store.inventory()))
+        nodes = [t[0] for t in told]
         try:
             self.holders = replica_holders(nodes, replicas)
         except ValueError as e:  # an elastic job shrunk to too few nodes: no replicas this attempt
@@ -163,11 +167,9 @@ class Replicator:
         else:
             self.off = ""
         self.sources = [s for s in range(world) if self.rank in self.holders[s]]
-        sizes: list = [None] * world
-        dist.all_gather_object(sizes, snapshot_nbytes(trainer))
-        self.sizes = sizes
-        store.adopt(layout_key(trainer))
-        self.bytes_sent = sizes[self.rank] * len(self.holders[self.rank])
+        self.sizes = [t[1] for t in told]
+        self.inventories = [t[2] for t in told]
+        self.bytes_sent = self.sizes[self.rank] * len(self.holders[self.rank])
 
     def snapshot(self) -> dict:
         """Pack this iteration's state and start sending it to the holders; returns its figures."""
@@ -195,12 +197,8 @@ class Replicator:
         ``{"iteration": None, "why"}`` when the state is not complete in memory."""
         import torch.distributed as dist
 
-        store = self.store
-        store.settle(wait=False)
-        world = len(self.sizes)
-        inventories: list = [None] * world
-        dist.all_gather_object(inventories, store.inventory())
-        iteration, source, why = plan_restore(inventories, upto)
+        store, world = self.store, len(self.sizes)
+        iteration, source, why = plan_restore(self.inventories, upto)  # gathered at the start of the attempt
         if iteration is None:
             return {"iteration": None, "why": why}
         if iteration == 0:
