@@ -14,6 +14,7 @@ as without.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import sys
@@ -61,6 +62,7 @@ def measure(vpp: int | None, bucket_size: int = BUCKET_SIZE) -> list[dict]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(prog="python -m bench.dp_overlap", description=__doc__.split("\n\n")[0]).parse_args()
     print(f"pp2 x dp2, {MODEL['num_layers']} layers of h {MODEL['hidden_size']}, buckets of {BUCKET_SIZE} elements")
     print(f"{'layout':<10} {'rank':>4} {'stage':>5} {'launched in backward':>21}")
     for name, vpp in (("pp2", None), ("pp2+vpp2", 2)):

@@ -4,6 +4,7 @@ Prints, per world size, the time to build every group kind of both views, every 
 coordinates and the placement plan, next to the ~1 s budget a CLI answer should stay under.
 """
 
+import argparse
 import time
 
 from service.spec.placement import plan_placement
@@ -11,6 +12,7 @@ from workers.grid import DECODER_KINDS, EXPERT_KINDS, ParallelGrid
 
 
 def main():
+    argparse.ArgumentParser(prog="python -m bench.grid_bench", description=__doc__.split("\n\n")[0]).parse_args()
     print(f"{'world':>7} {'layout':<34} {'groups s':>9} {'coords s':>9} {'plan s':>8}")
     for world, kw in [
         (1024, dict(tp=8, pp=4, cp=2, ep=4, etp=1)),

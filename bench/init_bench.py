@@ -13,6 +13,7 @@ slicing), which is O(model) per rank.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -72,6 +73,7 @@ def full_draw_seconds() -> tuple[float, int]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(prog="python -m bench.init_bench", description=__doc__.split("\n\n")[0]).parse_args()
     from tests.helpers.ranks import run_ranks
 
     print(f"model: vocab {MODEL['vocab_size']} x h {MODEL['hidden_size']} (embedding + output), "

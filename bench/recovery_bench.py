@@ -16,11 +16,13 @@ use 4 nodes, the spare path 5), each path in a driver process of its own connect
   step is a 1 MiB all-reduce; worker 3 is killed with SIGKILL after its third step, five times.
   Measured: kill -> every restarted worker has finished its first all-reduce (the median).
 
-    .venv/bin/python -m bench.recovery_bench        # RAYTRON_BENCH_ONLY=spare: the spare path alone
+    .venv/bin/python -m bench.recovery_bench              # every path, ~8 minutes on 2 cores
+    .venv/bin/python -m bench.recovery_bench --only spare # the spare path alone
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -160,13 +162,21 @@ def main() -> None:
             out = child_kills(SPEC, kind, arg, kills=kills)
         print(json.dumps(out))
         return
+    parser = argparse.ArgumentParser(prog="python -m bench.recovery_bench", description=__doc__.split("\n\n")[0],
+                                     epilog="Prints the medians side by side, then the ratios and replication's cost.")
+    parser.add_argument("--only", choices=["spare"], default=os.environ.get("RAYTRON_BENCH_ONLY") or None,
+                        help="run the spare path alone (no memory/disk paths, no Ray Train, no step times)")
+    parser.add_argument("--kills", type=int, default=int(os.environ.get("RAYTRON_BENCH_KILLS", "5")),
+                        help="kills per job (default 5; the medians are over these)")
+    args = parser.parse_args()
+    if args.kills < 1:
+        parser.error(f"--kills {args.kills}: needs at least 1 kill")
     from service.ranks.ray_cluster import simulated_cluster
 
-    only = os.environ.get("RAYTRON_BENCH_ONLY", "")  # "spare": the spare path alone
+    only = args.only or ""
     paths = ["spare"] if only == "spare" else ["spare", "memory", "disk"]
     with tempfile.TemporaryDirectory(prefix="raytron-bench-") as tmp, simulated_cluster(5, 2) as session:
-        env = {**os.environ, "RAYTRON_BENCH_KILLS": os.environ.get("RAYTRON_BENCH_KILLS", "5"),
-               "RAY_ADDRESS": session.address}
+        env = {**os.environ, "RAYTRON_BENCH_KILLS": str(args.kills), "RAY_ADDRESS": session.address}
         runs = {}
         for mode in paths:
             runs[mode] = _launch([mode, os.path.join(tmp, mode)], env)

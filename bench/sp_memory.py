@@ -19,6 +19,7 @@ the replicated norm and residual activations stay whole on every rank.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -91,6 +92,7 @@ def measure(tp: int, sp: bool, model: dict | None = None) -> dict[str, int]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(prog="python -m bench.sp_memory", description=__doc__.split("\n\n")[0]).parse_args()
     m = MODEL
     print(f"model: {m['num_layers']} layers, h {m['hidden_size']}, heads {m['num_attention_heads']}, "
           f"ffn {m['ffn_hidden_size']}, seq {m['seq_length']}, micro batch 1")

@@ -11,6 +11,7 @@ import importlib
 import math
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -209,3 +210,24 @@ def test_sft_packing_bench_runs_and_packs_fuller_than_padding(capsys):
     padded, packed = (float(next(line for line in out.splitlines() if line.startswith(k)).split()[2])
                       for k in ("padded", "packed"))
     assert packed > 0.8 and packed > 3 * padded
+
+
+def test_every_runnable_benchmark_explains_itself_with_help():
+    """A benchmark run by hand takes minutes; ``--help`` must answer instead of starting it, and a
+    wrong flag must be refused (argparse: exit 2). Checked on the source: every module with a
+    ``__main__`` entry builds an ArgumentParser; one of them, run in-process, answers ``--help``."""
+    bench = Path(ROOT) / "bench"
+    runnable = sorted(p.name for p in bench.glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
+    silent = [name for name in runnable if "ArgumentParser(" not in (bench / name).read_text()]
+    assert len(runnable) > 20 and not silent, f"benchmarks without --help: {silent}"
+    from bench import recovery_bench
+
+    argv = sys.argv
+    try:
+        for flags, code in ((["--help"], 0), (["--kills", "0"], 2)):
+            sys.argv = ["recovery_bench", *flags]
+            with pytest.raises(SystemExit) as done:
+                recovery_bench.main()
+            assert done.value.code == code
+    finally:
+        sys.argv = argv
