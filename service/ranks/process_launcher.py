@@ -24,9 +24,9 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from typing import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait as wait_any
+from typing import Callable
 
 from service.control.rank_group import LauncherConfig
 from service.control.errors import JobError, RankDied, RankRaised
