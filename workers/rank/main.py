@@ -20,6 +20,7 @@ import time
 from typing import Callable
 
 from workers.config import JobConfig
+from workers.rank.distributed import leave_process_groups, release_in_background
 from workers.rank.faults import Fault, crash_in_save, trigger
 from workers.grid import COORDS
 from workers.rank.placement_record import PlacementRecord
@@ -142,7 +143,7 @@ class RankRunner:
         except BaseException:
             if self.replicator is not None:
                 self.replicator.store.settle(wait=False)  # keep the replicas that arrived whole
-            abort_process_groups()
+            leave_process_groups()  # peers fail fast: the groups go as nothing else holds them
             raise
         return out
 
@@ -228,17 +229,6 @@ def disk_iteration(path: str | None) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def abort_process_groups() -> None:
-    """Leave torch.distributed now (closes this rank's connections; peers fail fast)."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - best effort on a rank that is failing anyway
-        pass
-
-
 def train_rank(rank: int, world_size: int, job: JobConfig, *, local_rank: int | None = None,
                faults: tuple[Fault, ...] = ()) -> tuple[PlacementRecord, list[dict]]:
     """Train the whole job on this rank (torchrun); returns its placement record and its
@@ -263,8 +253,6 @@ def forget_attempt(owner, held: list = ()) -> list:
     import gc
 
     import torch
-
-    from workers.rank.distributed import leave_process_groups, release_in_background
 
     runner, owner.runner = owner.runner, None
     if runner is not None:

@@ -44,7 +44,8 @@ def rank_process_main(conn, rank: int, world_size: int, job: JobConfig, master_a
     """Entry point of a rank process (see the module docstring)."""
     # Ctrl-C reaches the whole terminal process group; the launcher alone decides what it means.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from workers.rank.main import SigtermNotice, abort_process_groups
+    from workers.rank.distributed import leave_process_groups
+    from workers.rank.main import SigtermNotice
 
     sigterm = SigtermNotice(job.sigterm_grace_s).install()  # a SIGTERM is a notice, not an exit
     rank_ = _Rank(conn, rank, keep=bool(job.memory_interval))
@@ -67,7 +68,7 @@ def rank_process_main(conn, rank: int, world_size: int, job: JobConfig, master_a
         except (OSError, EOFError):
             pass
     finally:
-        abort_process_groups()
+        leave_process_groups()  # closes this rank's connections; peers fail fast
         conn.close()
 
 
