@@ -49,20 +49,44 @@ def snapshot_nbytes(trainer) -> int:
     return 8 + META_BYTES + sum(d.numel() * d.element_size() for _, d in local_pieces(trainer))
 
 
+class _Plan:
+    """What a snapshot of one trainer copies, worked out once: its pieces' bytes (views of the live
+    tensors), their fingerprint and the buffer's size. Valid while every piece's storage stays where
+    it was (an optimizer that allocates its state anew gets a new plan)."""
+
+    def __init__(self, trainer):
+        pieces = local_pieces(trainer)
+        self.sources = [_flat_bytes(d) for _, d in pieces]
+        # A piece that is no view of its live tensor (a copy made contiguous) is read anew each time.
+        self.where = [t.data_ptr() for t in self.sources] if all(d.is_contiguous() for _, d in pieces) else None
+        self.fingerprint = _fingerprint(pieces)
+        self.payload = sum(t.numel() for t in self.sources)
+        self.total = 8 + META_BYTES + self.payload
+
+    def holds(self) -> bool:
+        return self.where is not None and all(t.data_ptr() == w for t, w in zip(self.sources, self.where))
+
+
+def _plan(trainer) -> _Plan:
+    trainer.optimizer.finish_param_gather()  # the params' all-gather from the last update, as a checkpoint needs
+    plan = getattr(trainer, "_snapshot_plan", None)
+    if plan is None or not plan.holds():
+        plan = trainer._snapshot_plan = _Plan(trainer)
+    return plan
+
+
 @torch.no_grad()
 def pack(trainer, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``trainer``'s state now, as one host buffer (``out`` is reused when it has the right size)."""
-    pieces = local_pieces(trainer)
-    total = 8 + META_BYTES + sum(d.numel() * d.element_size() for _, d in pieces)
-    if out is None or out.numel() != total:
-        out = torch.empty(total, dtype=torch.uint8)
-    offset = 8 + META_BYTES
-    for _, data in pieces:
-        raw = _flat_bytes(data)
-        out[offset : offset + raw.numel()].copy_(raw)
-        offset += raw.numel()
+    """``trainer``'s state now, as one host buffer (``out`` is reused when it has the right size).
+    Every piece is copied in one call into its place in the buffer (the pieces' list is worked out
+    at the first snapshot and kept: a snapshot per iteration costs the copy, not the bookkeeping)."""
+    plan = _plan(trainer)
+    if out is None or out.numel() != plan.total:
+        out = torch.empty(plan.total, dtype=torch.uint8)
+    if plan.sources:
+        torch.cat(plan.sources, out=out.narrow(0, 8 + META_BYTES, plan.payload))
     meta = json.dumps({"iteration": trainer.iteration, "layout": layout_key(trainer),
-                       "fingerprint": _fingerprint(pieces), "nbytes": total,
+                       "fingerprint": plan.fingerprint, "nbytes": plan.total,
                        "trainer_state": trainer.state_for_checkpoint(), "rng": rng_state()}).encode()
     if len(meta) > META_BYTES:
         raise ValueError(f"snapshot meta of {len(meta)} bytes exceeds its room of {META_BYTES}")
