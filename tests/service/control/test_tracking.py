@@ -4,9 +4,9 @@ mid-job logs one run whose loss history is the job's curve (no step twice, thoug
 attempt ran some iterations again), with the spec as parameters, the restart among the event tags and
 the run FINISHED. W&B in offline mode, read back from the run's ``.wandb`` file with wandb's own
 protobuf records (tests/helpers/wandb_runs.py): one run directory across the rank kill, its history
-the job's losses at every iteration, the spec as its config, the events in its summary. A tracker
-that cannot be reached (MLflow at a port nothing listens on, W&B online without an API key) does not
-fail the job, and its event says so."""
+the job's losses at every iteration, the spec as its config, the events in its summary (one job,
+tracked by both at once). A tracker that cannot be reached (MLflow at a port nothing listens on, W&B
+online without an API key) does not fail the job, and its event says so."""
 
 import json
 import os
@@ -37,11 +37,28 @@ def _run(path, *extra, env=None):
     return p, json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def test_one_mlflow_run_per_job_holds_its_curve_across_a_rank_kill(tmp_path, mlflow_uri):
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory, mlflow_uri):
+    """One ``raytron run`` with rank 1 killed at iteration 4, tracked in MLflow and in W&B offline at
+    once (each tracker has its own delivery; the two tests below read one each): (CLI output, the
+    MLflow URI, where W&B wrote)."""
+    tmp_path = tmp_path_factory.mktemp("tracked")
+    home = tmp_path / "wandb-home"  # nothing of wandb's outside the test's folder, nothing to the network
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONFIG_DIR=str(home / "config"),
+               WANDB_CACHE_DIR=str(home / "cache"), WANDB_DATA_DIR=str(home / "data"), WANDB_DIR=str(home))
+    where = tmp_path / "runs"
+    tracking = {"mlflow": {"tracking_uri": mlflow_uri, "experiment": "tracking-test"},
+                "wandb": {"project": "tracking-test", "mode": "offline", "dir": str(where)}}
+    p, out = _run(_spec(tmp_path, mlflow_uri, tracking=tracking), "--fault", "1@4:exit", env=env)
+    assert p.returncode == 0 and out["restarts"] == 1, p.stderr
+    return p, out, mlflow_uri, where
+
+
+def test_one_mlflow_run_per_job_holds_its_curve_across_a_rank_kill(tracked):
     from mlflow.tracking import MlflowClient
 
-    p, out = _run(_spec(tmp_path, mlflow_uri), "--fault", "1@4:exit")
-    assert p.returncode == 0 and out["restarts"] == 1, p.stderr
+    p, out, mlflow_uri, _ = tracked
     assert f"MLflow at {mlflow_uri}: created run" in p.stderr
     client = MlflowClient(mlflow_uri)
     exp = client.get_experiment_by_name("tracking-test")
@@ -73,17 +90,10 @@ def test_an_unreachable_tracker_does_not_fail_the_job(tmp_path):
     assert "deliveries not made before the job ended" in p.stderr
 
 
-def test_one_wandb_offline_run_per_job_holds_its_curve_across_a_rank_kill(tmp_path):
+def test_one_wandb_offline_run_per_job_holds_its_curve_across_a_rank_kill(tracked):
     from tests.helpers.wandb_runs import read_run, run_dirs
 
-    home = tmp_path / "wandb-home"  # nothing of wandb's outside the test's folder, nothing to the network
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONFIG_DIR=str(home / "config"),
-               WANDB_CACHE_DIR=str(home / "cache"), WANDB_DATA_DIR=str(home / "data"), WANDB_DIR=str(home))
-    where = tmp_path / "runs"
-    path = _spec(tmp_path, None, tracking={"wandb": {"project": "tracking-test", "mode": "offline", "dir": str(where)}})
-    p, out = _run(path, "--fault", "1@4:exit", env=env)
-    assert p.returncode == 0 and out["restarts"] == 1, p.stderr
+    p, out, _, where = tracked
     assert "W&B project tracking-test (offline): created run" in p.stderr
     (run_dir,) = run_dirs(where)  # one run directory, though two attempts ran
     run = read_run(run_dir)

@@ -86,16 +86,28 @@ def test_another_model_is_refused_naming_the_fields(mcore_ckpt):
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48}
 
 
-@pytest.mark.parametrize("world,parallel", [(1, {}), (2, {"expert_model_parallel_size": 2})], ids=["ep1", "ep2"])
-def test_an_moe_checkpoint_loads_with_megatron_cores_loss(tmp_path, world, parallel):
-    """Mixtral-style experts (megatron-core's sequential MLP; the grouped GEMM's keys are the same)."""
-    from tests.helpers.checkpoints import train_ranks
+@pytest.fixture(scope="module")
+def mcore_moe_ckpt(tmp_path_factory):
+    """A checkpoint megatron-core saved from its own MoE GPTModel, and its loss on the first batch (the
+    batch does not depend on the layout that loads it): saved once for every layout below."""
     from tests.helpers.megatron import save_rank
     from tests.helpers.ranks import run_ranks
 
+    root = tmp_path_factory.mktemp("mcore-moe")
+    (want,) = run_ranks(save_rank, 1, args=(str(root), MOE), kwargs={"batch": first_batch(job_of(spec(**MOE)))},
+                        timeout_s=300)
+    return root, want
+
+
+@pytest.mark.parametrize("world,parallel", [(1, {}), (2, {"expert_model_parallel_size": 2})], ids=["ep1", "ep2"])
+def test_an_moe_checkpoint_loads_with_megatron_cores_loss(mcore_moe_ckpt, world, parallel):
+    """Mixtral-style experts (megatron-core's sequential MLP; the grouped GEMM's keys are the same)."""
+    from tests.helpers.checkpoints import train_ranks
+    from tests.helpers.ranks import run_ranks
+
+    root, want = mcore_moe_ckpt
     job = job_of(spec(world, parallel, **MOE))
-    (want,) = run_ranks(save_rank, 1, args=(str(tmp_path), MOE), kwargs={"batch": first_batch(job)}, timeout_s=300)
-    out = run_ranks(train_ranks, world, args=(job,), kwargs={"load": f"megatron:{tmp_path}", "until": 1},
+    out = run_ranks(train_ranks, world, args=(job,), kwargs={"load": f"megatron:{root}", "until": 1},
                     timeout_s=300)
     got = out[0]["losses"][0]
     assert abs(got - want) <= 1e-5 * want, (got, want)
