@@ -43,7 +43,7 @@ from service.control.recovery import KeptRanks
 from service.ranks.gather import collect
 from service.spec.placement import RankPlacement, plan_placement
 from service.ranks.ray_cluster import RaySession
-from service.ranks.ray_actors import WarmRanks, clear_leftovers, error_summary as _summary, kill_actors, kill_and_wait
+from service.ranks.ray_actors import WarmRanks, clear_leftovers, rank_actor_class, error_summary as _summary, kill_actors, kill_and_wait
 from service.ranks.ray_drain import SigtermNotices, draining_nodes, schedulable_totals
 from service.ranks.spares import SPARE_START_WAIT_S, Spares, spare_ranks
 from service.ranks.ray_survivors import survivors_of
@@ -52,6 +52,7 @@ from workers.config import JobConfig
 from workers.rank.faults import Fault
 from workers.grid import COORDS, ParallelGrid
 from workers.rank.placement_record import PlacementRecord
+
 
 
 class RayRankGroup:
@@ -149,12 +150,9 @@ class RayRankGroup:
         return self._actor(bundle, -1, f"raytron:{self.job_id}:spare-{uuid.uuid4().hex[:8]}", pg)
 
     def _actor(self, bundle: int, rank: int, name: str, pg=None):
-        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from workers.rank.actor import RankActor
-
-        return ray.remote(RankActor).options(
+        return rank_actor_class().options(
             name=name, num_gpus=1, num_cpus=self.config.cpus_per_rank, max_restarts=0,
             max_concurrency=2,  # a second thread answers stall() while run() is blocked
             scheduling_strategy=PlacementGroupSchedulingStrategy(
