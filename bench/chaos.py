@@ -19,7 +19,7 @@ Each fault is drawn (seeded: which kind, at which iteration, which victim) from
 With at least as many faults as kinds, every kind is drawn. It prints one row per fault (when it
 hit, the time to the next finished iteration, the iterations lost), then survived/total and the
 largest relative difference between the final curve and an undisturbed run of the same spec
-(on local processes). Exit status 0 when every fault was survived and the curves agree (1e-5).
+(on one local process: layout invariance). Exit status 0 when every fault was survived and the curves agree (1e-5).
 The server, the faults and the reading of their recovery: ``bench/chaos_faults.py``.
 """
 
@@ -68,11 +68,14 @@ def plan(seed: int, n: int, iters: int, kinds: tuple[str, ...]) -> list[dict]:
 
 
 def undisturbed(spec: dict) -> list[float]:
+    """The spec's curve without faults, on one local process: tp 1, dp 1, the whole global batch on
+    it (layout invariance: the job's own 8 ranks give the same curve, for several times the CPU)."""
     from service.control.jobs import start_job
     from service.ranks.process_launcher import ProcessLauncher
     from service.spec.spec import parse_spec, to_job_config
 
-    job = to_job_config(parse_spec({**spec, "checkpoint": {}}))
+    job = to_job_config(parse_spec({**spec, "checkpoint": {}, "parallel": {},
+                                    "resources": {"num_nodes": 1, "gpus_per_node": 1}}))
     result = start_job(job, launcher=ProcessLauncher(), background=False).run()
     assert result["state"] == "SUCCEEDED", result
     return result["losses"]

@@ -3,8 +3,8 @@ a real server, jobs as Ray Jobs, ranks as Ray actors on a simulated 4-node clust
 tests share. Each drill breaks a running job from outside (kill -9 and then SIGSTOP of a rank in
 one job, the job's runner killed, a raylet killed) or from inside (a crash while saving, through
 `serve --fault`; exhausted restarts); the job must end as stated, with the loss curve of an
-undisturbed run (computed here on local processes: layout invariance) and events that tell what
-happened. The lost-node and drain drills run last: each leaves the cluster a node short.
+undisturbed run (computed here on local processes, on one rank where the curves are compared at
+1e-5: layout invariance) and events that tell what happened. The lost-node and drain drills run last: each leaves the cluster a node short.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_crash_in_the_middle_of_a_save_restarts_from_the_previous_complete_check
     left = set(os.listdir(root / tmp[0]))
     assert "rank_00003.bin" in left and "rank_00003.json" not in left and "manifest.json" not in left, left
     assert "manifest.json" in os.listdir(root / "iter_0000006")
-    expected = undisturbed(s)
+    expected = undisturbed(s, one_rank=True)
     job = wait_for(api, job_id, DONE, timeout_s=300)
     assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
     assert job["restarts"] == 1  # the drill fires once
@@ -112,7 +112,7 @@ def test_kill_9_then_sigstop_of_a_rank_restart_from_the_checkpoint(api):
     job_id = submit(api, s)
     wait_iteration(api, job_id, 4)
     killed = signal_rank(api, job_id, 3, signal.SIGKILL)
-    expected = undisturbed(s)
+    expected = undisturbed(s, one_rank=True)
     deadline = time.monotonic() + 240
     while (job := api.get(f"/jobs/{job_id}").json())["restarts"] < 1 or job["state"] != "RUNNING" \
             or (job.get("iteration") or 0) < 8:
@@ -151,7 +151,7 @@ def runner_killed_at(api, s: dict, iteration: int) -> tuple[str, dict, list[floa
     runners = processes_named("python", "-m", "service.server.job_main", job_id)
     assert len(runners) == 1, runners
     os.kill(runners[0], signal.SIGKILL)
-    expected = undisturbed(s)
+    expected = undisturbed(s, one_rank=True)
     job = wait_for(api, job_id, DONE, timeout_s=300)
     assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
     losses = job_losses(api, job_id)
@@ -212,7 +212,7 @@ def test_a_lost_node_shrinks_dp_with_the_same_global_batch_and_curve_under_the_s
     raylet, head = _raylet_of(victim["node_id"])
     assert not head  # the head holds no ranks
     os.kill(raylet, signal.SIGKILL)
-    expected = undisturbed(s)
+    expected = undisturbed(s, one_rank=True)
     job = wait_for(api, job_id, DONE, timeout_s=400)
     assert job["state"] == "SUCCEEDED", (job, failures(api, job_id))
     assert job["sizes"]["dp"] == 2 and job["sizes"]["tp"] == 2  # 3 nodes left: dp 3 does not divide 8
