@@ -14,9 +14,9 @@ the weight-gradient GEMMs that CP cuts along the tokens run in fp64 into the buf
 recipe and layout holds every iteration's loss to 1e-6, but one (CP_LATER_LOSS). What TP/CP
 quantise still differs in the last fp32 bits (a row-parallel partial sum, CP's attention merge;
 the gradient amaxes behind the scales), so TP/CP iteration-0 gradients get 1e-2 (measured up to
-1.4e-3: a value within that noise of a midpoint); replicas bit-equal. At cp2, the output layer's
-iteration-0 gradient (a GEMM over the tokens CP cuts, in fp64) equals the single process's bit
-for bit. A layout-dependent quantisation is far more (without the TP x CP amax reduction:
+1.4e-3: a value within that noise of a midpoint), the validation loss 1e-4 (tp2-sp: 1.4e-6);
+replicas bit-equal. At cp2, where the last layer runs in FP8, the output layer's iteration-0
+gradient (a GEMM over the tokens CP cuts, in fp64) equals the single process's bit for bit. A layout-dependent quantisation is far more (without the TP x CP amax reduction:
 iteration-0 loss 1e-4, gradients 0.1). Delayed scaling is also checked where it can go wrong,
 the scales: after the last update every dp2 rank's equal the single process's (2e-2: without the
 DP reduction a gradient scale was 6% off).
@@ -74,10 +74,11 @@ def check_fp8_layouts(training: dict, recipe: str) -> None:
         later = CP_LATER_LOSS.get(recipe, 1e-6) if name == "cp2" else 1e-6
         try:
             per_rank = check_layout(tiny_spec(world=world, parallel=parallel, training=training), None, training,
-                                    loss_rtol=later, grad_rtol=grad_rtol, norm_rtol=1e-2)
+                                    loss_rtol=1e-4, grad_rtol=grad_rtol, norm_rtol=1e-2)
             got = per_rank[0]["losses"]
             assert_same_curve(got[:1], ref["losses"][:1])
-            if name == "cp2":
+            assert_same_curve(got, ref["losses"], rtol=later)
+            if name == "cp2" and not training.get("first_last_layers_bf16"):
                 want = ref["grads"]["output.weight"]
                 assert np.array_equal(assemble(per_rank, "grads")["output.weight"][: len(want)], want), (
                     "the output layer's iteration-0 gradient differs from the single process's")
