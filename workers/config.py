@@ -180,6 +180,9 @@ class TrainingConfig:
     """fp16 params and compute with a dynamic loss scaler (exclusive with bf16)."""
     initial_loss_scale: float = 2.0**32
     """fp16: the dynamic loss scaler's first scale (Megatron's --initial-loss-scale)."""
+    main_grads_dtype: str = "fp32"
+    """fp32 | fp64: the gradient buffers' dtype, accumulation and data-parallel reduction (Megatron's
+    --main-grads-dtype); fp64 sums are exact in any order (workers.parallel.data). The step is fp32."""
     fp8: str | None = None
     """FP8 linears (workers.parallel.fp8): "e4m3" (every GEMM operand e4m3) or "hybrid" (e5m2 gradients)."""
     fp8_recipe: str = "delayed"

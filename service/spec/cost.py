@@ -59,31 +59,37 @@ SCATTERS_IN_FLIGHT = 2
 """Reduce-scatters in flight at most (``workers.parallel.grad_buffer.MAX_SCATTERS_IN_FLIGHT``)."""
 
 
+def grad_bytes(training) -> int:
+    """Bytes per gradient element, in the buffer and on the wire of the DP reduction:
+    ``training.main_grads_dtype``'s (fp32 4, fp64 8)."""
+    return 8 if training.main_grads_dtype == "fp64" else 4
+
+
 def state_bytes(dense: float, expert: float, dense_shards: int, expert_shards: int, *, mixed: bool,
-                distributed: bool) -> dict[str, float]:
+                distributed: bool, grad_bytes: int = 4) -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state of one rank holding ``dense`` and ``expert``
     parameters, whose optimizer state the distributed optimizer shards ``dense_shards`` /
     ``expert_shards`` ways: the tensors :mod:`workers.parallel.optimizer` allocates.
 
     * weights: the model params (fp32 4, bf16/fp16 2 bytes); the replicated optimizer's flat
       main buffer *is* them in fp32 (the params are views of it);
-    * gradients: the fp32 flat gradient buffer (4; the distributed optimizer reduce-scatters
-      into it in place, as Megatron);
+    * gradients: the flat gradient buffer, ``grad_bytes`` per element (fp32 4, ``main_grads_dtype:
+      fp64`` 8; the distributed optimizer reduce-scatters into it in place, as Megatron);
     * optimizer: the two fp32 moments (8), plus the fp32 main params where they are not the
       model's (bf16/fp16: 4); the distributed optimizer keeps them for its shard only (12 / n;
       fp32 8 / n: its main params are its slices of the model's flat param buffer);
     * scratch (distributed only): gloo's staging of the in-place param all-gather (one bucket in
-      the params' dtype) and of each reduce-scatter in flight (:data:`SCATTERS_IN_FLIGHT` fp32
-      buckets).
+      the params' dtype) and of each reduce-scatter in flight (:data:`SCATTERS_IN_FLIGHT`
+      gradient buckets).
     """
     params = dense + expert
     weight = 2 if mixed else 4
     shard = dense / dense_shards + expert / expert_shards
-    grad = 4 * params
+    grad = grad_bytes * params
     if distributed:
         optimizer = (12 if mixed else 8) * shard
         bucket = min(BUCKET_ELEMENTS, params)
-        scratch = bucket * weight + SCATTERS_IN_FLIGHT * bucket * 4
+        scratch = bucket * weight + SCATTERS_IN_FLIGHT * bucket * grad_bytes
     else:
         optimizer = (12 if mixed else 8) * params
         scratch = 0.0

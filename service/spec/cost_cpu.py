@@ -43,7 +43,7 @@ replicated elementwise work of TP without SP, the CPU time of Python per operati
 from __future__ import annotations
 
 from service.spec.cluster_figures import Cluster
-from service.spec.cost import megatron_flops, state_bytes
+from service.spec.cost import grad_bytes, megatron_flops, state_bytes
 
 DEFAULT_BUCKET_ELEMENTS = 1_000_000
 """The trainer's gradient bucket (``workers.parallel.data.DEFAULT_BUCKET_SIZE``; not imported: no torch here)."""
@@ -106,7 +106,8 @@ def spec_step_time(s, spec, grid, rank_bytes, cluster: Cluster, stage_ranks: lis
     per_stage = grid.world_size // grid.pp
     state_all = per_stage * sum(
         state_bytes(r["dense"], r["expert"], grid.dp * grid.cp, grid.expert_dp, mixed=mixed,
-                    distributed=p.use_distributed_optimizer)["total"] for r in stage_ranks)
+                    distributed=p.use_distributed_optimizer,
+                    grad_bytes=grad_bytes(spec.training))["total"] for r in stage_ranks)
     hops = collective_hops(s, tp=grid.tp, cp=grid.cp, ep=grid.ep, pp=grid.pp, vpp=grid.vpp, dp_cp=grid.dp * grid.cp,
                            num_microbatches=num_microbatches,
                            dense_parameters=max(r["dense"] for r in stage_ranks))

@@ -35,7 +35,7 @@ from workers.parallel.pipeline import place
 BYTES = 4  # fp32 weights, gradients, activations
 
 
-def memory(s: Shapes, grid: ParallelGrid, *, mixed: bool = False) -> list[dict]:
+def memory(s: Shapes, grid: ParallelGrid, *, mixed: bool = False, grad_bytes: int = BYTES) -> list[dict]:
     """Per rank: parameters and bytes of weights, gradients and optimizer state, without and with
     the distributed optimizer, in bf16/fp16 (``mixed``) or fp32: :func:`service.spec.cost.state_bytes`,
     the accounting the plan's ``cost`` uses too."""
@@ -43,6 +43,7 @@ def memory(s: Shapes, grid: ParallelGrid, *, mixed: bool = False) -> list[dict]:
     for rank in range(grid.world_size):
         p = rank_parameters(s, grid, rank)
         rep, dist = (cost.state_bytes(p["dense"], p["expert"], grid.dp * grid.cp, grid.expert_dp, mixed=mixed,
+                                      grad_bytes=grad_bytes,
                                       distributed=d) for d in (False, True))
         out.append({"rank": rank, "parameters": p["dense"] + p["expert"], "dense_parameters": p["dense"],
                     "expert_parameters": p["expert"], "param_bytes": round(rep["weights"]),
@@ -135,11 +136,11 @@ def count_traffic(s: Shapes, spec, grid: ParallelGrid, node_of: list[int]) -> _T
                 tr.send("pp", src, dst, boundary)  # activations forward
                 tr.send("pp", dst, src, boundary)  # their gradients backward
     for g in grid.groups("dp-cp"):
-        dense = rank_parameters(s, grid, g[0])["dense"] * BYTES
+        dense = rank_parameters(s, grid, g[0])["dense"] * cost.grad_bytes(t)
         tr.ring("dp", g, 2 * (len(g) - 1) / len(g) * dense)
     if s.experts:
         for g in grid.groups("dp", expert=True):
-            expert = rank_parameters(s, grid, g[0])["expert"] * BYTES
+            expert = rank_parameters(s, grid, g[0])["expert"] * cost.grad_bytes(t)
             tr.ring("dp", g, 2 * (len(g) - 1) / len(g) * expert)
     return tr
 
@@ -154,7 +155,7 @@ def estimate(spec, grid: ParallelGrid, node_of: list[int], tr: _Traffic | None =
     ranks = [rank_parameters(s, grid, r) for r in grid.groups("pp")[0]]  # one rank per stage: the rest repeat
     busiest = max(ranks, key=lambda r: r["dense"] + r["expert"])
     state = cost.state_bytes(busiest["dense"], busiest["expert"], grid.dp * grid.cp, grid.expert_dp, mixed=mixed,
-                             distributed=p.use_distributed_optimizer)
+                             distributed=p.use_distributed_optimizer, grad_bytes=cost.grad_bytes(t))
     num_microbatches = t.global_batch_size // (t.micro_batch_size * grid.dp)
     act = cost.activation_bytes(s, tp=grid.tp, pp=grid.pp, cp=grid.cp, vpp=grid.vpp, sp=p.sequence_parallel,
                                 micro_batch_size=t.micro_batch_size, num_microbatches=num_microbatches,
@@ -162,7 +163,7 @@ def estimate(spec, grid: ParallelGrid, node_of: list[int], tr: _Traffic | None =
                                 recompute_num_layers=m.recompute_num_layers, element_bytes=2 if mixed else 4,
                                 schedule=p.pipeline_schedule)
     tr = tr or count_traffic(s, spec, grid, node_of)
-    act_scale = (2 if mixed else 4) / BYTES  # the traffic model counts fp32; DP gradients stay fp32
+    act_scale = (2 if mixed else 4) / BYTES  # the traffic model counts fp32; DP gradients as grad_bytes
     if cluster.cores:  # ranks sharing a machine's cores: the machine's work (service/spec/cost_cpu.py)
         step = spec_step_time(s, spec, grid, tr.by_rank, cluster, ranks, num_microbatches, act_scale, mixed)
     else:
@@ -190,7 +191,7 @@ def plan_job(spec) -> dict:
     placement = plan_placement(grid, spec.resources.gpus_per_node, spec.resources.num_nodes)
     node_of = [pl.node for pl in placement]
     s = Shapes.of(spec)
-    mem = memory(s, grid, mixed=spec.training.bf16 or spec.training.fp16)
+    mem = memory(s, grid, mixed=spec.training.bf16 or spec.training.fp16, grad_bytes=cost.grad_bytes(spec.training))
     ranks = []
     for pl in placement:
         c = grid.coords(pl.rank)

@@ -114,6 +114,8 @@ class FlatAdamW:
         self.step_t.fill_(step)
         for decay, (params, grads, exp_avgs, exp_avg_sqs) in self.groups.items():
             if params:
+                if grads[0].dtype != params[0].dtype:  # fp64 main grads: the step is fp32
+                    grads = [g.to(params[0].dtype) for g in grads]
                 torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [self.step_t] * len(params),
                                     lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay if decay else 0.0,
                                     eps=eps, amsgrad=False, maximize=False, grad_scale=grad_scale,
@@ -160,7 +162,8 @@ class AdamWOverGrads:
 
     def __init__(self, param_groups: ParamGroups, lr: float, betas, eps: float, weight_decay: float, *,
                  bucket_size: int | None, shard: bool, param_dtype: torch.dtype | None = None,
-                 clip_grad: float = 0.0, grad_scaler=None, tp_rank: int = 0, norm_group=None):
+                 clip_grad: float = 0.0, grad_scaler=None, tp_rank: int = 0, norm_group=None,
+                 main_grads_dtype: torch.dtype = torch.float32):
         _check_hparams(lr, betas, eps, weight_decay)
         if clip_grad < 0:
             raise ValueError(f"clip_grad ({clip_grad}) must be >= 0 (0 = no clipping)")
@@ -169,7 +172,7 @@ class AdamWOverGrads:
         self.low_precision = self.param_dtype != torch.float32
         # Built while the params are still fp32 (the optimizers take main copies, then cast).
         self.grads = DataParallelGrads(param_groups, bucket_size=bucket_size, shard=shard,
-                                       grad_dtype=torch.float32 if self.low_precision else None)
+                                       grad_dtype=main_grads_dtype)
         self.clip_grad, self.grad_scaler, self.tp_rank, self.norm_group = clip_grad, grad_scaler, tp_rank, norm_group
         self.num_steps = 0
         self._found_inf: torch.Tensor | None = None  # set during step_on_device

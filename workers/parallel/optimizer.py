@@ -84,10 +84,10 @@ class DistributedOptimizer(ParamGather, AdamWOverGrads):
         """The group's flat param buffer in ``param_dtype`` (cast on the way in, see
         :func:`_move_into`; zeros in the bucket padding)."""
         pbuf = _move_into(buf, torch.zeros(buf.numel, dtype=self.param_dtype, device=buf.grad.device))
-        if self.low_precision:
+        buf.main_grads = buf.grad.dtype != self.param_dtype
+        if buf.main_grads:
             for p in buf.params:
-                p.grad = None  # grads accumulate into the fp32 main grads
-        buf.main_grads = self.low_precision
+                p.grad = None  # grads accumulate into the main grads
         return pbuf
 
     def _owned(self, i: int):
@@ -197,9 +197,10 @@ class ReplicatedOptimizer(AdamWOverGrads):
             self.flat_models.append(model)
             for p in buf.params:
                 p.data = _view(buf, model, p)  # the fused update writes the params in place
-                if self.low_precision:
+            buf.main_grads = buf.grad.dtype != self.param_dtype
+            if buf.main_grads:
+                for p in buf.params:
                     p.grad = None
-            buf.main_grads = self.low_precision
 
     def main_grads(self) -> list[torch.Tensor]:
         return [buf.grad for buf in self.grads.buffers]
@@ -258,7 +259,8 @@ def _view(buf: GradBuffer, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 def build_optimizer(param_groups: ParamGroups, *, distributed: bool, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
                     weight_decay: float = 0.0, bucket_size: int | None = DEFAULT_BUCKET_SIZE,
                     param_dtype: torch.dtype | None = None, clip_grad: float = 0.0, grad_scaler=None,
-                    tp_rank: int = 0, norm_group=None, overlap_param_gather: bool = False):
+                    tp_rank: int = 0, norm_group=None, overlap_param_gather: bool = False,
+                    main_grads_dtype: torch.dtype = torch.float32):
     """AdamW over data-parallel param groups: ZeRO-1 sharded (``distributed``) or replicated.
 
     Both results offer ``grads`` (a :class:`DataParallelGrads`), ``zero_grad()``, ``step()``
@@ -273,6 +275,9 @@ def build_optimizer(param_groups: ParamGroups, *, distributed: bool, lr: float, 
             computed and reported anyway).
         grad_scaler: fp16's :class:`workers.train.mixed_precision.DynamicGradScaler` (the caller
             multiplies the loss by its ``scale``); ``None``: no loss scaling.
+        main_grads_dtype: the gradient buffers' dtype (accumulation and reduction, see
+            :mod:`workers.parallel.data`); float64 makes the sums exact in any order, the step
+            casts them to fp32.
         tp_rank: this rank's TP rank (TP duplicates are counted once in the norm).
         norm_group: every rank of the job, over which the norm and overflow flag are reduced.
         overlap_param_gather: (distributed) the updated params' all-gather runs under the next
@@ -281,4 +286,5 @@ def build_optimizer(param_groups: ParamGroups, *, distributed: bool, lr: float, 
     extra = {"overlap_param_gather": overlap_param_gather} if distributed else {}
     cls = DistributedOptimizer if distributed else ReplicatedOptimizer
     return cls(param_groups, lr, betas, eps, weight_decay, bucket_size=bucket_size, param_dtype=param_dtype,
-               clip_grad=clip_grad, grad_scaler=grad_scaler, tp_rank=tp_rank, norm_group=norm_group, **extra)
+               clip_grad=clip_grad, grad_scaler=grad_scaler, tp_rank=tp_rank, norm_group=norm_group,
+               main_grads_dtype=main_grads_dtype, **extra)

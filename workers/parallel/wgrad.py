@@ -75,13 +75,24 @@ def grad_owner(weight: torch.Tensor) -> torch.Tensor | None:
 def fuses(weight: torch.Tensor) -> bool:
     """Whether this forward's backward accumulates ``weight``'s gradient straight into its
     ``main_grad`` (the parameter itself, a buffer view of its dtype, and a graph being recorded)."""
-    return grad_owner(weight) is weight and _fp32_path(weight)
+    param = grad_owner(weight)
+    return param is not None and _fused(param, weight, getattr(weight, "fp8_gemm", None))
 
 
-def _fp32_path(weight: torch.Tensor) -> bool:
-    """``main_grad`` has the weight's dtype: the GEMM can ``addmm_`` into it."""
-    main = getattr(weight, "main_grad", None)
-    return main is not None and main.dtype == weight.dtype
+def _fused(param: torch.Tensor, owner: torch.Tensor, gemm: ScaledGemm | None) -> bool:
+    """Whether ``owner``'s weight-gradient GEMM accumulates into ``param.main_grad``: it has the
+    weight's dtype (the fp32 path), or it is float64 (``main_grads_dtype: fp64``, any weight
+    dtype, FP8's dequantised copies too, not a ``_scaled_mm``): then the GEMM runs in float64 on
+    the operands cast up, every product exact, so where a layout cuts the token sum (CP) the
+    result is the single process's to the last fp32 bit."""
+    main = param.main_grad
+    return (param is owner and main.dtype == param.dtype) or (main.dtype == torch.float64 and gemm is None)
+
+
+def _accumulate(param: torch.Tensor, grad_2d: torch.Tensor, x_2d: torch.Tensor) -> None:
+    """``param.main_grad += grad^T @ x``, in ``main_grad``'s dtype."""
+    main = param.main_grad
+    main.addmm_(grad_2d.t().to(main.dtype), x_2d.to(main.dtype))
 
 
 def weight_grad(grad: torch.Tensor, x: torch.Tensor, owner: torch.Tensor | None,
@@ -95,7 +106,7 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, owner: torch.Tensor | None,
     param = None if owner is None else getattr(owner, "wgrad_param", owner)
     if param is None or torch.is_grad_enabled() or getattr(param, "main_grad", None) is None:
         return fp8_gemm.wgrad(grad_2d, x_2d, gemm)  # create_graph, or no buffer (any more): plain autograd
-    fused = param is owner and _fp32_path(param)  # an FP8 copy's gradient goes through its cast
+    fused = _fused(param, owner, gemm)  # otherwise an FP8 copy's gradient goes through its cast
     if _deferred is not None and (fused or not getattr(param, "zero_out_wgrad", False)):
         # A zero-bubble B: the GEMM waits for run_wgrads, autograd gets nothing for the weight.
         _deferred.append((param, grad_2d, x_2d, fused, gemm))
@@ -103,7 +114,7 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, owner: torch.Tensor | None,
         return None
     if not fused:  # bf16/fp16, FP8: autograd (the cast's backward), AccumulateGrad and the hook take it
         return fp8_gemm.wgrad(grad_2d, x_2d, gemm)
-    param.main_grad.addmm_(grad_2d.t(), x_2d)
+    _accumulate(param, grad_2d, x_2d)
     return _dummy(param)
 
 
@@ -143,7 +154,7 @@ def run_wgrads(queue: list) -> None:
     with torch.no_grad():
         for weight, grad_2d, x_2d, fused, gemm in queue:
             if fused:
-                weight.main_grad.addmm_(grad_2d.t(), x_2d)
+                _accumulate(weight, grad_2d, x_2d)
                 grads[id(weight)] = (weight, None)
             else:
                 out = fp8_gemm.wgrad(grad_2d, x_2d, gemm).to(weight.dtype)

@@ -122,7 +122,8 @@ class Trainer:
         self.optimizer = build_optimizer(
             dp_groups, distributed=p.use_distributed_optimizer, lr=t.lr,
             betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay,
-            param_dtype=self.dtype, clip_grad=t.clip_grad, grad_scaler=self.grad_scaler, tp_rank=c["tp"],
+            param_dtype=self.dtype, main_grads_dtype=torch.float64 if t.main_grads_dtype == "fp64" else torch.float32,
+            clip_grad=t.clip_grad, grad_scaler=self.grad_scaler, tp_rank=c["tp"],
             norm_group=_world_group() if g.world_size > 1 else None, overlap_param_gather=p.overlap_param_gather,
         )
         self._gather_hooks = self.optimizer.hook_param_gather(self.chunks)
