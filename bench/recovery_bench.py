@@ -33,7 +33,7 @@ import threading
 import time
 
 from bench.child import run_child
-from bench.recovery_kills import child_kills, median_split
+from bench.recovery_kills import child_kills, median_split, rank_profile
 
 SPEC = {"name": "recovery", "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                                       "ffn_hidden_size": 128, "vocab_size": 256, "seq_length": 32},
@@ -199,6 +199,7 @@ def main() -> None:
         print(f"  {mode}: each kill's total {m['totals']} s; (killed after, restored) {m['restored']}; "
               f"iterations lost {m['iterations_lost']}; a spare took the ranks in {m['spare_taken']}; "
               f"job {runs[mode]['state']}, restarts {runs[mode]['restarts']}")
+        print("\n".join(rank_profile(runs[mode]["kills"])))
     if only:
         return
     sp, disk = med["spare"]["total_s"], med["disk"]["total_s"]

@@ -101,9 +101,9 @@ class RayRankGroup:
             # New actors up before any setup goes out: one cancelled (its bundle moving off a lost
             # node) then fails this attempt with the kept ranks untouched, their in-memory state kept.
             self._collect([a.ping.remote() for a in self.actors], cfg.start_timeout_s, what="start")
-        addr, port = self._collect([self.actors[0].rendezvous_address.remote()], cfg.start_timeout_s,
-                                   what="rendezvous")[0]
         timeout = float(job.collective_timeout_s)
+        addr, port = self._collect([self.actors[0].rendezvous_address.remote(self.grid.world_size, timeout)],
+                                   cfg.start_timeout_s, what="rendezvous")[0]
         self._setup_sent = True
         records = self._collect(
             [a.setup.remote(job, addr, port, self.grid.world_size, p.local, timeout, tuple(faults), p.node,
