@@ -10,7 +10,7 @@ may have another size). One attempt:
 2. one :class:`~workers.rank.actor.RankActor` per rank, in the bundle of its planned node, one
    GPU each; the rank comes from the plan, never from the order in which actors start. All are
    created at once so that their torch imports overlap;
-3. rendezvous: rank 0 reports its node IP and a free port; every rank joins the process group
+3. rendezvous: rank 0 starts its TCP store and reports its node IP and port; every rank joins the process group
    and builds its trainer;
 4. ``run(n)`` on every rank, collected by :func:`service.ranks.gather.collect` (the same failure
    triage as the process launcher: root cause first, a silent rank named as hung);
