@@ -12,11 +12,8 @@ def survivors_of(group) -> dict:
     lives) on a live node and that ``reset`` within ``reuse_wait_s``; empty when a node is lost
     or may be (Ray reports it dead, or a dead rank's raylet stopped answering).
 
-    First every rank whose call is still running is asked to abort its train step (a rank that
-    does not share a group with the dead one would otherwise compute on to its next collective
-    with a failed peer: :mod:`workers.rank.abort`). Each is reset as soon as its call ends: that
-    frees its process groups, which makes peers still blocked in a collective with it fail now
-    rather than at their timeout."""
+    Each is reset as soon as its call ends: that frees its process groups, which makes peers
+    still blocked in a collective with it fail now rather than at their timeout."""
     import ray
     from ray.exceptions import ActorUnavailableError, RayActorError
 
@@ -33,10 +30,6 @@ def survivors_of(group) -> dict:
         return {}  # the placement group is being rescheduled: start over
     deadline = time.monotonic() + group.config.reuse_wait_s
     calls = dict(zip(group._inflight, range(len(group.actors))))  # ref -> rank
-    # A rank is dead: the others end their train step now instead of computing on to their next
-    # collective with a failed peer (workers.rank.abort); the answers are only drained.
-    ended = set(ray.wait(list(calls), num_returns=len(calls), timeout=0)[0])
-    aborts = [group.actors[r].abort.remote() for ref, r in calls.items() if ref not in ended]
     resets: dict = {}
     kept = {}
     node_suspect = False
@@ -67,20 +60,7 @@ def survivors_of(group) -> dict:
                     kept[rank] = group.actors[rank]
                 except Exception:  # noqa: BLE001 - not reusable: killed with the dead
                     pass
-    _drain(aborts)
     return {} if (node_suspect or nodes & dead_nodes()) and not in_memory else kept
-
-
-def _drain(refs: list) -> None:
-    """Read the answers that came (a dead actor's error included), so Ray logs none as unhandled."""
-    import ray
-
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
-    for ref in ready:
-        try:
-            ray.get(ref, timeout=0)
-        except Exception:  # noqa: BLE001 - a dead rank's: nothing to abort
-            pass
 
 def _untouched(group) -> dict:
     """With in-memory state, after an attempt that failed before its setup calls went out (a

@@ -20,8 +20,7 @@ and the dashboard, each in its node's placement-group bundle with one GPU. Its l
    controller asks for one between calls when a node holding ranks is to be preempted, or a rank
    got a SIGTERM: :mod:`workers.rank.sigterm`, its notice in ``run``'s last metrics).
 6. ``stall()``: answered from a second thread while ``run`` is blocked: the group kind a hang
-   drill blocked in, or "" (the controller asks a rank that stopped answering); ``abort()``, from
-   the same thread: a peer died, end the train step now (:mod:`workers.rank.abort`).
+   drill blocked in, or "" (the controller asks a rank that stopped answering).
 7. a hot spare (``resources.spare_nodes``, :mod:`service.ranks.spares`) is this actor started
    with no rank, idle after step 1, until ``setup(..., as_rank=r)`` makes it rank r.
 8. ``reset()``: after a failed attempt, a rank that survived it forgets the attempt (its trainer
@@ -172,13 +171,6 @@ class RankActor:
         if self.runner is None:
             raise RuntimeError(f"rank {self.rank}: save_now() before setup()")
         return self.runner.save_now()
-
-    def abort(self) -> bool:
-        """A peer of this attempt died: end the train step now rather than at the next collective
-        with the dead peer (:mod:`workers.rank.abort`); answered on the second thread while ``run``
-        is busy. True when a step was cut short."""
-        runner = self.runner
-        return runner.abort.abort() if runner is not None else False
 
     def stall(self) -> str:
         """The collective a hang drill blocked in ("tp all_reduce"), or ""."""

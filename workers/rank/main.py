@@ -48,9 +48,6 @@ class RankRunner:
         self.faults = {f.iteration: f for f in mine if f.kind != "save"}
         self.save_faults = {f.iteration: f for f in mine if f.kind == "save"}
         self.on_stall = on_stall
-        from workers.rank.abort import StepAbort
-
-        self.abort = StepAbort()
         timeline = timeline or Timeline()
         with timeline.step("trainer"):
             self.trainer = Trainer(job, rank, world_size, device=device)
@@ -141,8 +138,7 @@ class RankRunner:
                 fault = self.faults.pop(self.trainer.iteration + 1, None)
                 if fault is not None:
                     trigger(fault, self.on_stall)
-                with self.abort.window():  # a peer known dead ends the step (workers.rank.abort)
-                    metrics = self.trainer.train_step()
+                metrics = self.trainer.train_step()
                 self._maybe_save(metrics)
                 if self.replicator is not None and self.trainer.iteration % self.job.memory_interval == 0:
                     metrics.update(self.replicator.snapshot())
