@@ -9,7 +9,9 @@ use 4 nodes, the spare path 5), each path in a driver process of its own connect
   (``RAYTRON_BENCH_KILLS``), in three modes: *spare* (``fault_tolerance.memory_interval: 1`` and
   ``resources.spare_nodes: 1``), *memory* (memory_interval 1, no spare) and *disk* (neither).
   The median over the kills of the time from the kill to the next finished iteration, split into
-  detection (with its profile), replacement, restore and first iteration; iterations lost.
+  detection (with its profile), replacement, restore and first iteration; iterations lost; then
+  each kind of rank's timeline (kept in place, a spare taking a rank: wall and CPU seconds of each
+  step from its reset to its restore, ``workers/rank/timeline.py``) and the driver's marks.
 * **replication's cost**: two undisturbed 30-iteration runs without and with memory_interval 1: the
   ranks' time per iteration, the wall time per iteration, bytes sent and host memory per rank.
 * **Ray Train**: ``TorchTrainer`` with 8 CPU workers and ``FailureConfig(max_failures=5)``; each
