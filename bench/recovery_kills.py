@@ -15,7 +15,9 @@ or new actors taking the lost node's ranks, the process group and trainers built
 iteration* (placed -> the next iteration finished); iterations lost (recorded before the kill,
 minus the iteration restored). *Detection* is profiled further from the driver's side: the death
 known (the call's error out of the launcher's collect), the survivors reset
-(:func:`~service.ranks.ray_survivors.survivors_of`), the dead actors known dead (``kill_and_wait``).
+(:func:`~service.ranks.ray_survivors.survivors_of`), the dead actors known dead (``kill_and_wait``);
+*replacement* by each rank's timeline (its placement record's ``timeline``, :func:`rank_profile`)
+and the driver's marks of the attempt's start (spares taken, the calls answered).
 """
 
 from __future__ import annotations
