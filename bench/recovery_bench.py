@@ -9,7 +9,9 @@ use 4 nodes, the spare path 5), each path in a driver process of its own connect
   (``RAYTRON_BENCH_KILLS``), in three modes: *spare* (``fault_tolerance.memory_interval: 1`` and
   ``resources.spare_nodes: 1``), *memory* (memory_interval 1, no spare) and *disk* (neither).
   The median over the kills of the time from the kill to the next finished iteration, split into
-  detection (with its profile), replacement, restore and first iteration; iterations lost.
+  detection (with its profile), replacement, restore and first iteration; iterations lost; then
+  each kind of rank's timeline (kept in place, a spare taking a rank: wall and CPU seconds of each
+  step from its reset to its restore, ``workers/rank/timeline.py``) and the driver's marks.
 * **replication's cost**: two undisturbed 30-iteration runs without and with memory_interval 1: the
   ranks' time per iteration, the wall time per iteration, bytes sent and host memory per rank.
 * **Ray Train**: ``TorchTrainer`` with 8 CPU workers and ``FailureConfig(max_failures=5)``; each
@@ -33,7 +35,7 @@ import threading
 import time
 
 from bench.child import run_child
-from bench.recovery_kills import child_kills, median_split
+from bench.recovery_kills import child_kills, median_split, rank_profile
 
 SPEC = {"name": "recovery", "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                                       "ffn_hidden_size": 128, "vocab_size": 256, "seq_length": 32},
@@ -199,6 +201,7 @@ def main() -> None:
         print(f"  {mode}: each kill's total {m['totals']} s; (killed after, restored) {m['restored']}; "
               f"iterations lost {m['iterations_lost']}; a spare took the ranks in {m['spare_taken']}; "
               f"job {runs[mode]['state']}, restarts {runs[mode]['restarts']}")
+        print("\n".join(rank_profile(runs[mode]["kills"])))
     if only:
         return
     sp, disk = med["spare"]["total_s"], med["disk"]["total_s"]

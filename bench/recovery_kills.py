@@ -15,7 +15,9 @@ or new actors taking the lost node's ranks, the process group and trainers built
 iteration* (placed -> the next iteration finished); iterations lost (recorded before the kill,
 minus the iteration restored). *Detection* is profiled further from the driver's side: the death
 known (the call's error out of the launcher's collect), the survivors reset
-(:func:`~service.ranks.ray_survivors.survivors_of`), the dead actors known dead (``kill_and_wait``).
+(:func:`~service.ranks.ray_survivors.survivors_of`), the dead actors known dead (``kill_and_wait``);
+*replacement* by each rank's timeline (its placement record's ``timeline``, :func:`rank_profile`)
+and the driver's marks of the attempt's start (spares taken, the calls answered).
 """
 
 from __future__ import annotations
@@ -47,9 +49,27 @@ def _profile() -> list:
             return out
         return wrapper
 
-    rl.RayRankGroup._collect = timed("death_known", rl.RayRankGroup._collect, on_error_only=True)
+    collect = rl.RayRankGroup._collect
+
+    def collect_marked(self, refs, timeout_s, *, what, **kwargs):  # each call of the attempt's start, when it ended
+        try:
+            return collect(self, refs, timeout_s, what=what, **kwargs)
+        except BaseException:
+            marks.append(("death_known", time.time()))
+            raise
+        finally:
+            marks.append((f"driver: {what} calls answered", time.time()))
+
+    start = rl.RayRankGroup.start
+
+    def start_marked(self, faults):
+        marks.append(("driver: start", time.time()))
+        return start(self, faults)
+
+    rl.RayRankGroup._collect, rl.RayRankGroup.start = collect_marked, start_marked
     rl.survivors_of = timed("survivors_reset", rl.survivors_of)
     rl.kill_and_wait = timed("dead_gone", rl.kill_and_wait)
+    rl.spare_ranks = timed("driver: spares taken", rl.spare_ranks)
     return marks
 
 
@@ -92,6 +112,7 @@ def child_kills(spec: dict, mode: str, ckpt_dir: str, kills: int = 5, gap: int =
                 cur["load"] = max(p.get("load_s") or 0.0 for p in e.data["placement"])
                 cur["spare_ranks"] = [p["rank"] for p in e.data["placement"] if p.get("spare")]
                 cur["restored"] = int(e.data["placement"][0].get("resumed_iteration") or 0)
+                cur["timelines"] = [(p["rank"], _kind(p), p.get("timeline")) for p in e.data["placement"]]
         elif e.kind == "iteration":
             state["last"], state["since"] = e.data["iteration"], state["since"] + 1
             if cur is not None and "placed" in cur and "next" not in cur:
@@ -124,17 +145,67 @@ def child_kills(spec: dict, mode: str, ckpt_dir: str, kills: int = 5, gap: int =
     for r in rounds:
         if "next" not in r:
             continue
-        after = {}
+        after, driver = {}, {}
         for name, t in marks:
             if r["kill"] <= t <= r["failure"] and name not in after:
                 after[name] = t - r["kill"]
+            if name.startswith("driver:") and r["failure"] <= t <= r["placed"] and name not in driver:
+                driver[name] = t - r["failure"]
         splits.append({"detection_s": r["failure"] - r["kill"], "replacement_s": r["placed"] - r["failure"] - r["load"],
                        "restore_s": r["load"], "first_iteration_s": r["next"] - r["placed"],
                        "total_s": r["next"] - r["kill"], "killed_after": r["iteration"],
                        "restored": r["restored"], "source": r.get("source") or "disk",
                        "iterations_lost": r["iteration"] - r["restored"],
-                       "spare_ranks": r.get("spare_ranks"), "detection_profile": after})
+                       "spare_ranks": r.get("spare_ranks"), "detection_profile": after,
+                       "driver": driver, "ranks": _rank_steps(r.get("timelines") or [], r["kill"])})
     return {"state": result["state"], "restarts": result["restarts"], "error": result.get("error"), "kills": splits}
+
+
+def _kind(p: dict) -> str:
+    return "spare" if p.get("spare") else "kept" if p.get("reused") else "new"
+
+
+def _rank_steps(timelines: list, killed: float) -> dict:
+    """Per kind of rank (kept in place, a spare taking a rank, a new actor): per step, the slowest
+    rank's wall seconds and the CPU seconds of all of them together; ``began``: when the slowest
+    one's recovery began, after the kill (a spare's: when its start-up ended, before it)."""
+    out: dict = {}
+    for _, kind, tl in timelines:
+        if not tl:
+            continue
+        mine = out.setdefault(kind, {"ranks": 0, "began": -1e9, "steps": {}})
+        mine["ranks"] += 1
+        mine["began"] = max(mine["began"], tl["began"] - killed)
+        for name, wall, cpu in tl["steps"]:
+            w, c = mine["steps"].get(name, (0.0, 0.0))
+            mine["steps"][name] = (max(w, wall), c + cpu)
+    return out
+
+
+def rank_profile(kills: list[dict]) -> list[str]:
+    """The per-rank timeline of the kills as lines: per kind of rank and step, the median over the
+    kills of the slowest rank's wall seconds and of the ranks' CPU seconds together; then the
+    driver's marks after the failure event (medians)."""
+    lines = []
+    kinds = sorted({k for kill in kills for k in kill.get("ranks", {})})
+    for kind in kinds:
+        have = [kill["ranks"][kind] for kill in kills if kind in kill.get("ranks", {})]
+        began = sorted(h["began"] for h in have)[len(have) // 2]
+        lines.append(f"  {kind} ranks ({have[0]['ranks']}), recovery began {began:+.2f} s after the kill:"
+                     f" step: slowest rank's wall / all their CPU (s)")
+        names = list(dict.fromkeys(n for h in have for n in h["steps"]))
+        for name in names:
+            vals = [h["steps"][name] for h in have if name in h["steps"]]
+            wall = sorted(v[0] for v in vals)[len(vals) // 2]
+            cpu = sorted(v[1] for v in vals)[len(vals) // 2]
+            lines.append(f"    {name:<40}{wall:>7.3f} /{cpu:>6.3f}")
+    names = list(dict.fromkeys(n for kill in kills for n in kill.get("driver", {})))
+    if names:
+        lines.append("  driver, after the failure event (s):")
+    for name in sorted(names, key=lambda n: sorted(k["driver"].get(n, 0) for k in kills)[len(kills) // 2]):
+        vals = sorted(k["driver"][name] for k in kills if name in k["driver"])
+        lines.append(f"    {name[8:]:<40}{vals[len(vals) // 2]:>7.3f}")
+    return lines
 
 
 def median_split(kills: list[dict]) -> dict:
@@ -153,4 +224,4 @@ def median_split(kills: list[dict]) -> dict:
     return out
 
 
-__all__ = ["ITERS", "SAVE_EVERY", "child_kills", "median_split"]
+__all__ = ["ITERS", "SAVE_EVERY", "child_kills", "median_split", "rank_profile"]

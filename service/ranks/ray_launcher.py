@@ -10,7 +10,7 @@ may have another size). One attempt:
 2. one :class:`~workers.rank.actor.RankActor` per rank, in the bundle of its planned node, one
    GPU each; the rank comes from the plan, never from the order in which actors start. All are
    created at once so that their torch imports overlap;
-3. rendezvous: rank 0 reports its node IP and a free port; every rank joins the process group
+3. rendezvous: rank 0 starts its TCP store and reports its node IP and port; every rank joins the process group
    and builds its trainer;
 4. ``run(n)`` on every rank, collected by :func:`service.ranks.gather.collect` (the same failure
    triage as the process launcher: root cause first, a silent rank named as hung);
@@ -102,9 +102,9 @@ class RayRankGroup:
             # New actors up before any setup goes out: one cancelled (its bundle moving off a lost
             # node) then fails this attempt with the kept ranks untouched, their in-memory state kept.
             self._collect([a.ping.remote() for a in self.actors], cfg.start_timeout_s, what="start")
-        addr, port = self._collect([self.actors[0].rendezvous_address.remote()], cfg.start_timeout_s,
-                                   what="rendezvous")[0]
         timeout = float(job.collective_timeout_s)
+        addr, port = self._collect([self.actors[0].rendezvous_address.remote(self.grid.world_size, timeout)],
+                                   cfg.start_timeout_s, what="rendezvous")[0]
         self._setup_sent = True
         records = self._collect(
             [a.setup.remote(job, addr, port, self.grid.world_size, p.local, timeout, tuple(faults), p.node,

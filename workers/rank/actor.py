@@ -7,7 +7,8 @@ and the dashboard, each in its node's placement-group bundle with one GPU. Its l
 1. ``__init__`` imports torch and the training stack at once. Every actor's constructor runs
    concurrently as soon as it is scheduled, so the dominant start-up cost (the torch import,
    ~2 s of CPU per process) overlaps across ranks instead of queueing behind the rendezvous.
-2. ``rendezvous_address()`` (rank 0 only): this node's IP and a free port for the TCP store.
+2. ``rendezvous_address()`` (rank 0 only): this node's IP and the port of the TCP store it starts
+   there and then, listening before any other rank is told where (:func:`~workers.rank.distributed.listening_store`).
 3. ``setup(job, ...)``: joins the process group (gloo on CPU, nccl on GPU, with a collective
    timeout so that a silent peer becomes an error), builds the :class:`~workers.train.trainer.Trainer` of
    this attempt's job (the checkpoint it resumes from), and returns its placement record
@@ -75,6 +76,9 @@ class RankActor:
         from workers.rank import sigterm
 
         self.sigterm = sigterm.install()  # a SIGTERM is a preemption notice, not an exit (workers/rank/sigterm.py)
+        from workers.rank.timeline import Timeline
+
+        self.timeline = Timeline()  # what this process did since it started, or since its last attempt failed
         self.rank, self.job_id = rank, job_id
         self.runner = None
         self.memory = None  # in-memory snapshots and replicas (workers.rank.replicas), kept across reset()
@@ -82,15 +86,18 @@ class RankActor:
         self._gauges: dict = {}
         self._groups: list = []  # the attempt's process groups, freed side by side at reset()
         self._reapers: list = []  # the threads freeing the last attempt's process groups (reset())
+        self._store = None  # rank 0: the TCP store of the next setup, started by rendezvous_address()
 
-    def rendezvous_address(self) -> tuple[str, int]:
-        """Where the process group meets: this node's IP and a port free on it a moment ago."""
+    def rendezvous_address(self, world_size: int, timeout_s: float) -> tuple[str, int]:
+        """Where the process group meets: this node's IP and the port of the TCP store this rank
+        starts now (its ``setup`` joins through it), so that no rank connects before it listens."""
         import ray
 
-        from workers.rank.distributed import free_port
+        from workers.rank.distributed import listening_store
 
         ip = ray.util.get_node_ip_address()
-        return ip, free_port(ip)
+        self._store = listening_store(ip, world_size, timeout_s)
+        return ip, self._store.port
 
     def setup(self, job: JobConfig, master_addr: str, master_port: int, world_size: int, local_rank: int,
               collective_timeout_s: float, faults: tuple[Fault, ...] = (), node: int | None = None,
@@ -107,12 +114,17 @@ class RankActor:
         from workers.rank.main import RankRunner
         from workers.rank.distributed import init_distributed, process_groups, rank_device
 
+        timeline = self.timeline
+        timeline.idle()
         if torch.cuda.is_available():
             for thread in self._reapers:
                 thread.join()  # the last attempt's communicators gone before this one's
         # Ray exposes exactly one GPU to this actor (CUDA_VISIBLE_DEVICES), so any slot maps to it.
         device = rank_device(local_rank)
-        backend = init_distributed(self.rank, world_size, master_addr, master_port, timeout_s=collective_timeout_s)
+        with timeline.step("init_process_group"):
+            store, self._store = self._store, None
+            backend = init_distributed(self.rank, world_size, master_addr, master_port, timeout_s=collective_timeout_s,
+                                       store=store if self.rank == 0 else None)
         if self.runner is not None:
             raise RuntimeError(f"rank {self.rank}: setup() twice without reset()")
         from workers.rank.sigterm import arm
@@ -123,14 +135,14 @@ class RankActor:
 
             self.memory = MemoryStore()
         self.runner = RankRunner(job, self.rank, world_size, device=device, faults=faults,
-                                 on_stall=self._stalled, node=node, memory=self.memory)
+                                 on_stall=self._stalled, node=node, memory=self.memory, timeline=timeline)
         self._groups = process_groups()
         self._make_gauges(self.runner.trainer.coords)
         ctx = ray.get_runtime_context()
         return self.runner.placement(
             node_id=ctx.get_node_id(), node_ip=ray.util.get_node_ip_address(), actor_id=ctx.get_actor_id(),
             backend=backend, world_size=dist.get_world_size(), gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
-            local=local_rank)
+            local=local_rank, timeline=timeline.to_dict())
 
     def run(self, iterations: int) -> list[dict]:
         """Train ``iterations`` iterations; returns each one's metrics (the loss is global).
@@ -183,6 +195,9 @@ class RankActor:
             self.stalled_in = ""
             return os.getpid()  # reset already (a failed run() resets before it raises): nothing to free
         self.stalled_in = ""
+        from workers.rank.timeline import Timeline
+
+        self.timeline = Timeline()  # a recovery begins
         groups, self._groups = self._groups, []
         self._reapers = forget_attempt(self, groups)
         return os.getpid()

@@ -39,7 +39,8 @@ class RankRunner:
     """
 
     def __init__(self, job: JobConfig, rank: int, world_size: int, device=None, *, faults=(),
-                 on_stall: Callable[[str], None] | None = None, node=None, memory=None):
+                 on_stall: Callable[[str], None] | None = None, node=None, memory=None, timeline=None):
+        from workers.rank.timeline import Timeline
         from workers.train.trainer import Trainer
 
         self.rank, self.job = rank, job
@@ -47,12 +48,16 @@ class RankRunner:
         self.faults = {f.iteration: f for f in mine if f.kind != "save"}
         self.save_faults = {f.iteration: f for f in mine if f.kind == "save"}
         self.on_stall = on_stall
-        self.trainer = Trainer(job, rank, world_size, device=device)
+        timeline = timeline or Timeline()
+        with timeline.step("trainer"):
+            self.trainer = Trainer(job, rank, world_size, device=device)
+        timeline.add("  of which megatron groups", *self.trainer.groups_s)
         ckpt = job.checkpoint
         self.resumed = {"iteration": 0, "path": None, "load_s": 0.0, "note": None}
         self.replicator = None
         if job.memory_interval and world_size > 1:
-            self.resumed.update(self._recover_from_memory(node, memory))
+            with timeline.step("restore"):
+                self.resumed.update(self._recover_from_memory(node, memory))
         if ckpt.resume_from and not (self.resumed["path"] or "").startswith("memory"):
             from workers.checkpoint.reader import load_checkpoint
             from workers.hf.interop import open_source
@@ -254,18 +259,23 @@ def forget_attempt(owner, held: list = ()) -> list:
 
     import torch
 
+    from workers.rank.timeline import Timeline
+
+    timeline = getattr(owner, "timeline", None) or Timeline()
     runner, owner.runner = owner.runner, None
-    if runner is not None:
-        try:
-            runner.close()
-        except Exception:  # noqa: BLE001 - a failed write leaves an incomplete checkpoint, never loaded
-            pass
-    # Held here (torch.distributed is left already), so freeing the trainer closes no connection yet.
-    groups = leave_process_groups(held)
-    del runner
-    gc.collect()  # what the trainer kept in reference cycles (the imports' objects are frozen)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    with timeline.step("leave groups"):
+        if runner is not None:
+            try:
+                runner.close()
+            except Exception:  # noqa: BLE001 - a failed write leaves an incomplete checkpoint, never loaded
+                pass
+        # Held here (torch.distributed is left already), so freeing the trainer closes no connection yet.
+        groups = leave_process_groups(held)
+    with timeline.step("free trainer"):
+        del runner
+        gc.collect()  # what the trainer kept in reference cycles (the imports' objects are frozen)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return release_in_background(groups)
 
 

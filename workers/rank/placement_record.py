@@ -59,6 +59,9 @@ class PlacementRecord:
     """Whether the rank's process was kept from the previous attempt (Ray launcher only)."""
     spare: bool | None = None
     """Whether the rank's process was a hot spare before this attempt (resources.spare_nodes; Ray launcher only)."""
+    timeline: dict | None = None
+    """What the rank did since its process started or its last attempt failed, step by step, wall and CPU
+    seconds (:mod:`workers.rank.timeline`; Ray launcher only)."""
 
     def coords(self) -> dict[str, int]:
         """The coordinates in :data:`workers.grid.COORDS`."""

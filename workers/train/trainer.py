@@ -86,9 +86,11 @@ class Trainer:
         self.device = device or torch.device("cpu")
         pin_mmap_threshold()
         self.grid = ParallelGrid.from_config(job.parallel, world_size)
+        t0 = (time.perf_counter(), time.process_time())
         self.groups: ProcessGroups = build_process_groups(
             self.grid, rank, hierarchical_cp=job.parallel.hierarchical_context_parallel_sizes
             if job.parallel.cp_comm_type == "a2a+p2p" else None)
+        self.groups_s = (time.perf_counter() - t0[0], time.process_time() - t0[1])  # wall, CPU: a restart's timeline
         self.coords = self.grid.coords(rank)
         g, c, p = self.grid, self.coords, job.parallel
         t = job.training
