@@ -126,7 +126,7 @@ def run_trainer(rank, world_size, job, iters=ITERS) -> dict:
             "grads": captured, "params": params, "shards": shards, "metrics": metrics, "expert_bias": biases}
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=64)
 def _reference(key: str) -> dict:
     model, training = json.loads(key)
     return run_trainer(0, 1, job_of(tiny_spec(model=model, training=training)))

@@ -8,6 +8,7 @@ ep2 MoE."""
 import pytest
 
 from tests.helpers.chat import CONVERSATIONS, chat_tokenizer, write_jsonl
+from tests.helpers.layouts import light
 from tests.helpers.parity import check_layout, tiny_spec
 
 pytestmark = pytest.mark.slow
@@ -42,5 +43,6 @@ def chat(tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_chat_layout_matches_single_process(name, chat):
     world, parallel, model = (LAYOUTS[name] + ({},))[:3]
-    model = {**model, "vocab_size": 320, "seq_length": 32}
-    check_layout(tiny_spec(world=world, parallel=parallel, model=model, training=chat), model, chat)
+    # 2 microbatches of 2 conversations an iteration (4 on the data-parallel ranks together).
+    model, training = light(parallel, {**model, "vocab_size": 320, "seq_length": 32}, {"global_batch_size": 4, **chat})
+    check_layout(tiny_spec(world=world, parallel=parallel, model=model, training=training), model, training)

@@ -6,6 +6,7 @@ optimizer, cp2 (the ring) and cp2 (all-gather) x tp2 + SP without query compress
 
 import pytest
 
+from tests.helpers.layouts import light
 from tests.helpers.parity import assert_same_curve, check_layout, tiny_spec
 from tests.helpers.hf import MLA  # noqa: F401
 
@@ -34,7 +35,9 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_mla_layout_matches_single_process(name):
     world, parallel, model = (LAYOUTS[name] + (MLA,))[:3]
-    check_layout(tiny_spec(world=world, parallel=parallel, model=model), model, grad_rtol=1e-6, norm_rtol=1e-6)
+    model, training = light(parallel, model)
+    check_layout(tiny_spec(world=world, parallel=parallel, model=model, training=training), model, training,
+                 grad_rtol=1e-6, norm_rtol=1e-6)
 
 
 def test_mla_checkpoint_saved_at_tp2_sp_goes_on_at_pp2(tmp_path):

@@ -4,7 +4,7 @@ losses to 1e-6, iteration-0 gradients to 1e-5, replicas bit-equal)."""
 import pytest
 
 from tests.helpers.parity import check_layout, job_of, reference, run_trainer, tiny_spec
-from tests.helpers.layouts import DENSE_LAYOUTS  # noqa: F401
+from tests.helpers.layouts import DENSE_LAYOUTS, light
 
 pytestmark = pytest.mark.slow
 
@@ -12,6 +12,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("name", list(DENSE_LAYOUTS))
 def test_dense_layout_matches_single_process(name):
     world, parallel, model, training = (DENSE_LAYOUTS[name] + ({}, {}))[:4]
+    model, training = light(parallel, model, training)
     check_layout(tiny_spec(world=world, parallel=parallel, model=model, training=training), model, training)
 
 

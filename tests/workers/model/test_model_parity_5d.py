@@ -7,7 +7,7 @@ its gradient, must not depend on how the tokens of a microbatch are sharded over
 import pytest
 
 from tests.helpers.parity import V3_MODEL, V3_TRAIN, check_layout, tiny_spec
-from tests.helpers.layouts import LAYOUTS  # noqa: F401
+from tests.helpers.layouts import LAYOUTS, light
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +41,17 @@ def test_deepseek_v3_routing_layout_matches_single_process(name):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name):
     moe, world, parallel, training, extra = (LAYOUTS[name] + (None, None))[:5]
-    model = {**MOE, **(extra or {})} if moe else None
+    extra, training = light(parallel, extra, training)
     spec = tiny_spec(moe=moe, world=world, parallel=parallel, training=training, model=extra)
-    check_layout(spec, model, training)
+    check_layout(spec, {**(MOE if moe else {}), **extra}, training)
 
 
 def test_full_5d_moe_layout_16_ranks():
     """tp2 x cp2 x pp2 x dp2 with MoE over ep2: every dimension at once."""
-    spec = tiny_spec(moe=True, world=16, parallel={
-        "tensor_model_parallel_size": 2, "context_parallel_size": 2, "pipeline_model_parallel_size": 2,
-        "expert_model_parallel_size": 2, "sequence_parallel": True, "use_distributed_optimizer": True,
-        "overlap_param_gather": True})
+    parallel = {"tensor_model_parallel_size": 2, "context_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                "expert_model_parallel_size": 2, "sequence_parallel": True, "use_distributed_optimizer": True,
+                "overlap_param_gather": True}
+    model, training = light(parallel)
+    spec = tiny_spec(moe=True, world=16, parallel=parallel, model=model, training=training)
     spec["resources"] = {"num_nodes": 2, "gpus_per_node": 8}
-    check_layout(spec, MOE)
+    check_layout(spec, {**MOE, **model}, training)

@@ -11,6 +11,7 @@ documents are lines (EOD 10: tens to hundreds of tokens), over cp 4 as 2 x 2 all
 import pytest
 
 from tests.helpers.hf import MLA
+from tests.helpers.layouts import light
 from tests.helpers.parity import check_layout, tiny_spec
 
 pytestmark = pytest.mark.slow
@@ -32,7 +33,7 @@ LAYOUTS = {
     # Zero-bubble schedules: the weight gradients deferred, and (zbv) the loss on stage 0.
     "pp2-zb-h1": (2, {"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1"}),
     "pp2-zbv": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
-                    "pipeline_schedule": "zbv"}),
+                    "pipeline_schedule": "zbv"}, None, {**PACKED, "global_batch_size": 8}),  # zbv: 2 x pp microbatches
     # Recomputation reruns the layers (full) or the attention core (selective) with the documents.
     "pp2-full-recompute": (2, {"pipeline_model_parallel_size": 2},
                            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
@@ -57,5 +58,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_packed_layout_matches_single_process(name):
     world, parallel, model, training = LAYOUTS[name] + (None, PACKED)[len(LAYOUTS[name]) - 2:]
+    # 2 microbatches of 2 sequences an iteration (4 on the data-parallel ranks together).
+    model, training = light(parallel, model, {"global_batch_size": 4, **training})
     spec = tiny_spec(world=world, parallel=parallel, model=model, training=training)
     check_layout(spec, model, training)

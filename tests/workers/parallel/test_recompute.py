@@ -5,6 +5,7 @@ all-gathers, CP ring, MoE all-to-all), and it does save activations."""
 import numpy as np
 import pytest
 
+from tests.helpers.layouts import light
 from tests.helpers.parity import check_layout, job_of, metric, reference, run_trainer, tiny_spec
 
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
@@ -49,7 +50,9 @@ LAYOUTS = {
 def test_recompute_layout_matches_single_process_without_recompute(name):
     moe, world, parallel, setting = LAYOUTS[name]
     setting = SETTINGS[setting] if isinstance(setting, str) else setting
-    check_layout(tiny_spec(moe=moe, world=world, parallel=parallel, model=setting), MOE if moe else None)
+    model, training = light(parallel, setting)
+    check_layout(tiny_spec(moe=moe, world=world, parallel=parallel, model=model, training=training),
+                 {**(MOE if moe else {}), **model}, training)
 
 
 def test_recompute_saves_activations():

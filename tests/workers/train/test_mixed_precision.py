@@ -7,7 +7,7 @@ import torch
 
 from tests.helpers.parity import check_layout, job_of, metric, reference, run_trainer, tiny_spec
 from workers.train.mixed_precision import DynamicGradScaler
-from tests.helpers.layouts import BF16, BF16_TOL  # noqa: F401
+from tests.helpers.layouts import BF16, BF16_TOL, light
 
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01}
 # bf16 rounds to 8 bits of mantissa: layouts agree with the single bf16 process to ~1e-5 in
@@ -65,19 +65,21 @@ def test_bf16_trains_and_stays_within_a_few_percent_of_fp32():
 @pytest.mark.parametrize("name", list(BF16_LAYOUTS))
 def test_bf16_layout_agrees_with_single_bf16_process(name):
     moe, world, parallel = BF16_LAYOUTS[name]
-    per_rank = check_layout(tiny_spec(moe=moe, world=world, parallel=parallel, training=BF16),
-                            MOE if moe else None, BF16, **(BF16_MOE_TOL if moe else BF16_TOL))
+    model, training = light(parallel, None, BF16)
+    per_rank = check_layout(tiny_spec(moe=moe, world=world, parallel=parallel, model=model, training=training),
+                            {**(MOE if moe else {}), **model}, training, **(BF16_MOE_TOL if moe else BF16_TOL))
     losses = per_rank[0]["losses"]
     assert losses[-1] < losses[0]  # trains
 
 
 @pytest.mark.slow
 def test_bf16_full_5d_moe_layout_16_ranks():
-    spec = tiny_spec(moe=True, world=16, training=BF16, parallel={
-        "tensor_model_parallel_size": 2, "context_parallel_size": 2, "pipeline_model_parallel_size": 2,
-        "expert_model_parallel_size": 2, "sequence_parallel": True, "use_distributed_optimizer": True})
+    parallel = {"tensor_model_parallel_size": 2, "context_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                "expert_model_parallel_size": 2, "sequence_parallel": True, "use_distributed_optimizer": True}
+    model, training = light(parallel, None, BF16)
+    spec = tiny_spec(moe=True, world=16, model=model, training=training, parallel=parallel)
     spec["resources"] = {"num_nodes": 2, "gpus_per_node": 8}
-    per_rank = check_layout(spec, MOE, BF16, **BF16_MOE_TOL)
+    per_rank = check_layout(spec, {**MOE, **model}, training, **BF16_MOE_TOL)
     assert per_rank[0]["losses"][-1] < per_rank[0]["losses"][0]
 
 
@@ -191,7 +193,7 @@ def test_bf16_every_other_parity_layout_trains_and_agrees(name):
     """bf16 in every layout of the fp32 parity suites (beyond the ones above): it runs, the loss
     falls, and the layout agrees with the single bf16 process within what bf16 allows."""
     moe, world, parallel, model, training = PARITY_LAYOUTS[name]
-    training = {**training, **BF16}
+    model, training = light(parallel, model, {**training, **BF16})
     model_all = {**(MOE if moe else {}), **model}
     per_rank = check_layout(tiny_spec(moe=moe, world=world, parallel=parallel, model=model, training=training),
                             model_all or None, training, **(BF16_MOE_TOL if moe else BF16_TOL))
