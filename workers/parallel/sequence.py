@@ -12,7 +12,10 @@ Weights used on sequence shards (RMSNorm weights, MoE routers) are replicated ov
 group but each rank sees only its shard of the tokens, so their gradients are partial: mark
 them with :func:`mark_sequence_parallel` and sum them with
 :func:`allreduce_sequence_parallel_grads` after backward (Megatron does this in
-``finalize_model_grads``).
+``finalize_model_grads``). The trainer does not call it: it folds this sum into its gradient
+reduction, reducing the marked weights over the tp x dp x cp group in the same pass as the
+others over dp x cp (:func:`workers.train.reduce.param_groups`), one collective instead of two;
+this function is the layers' own form of it, for code that uses the layers alone.
 
 Every function accepts ``group=None`` (or a group of size 1) and is then the identity, so the
 same model code runs as the single-process reference.
