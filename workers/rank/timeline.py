@@ -4,8 +4,8 @@ A Ray rank actor (:mod:`workers.rank.actor`) records, per attempt, what it did s
 failed: leaving the attempt (``leave groups``: the checkpoint writer finished and torch.distributed
 left; ``free trainer``: the trainer dropped and the garbage collected), how long it then waited for
 the driver (``idle``, with the CPU it spent meanwhile: a hot spare's imports or Ray's threads), and
-the next ``setup``'s steps (``init_process_group``, ``megatron groups``, ``trainer``, ``restore``;
-a survivor that keeps its trainer shows ``rebind`` instead of ``megatron groups`` and ``trainer``).
+the next ``setup``'s steps (``init_process_group``, ``trainer`` with the Megatron groups it builds
+shown apart, ``restore``).
 The record travels in the rank's placement record (``timeline``), so the recovery benchmark
 (``bench/recovery_kills.py``) prints where a restart's time goes per rank. CPU seconds are the
 process's (every thread), wall seconds the step's.
