@@ -3,7 +3,7 @@
 torch's CPU allocator is plain ``malloc``/``free``. The trainer (:class:`workers.train.trainer.Trainer`)
 trims the heap once built (:func:`release_free_heap`) and, when ``RAYTRON_MMAP_THRESHOLD`` is
 set, pins glibc's mmap threshold to it before it builds anything (:func:`pin_mmap_threshold`);
-both do nothing without glibc.
+both do nothing without glibc. :func:`peak_memory_mb` is what an iteration reports as its peak.
 
 The pin is opt-in because it trades time for memory on CPU: with every block of 128 KiB or more
 mmapped, each step maps, zero-fills and unmaps its activations. Measured in one process (L4 h256
@@ -58,3 +58,15 @@ def release_free_heap() -> None:
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def peak_memory_mb(device) -> float:
+    """This process's peak memory so far in MiB: the CUDA allocator's peak on a GPU, else the
+    process's peak resident set (``ru_maxrss``)."""
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

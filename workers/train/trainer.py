@@ -42,15 +42,15 @@ Megatron's names (:mod:`workers.train.tensorboard`).
 
 from __future__ import annotations
 
-import resource
 import time
 
 import torch
+import torch.distributed as dist
 
 from workers.train import evaluation
 from workers.config import JobConfig
 from workers.grid import ParallelGrid
-from workers.train.heap import pin_mmap_threshold, release_free_heap
+from workers.train.heap import peak_memory_mb, pin_mmap_threshold, release_free_heap
 from workers.parallel.groups import ProcessGroups, build_process_groups
 from workers.train.lr_schedule import LRSchedule
 from workers.train.mixed_precision import DynamicGradScaler, compute_dtype
@@ -126,7 +126,7 @@ class Trainer:
             betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay,
             param_dtype=self.dtype, main_grads_dtype=torch.float64 if t.main_grads_dtype == "fp64" else torch.float32,
             clip_grad=t.clip_grad, grad_scaler=self.grad_scaler, tp_rank=c["tp"],
-            norm_group=_world_group() if g.world_size > 1 else None, overlap_param_gather=p.overlap_param_gather,
+            norm_group=dist.group.WORLD if g.world_size > 1 else None, overlap_param_gather=p.overlap_param_gather,
         )
         self._gather_hooks = self.optimizer.hook_param_gather(self.chunks)
         for chunk in self.chunks:
@@ -303,15 +303,3 @@ class Trainer:
 
     def load_state_from_checkpoint(self, state: dict) -> None:
         load_trainer_state(self, state)
-
-
-def _world_group():
-    import torch.distributed as dist
-
-    return dist.group.WORLD
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
