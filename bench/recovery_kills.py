@@ -135,8 +135,8 @@ def child_kills(spec: dict, mode: str, ckpt_dir: str, kills: int = 5, gap: int =
 
     with ray_session() as session:
         launcher = RayLauncher(session)
-        # One iteration per call in every mode (memory_interval 1 asks for that anyway): the disk
-        # path's first iteration is then known when it ends, not at the end of a second-long call.
+        # One iteration per call in every mode: each path's first iteration after a recovery is then
+        # known when it ends, not at the end of a second-long call.
         launcher.config = replace(launcher.config, call_target_s=0.0)
         make = launcher.make_group
         launcher.make_group = lambda *a, **k: groups.append(make(*a, **k)) or groups[-1]

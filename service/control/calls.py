@@ -9,7 +9,11 @@ time per iteration the previous call measured, and never past the next checkpoin
 iterations of a call are recorded when it returns, and a restart resumes from the latest
 checkpoint whose iterations were recorded, so a call that ended at a save keeps the promise that a
 failure loses at most the iterations since the last checkpoint. Growing back after a resize is
-decided at a save too, so calls end where it can happen.
+decided at a save too, so calls end where it can happen. In-memory snapshots
+(``fault_tolerance.memory_interval``) do not end calls: each rank keeps the metrics of the
+iterations it finished in the call under way beside its snapshots, and a restore from memory hands
+those of a failed call back to the driver (:mod:`workers.rank.replicas`), so a call of many
+iterations loses none of them.
 
 A failure drill's iteration (``--fault RANK@ITER``) is a call of its own: the controller takes a
 failed call's first iteration as the one that failed, to spend the drills it reached (each fires

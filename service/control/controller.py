@@ -19,7 +19,10 @@ and coordinates; the :class:`~service.control.policy.FailurePolicy` (by default
 Each attempt starts from the latest complete checkpoint under ``checkpoint.dir`` (else
 ``checkpoint.load``, else the seed): the controller names it in the attempt's STARTING event
 (``data["from_checkpoint"]``), its ranks load it, and the controller keeps the metrics of the
-iterations up to it, so ``losses`` stays the whole curve. Before an attempt a
+iterations up to it, so ``losses`` stays the whole curve. An attempt restored from memory
+(``fault_tolerance.memory_interval``) may go on from an iteration the failed call finished but
+never returned: rank 0's placement record carries those iterations' metrics (``caught_up``),
+recorded before the attempt runs. Before an attempt a
 :class:`~service.control.sizing.Sizer` sizes it from the nodes the cluster offers
 (``nodes_available``) with the :class:`~service.control.policy.ScalingPolicy`: a lost node that does not come back within ``node_grace_s`` shrinks dp
 (a "resize" event), and a shrunk job grows back at its next checkpoint once nodes return.
@@ -93,9 +96,9 @@ class JobController:
         self._make_group, self._on_event, self._release = make_group, on_event, release
         self.policy = failure_policy or RestartUpTo(job.max_restarts)
         self.preemption = PreemptionWatch(drain_notices)
-        # Calls end where a restart can resume: at a disk save, or at an in-memory snapshot.
-        ends = [i for i in (job.checkpoint.save_interval, job.memory_interval) if i]
-        self.calls = CallSizer(max(1, iterations_per_call), call_target_s, min(ends) if ends else None)
+        # Calls end where a restart from disk can resume (an in-memory restore also takes back the
+        # iterations a failed call finished: workers.rank.replicas).
+        self.calls = CallSizer(max(1, iterations_per_call), call_target_s, job.checkpoint.save_interval or None)
         check_ranks(faults, grid.world_size)
         self.faults = list(faults)
         self.events: list[JobEvent] = []
@@ -182,6 +185,12 @@ class JobController:
             raise JobCancelled(self._cancel_reason)
         self.placement = self._group.start([f for f in self.faults if f.rank < grid.world_size])
         start = int(self.placement[0].get("resumed_iteration") or 0) if self.placement else 0
+        caught_up = [p.pop("caught_up", None) for p in self.placement][:1]
+        self.iteration = len(self.metrics)
+        for metrics in (caught_up[0] or [])[: max(0, start - self.iteration)] if caught_up else ():
+            self._record(metrics)  # finished in the failed call, restored from memory: not run again
+        if start > self.iteration:
+            raise RuntimeError(f"the ranks restored iteration {start} but only {self.iteration} are recorded")
         del self.metrics[start:]  # iterations after the checkpoint are run again
         self.iteration = start
         # the Ray launcher's hot spares beside the ranks
@@ -198,11 +207,7 @@ class JobController:
             per_rank = self._group.run(n)
             self.calls.measured(n, time.monotonic() - t0)
             for metrics in per_rank[0]:  # global metrics: every rank returns the same numbers
-                self.iteration += 1
-                events = iteration_events(self.state, self.iteration, metrics)  # raises on a non-finite loss
-                self.metrics.append(metrics)
-                for event in events:
-                    self._emit(event)
+                self._record(metrics)
             sigterms = getattr(self._group, "notices", None)  # ranks that got a SIGTERM (local processes)
             notice = (self.preemption.check(self.placement, sigterms() if sigterms else None)
                       if self.iteration < total else None)
@@ -215,6 +220,14 @@ class JobController:
                 return
         self._shutdown_group()
         self._transition(JobState.SUCCEEDED, f"{len(self.metrics)} iterations")
+
+    def _record(self, metrics: dict) -> None:
+        """Record the next iteration from its (rank 0's) metrics; raises on a non-finite loss."""
+        self.iteration += 1
+        events = iteration_events(self.state, self.iteration, metrics)
+        self.metrics.append(metrics)
+        for event in events:
+            self._emit(event)
 
     def _preempt(self, notice) -> None:
         """Nodes holding ranks are being drained: save this iteration, leave them, record PREEMPTED."""

@@ -53,7 +53,7 @@ class RankRunner:
             self.trainer = Trainer(job, rank, world_size, device=device)
         timeline.add("  of which megatron groups", *self.trainer.groups_s)
         ckpt = job.checkpoint
-        self.resumed = {"iteration": 0, "path": None, "load_s": 0.0, "note": None}
+        self.resumed = {"iteration": 0, "path": None, "load_s": 0.0, "note": None, "caught_up": None}
         self.replicator = None
         if job.memory_interval and world_size > 1:
             with timeline.step("restore"):
@@ -117,7 +117,8 @@ class RankRunner:
         if disk is not None and disk > got["iteration"]:
             return {"note": f"the disk checkpoint of iteration {disk} is newer than memory's {got['iteration']}"}
         return {"iteration": got["iteration"], "path": f"memory ({got['source']})", "load_s": time.perf_counter() - t0,
-                "note": f"ranks {got['from_replicas']} from their replicas" if got["from_replicas"] else None}
+                "note": f"ranks {got['from_replicas']} from their replicas" if got["from_replicas"] else None,
+                "caught_up": got["caught_up"] if self.rank == 0 else None}
 
     def placement(self, **where) -> PlacementRecord:
         """This rank's placement record: this process (host, pid, device), its grid coordinates
@@ -128,11 +129,14 @@ class RankRunner:
             rank=self.rank, hostname=socket.gethostname(), pid=os.getpid(), device=str(self.trainer.device),
             **{k: c[k] for k in (*COORDS, "etp", "expert_dp")},
             resumed_iteration=self.resumed["iteration"], resumed_from=self.resumed["path"],
-            load_s=round(self.resumed["load_s"], 4), restore_note=self.resumed["note"], **where)
+            load_s=round(self.resumed["load_s"], 4), restore_note=self.resumed["note"],
+            caught_up=self.resumed["caught_up"], **where)
 
     def run(self, iterations: int, on_metrics: Callable[[dict], None] | None = None) -> list[dict]:
         """``iterations`` iterations; returns their metrics. On any error the groups are torn down."""
         out = []
+        if self.replicator is not None:
+            self.replicator.store.finished.clear()  # the driver recorded every iteration before this call
         try:
             for _ in range(iterations):
                 fault = self.faults.pop(self.trainer.iteration + 1, None)
@@ -140,8 +144,10 @@ class RankRunner:
                     trigger(fault, self.on_stall)
                 metrics = self.trainer.train_step()
                 self._maybe_save(metrics)
-                if self.replicator is not None and self.trainer.iteration % self.job.memory_interval == 0:
-                    metrics.update(self.replicator.snapshot())
+                if self.replicator is not None:
+                    if self.trainer.iteration % self.job.memory_interval == 0:
+                        metrics.update(self.replicator.snapshot())
+                    self.replicator.store.finished[self.trainer.iteration] = dict(metrics)  # if this call fails
                 if on_metrics is not None:
                     on_metrics(metrics)
                 out.append(metrics)

@@ -53,6 +53,9 @@ class PlacementRecord:
     """Seconds the load took."""
     restore_note: str | None = None
     """How the restore went beyond its source: the ranks that took replicas, or why memory was not used."""
+    caught_up: list | None = None
+    """Rank 0's, after a restore from memory: the metrics of the iterations finished after the driver's last
+    record (in the call that failed) up to the one restored; the job controller records them and drops this field."""
     node: int | None = None
     """The rank's node index in the attempt's placement plan (set by the launcher)."""
     reused: bool | None = None

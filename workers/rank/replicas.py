@@ -9,10 +9,15 @@ in r's slot on the j-th node after r's, so no node holds two copies of a rank's 
 
 A :class:`MemoryStore` outlives an attempt (a Ray rank actor keeps it across ``reset``): a rank's
 own two newest snapshots and the two newest replicas it holds of each of its sources (the newest
-may still be in flight when a failure strikes). At the next attempt every rank tells what it holds
+may still be in flight when a failure strikes), and the metrics of the iterations it finished in
+the call under way (the driver records a call's iterations when it returns, so those of a failed
+call reach it only this way). At the next attempt every rank tells what it holds
 (:meth:`Replicator.recover`), they agree on the newest iteration of which every rank's state is
-held somewhere alive (:func:`plan_restore`), the holders send the replicas of the ranks that lost
-theirs (a replacement starts empty), and every rank restores that iteration. When some rank's
+held somewhere alive (:func:`plan_restore`) and whose metrics some live rank holds, the holders
+send the replicas of the ranks that lost theirs (a replacement starts empty), and every rank
+restores that iteration; the metrics of the iterations between the driver's last record and it
+go back with the placement records, so the driver records them instead of a rank computing them
+again. When some rank's
 state is held nowhere, nothing is restored from memory and the rank falls back to the disk
 checkpoint, with the reason.
 """
@@ -89,11 +94,12 @@ class MemoryStore:
         self.own: dict[int, torch.Tensor] = {}
         self.held: dict[int, dict[int, torch.Tensor]] = {}
         self.pending: list = []  # (work, source or None, iteration, buffer) of the exchange in flight
+        self.finished: dict[int, dict] = {}  # iteration -> metrics, of the call under way (or the one that failed)
 
     def adopt(self, key: dict) -> None:
         """Forget everything unless it was kept for this layout (``key``)."""
         if key != self.key:
-            self.key, self.own, self.held, self.pending = key, {}, {}, []
+            self.key, self.own, self.held, self.pending, self.finished = key, {}, {}, [], {}
 
     def inventory(self) -> dict:
         return {"own": sorted(self.own), "held": {s: sorted(its) for s, its in self.held.items()}}
@@ -158,7 +164,7 @@ class Replicator:
         store.settle(wait=False)  # after a failure: the replicas that arrived whole
         # One exchange tells every rank the others' nodes, state sizes and what they hold (recover()).
         told: list = [None] * world
-        dist.all_gather_object(told, (node, snapshot_nbytes(trainer), store.inventory()))
+        dist.all_gather_object(told, (node, snapshot_nbytes(trainer), store.inventory(), store.finished))
         nodes = [t[0] for t in told]
         try:
             self.holders = replica_holders(nodes, replicas)
@@ -169,6 +175,10 @@ class Replicator:
         self.sources = [s for s in range(world) if self.rank in self.holders[s]]
         self.sizes = [t[1] for t in told]
         self.inventories = [t[2] for t in told]
+        self.finished: dict[int, dict] = {}  # the metrics of the failed call's iterations, the lowest live rank's
+        for t in told:
+            for it, metrics in t[3].items():
+                self.finished.setdefault(int(it), metrics)
         self.bytes_sent = self.sizes[self.rank] * len(self.holders[self.rank])
 
     def snapshot(self) -> dict:
@@ -191,14 +201,20 @@ class Replicator:
                 "memory_host_bytes": store.nbytes}
 
     def recover(self, upto: int | None) -> dict:
-        """Agree on the newest iteration complete in memory (<= ``upto``) and restore it (collective).
+        """Agree on the newest iteration complete in memory and restore it (collective): at most
+        ``upto`` (the iterations the driver recorded) and the iterations after it whose metrics a
+        live rank holds (a failed call's, which the driver never got).
 
-        Returns ``{"iteration", "source"}`` (``source``: "own" or "replica from rank H"), or
-        ``{"iteration": None, "why"}`` when the state is not complete in memory."""
+        Returns ``{"iteration", "source", "from_replicas", "caught_up"}`` (``source``: "own" or
+        "replica from rank H"; ``caught_up``: the metrics of iterations ``upto + 1 ..`` the restored
+        one), or ``{"iteration": None, "why"}`` when the state is not complete in memory."""
         import torch.distributed as dist
 
         store, world = self.store, len(self.sizes)
-        iteration, source, why = plan_restore(self.inventories, upto)  # gathered at the start of the attempt
+        reach = upto
+        while reach is not None and reach + 1 in self.finished:
+            reach += 1
+        iteration, source, why = plan_restore(self.inventories, reach)  # gathered at the start of the attempt
         if iteration is None:
             return {"iteration": None, "why": why}
         if iteration == 0:
@@ -216,13 +232,14 @@ class Replicator:
         buf = store.own[iteration]
         if read_meta(buf)["iteration"] != iteration:
             raise ValueError(f"rank {self.rank}: the snapshot kept as iteration {iteration} is not that iteration's")
-        for slots in (store.own, *store.held.values()):
+        for slots in (store.own, *store.held.values(), store.finished):
             for newer in [it for it in slots if it > iteration]:
                 del slots[newer]  # past what the job goes on from
         restore(self.trainer, buf)
         mine = source[self.rank]
         return {"iteration": iteration, "source": "own" if mine is None else f"replica from rank {mine}",
-                "from_replicas": sorted(r for r, h in source.items() if h is not None)}
+                "from_replicas": sorted(r for r, h in source.items() if h is not None),
+                "caught_up": [self.finished[it] for it in range(iteration + 1 if upto is None else upto + 1, iteration + 1)]}
 
 
 __all__ = ["KEEP", "MemoryStore", "Replicator", "plan_restore", "replica_holders"]

@@ -125,8 +125,8 @@ def test_a_rank_killed_restores_from_memory_with_the_survivors_kept(undisturbed)
     failure = next(e for e in events if e.kind == "failure").data
     assert failure["code"] == RankDied.code and failure["rank"] == 1 and "SIGKILL" in failure["cause"]
     done = [e.data["iteration"] for e in events if e.kind == "iteration"]
-    cut = next(i for i, e in enumerate(events) if e.kind == "failure")
-    last = max(e.data["iteration"] for e in events[:cut] if e.kind == "iteration")  # recorded before the failure
+    cut = next(i for i, e in enumerate(events) if e.kind == "restore")
+    last = max(e.data["iteration"] for e in events[:cut] if e.kind == "iteration")  # recorded before the restore
     assert done == list(range(1, 5))  # none recorded twice: none computed again
     (restore,) = [e for e in events if e.kind == "restore"]
     assert restore.data["source"] == "memory" and restore.data["iteration"] == last and restore.data["from_replicas"] == [1]

@@ -1,7 +1,7 @@
 """Recovery from in-memory checkpoints on the path `make run` takes (`raytron serve --simulate`, jobs as Ray
 Jobs): a rank killed with SIGKILL comes back from memory (the survivors from their own copies, its
-replacement from the replica its peer on another node holds) without recomputing a recorded
-iteration; with a hot spare node (``resources.spare_nodes: 1``) the lost rank's node and then a lost node
+replacement from the replica its peer on another node holds) without recomputing a finished
+iteration (those the failed call finished are handed back from memory, recorded before the restore); with a hot spare node (``resources.spare_nodes: 1``) the lost rank's node and then a lost node
 move onto the spare node of the moment, no actor created; a node lost together with the node holding its replicas
 falls back to the disk checkpoint and says why; a node lost alone comes back from memory, its ranks
 on another node. Each ends SUCCEEDED on the undisturbed curve (1e-6). One served cluster of 6
@@ -62,6 +62,18 @@ def succeeded_on_the_curve(api, job_id: str, s: dict) -> list[dict]:
     return events(api, job_id)
 
 
+def recorded_before_restores(log: list[dict]) -> list[int]:
+    """Per restore event, the newest iteration recorded before it: those of the failed call that the
+    ranks finished included (recorded after the failure, from memory)."""
+    out, newest = [], 0
+    for e in log:
+        if e["kind"] == "iteration":
+            newest = e["data"]["iteration"]
+        elif e["kind"] == "restore":
+            out.append(newest)
+    return out
+
+
 def test_a_rank_killed_comes_back_from_memory_without_recomputing_an_iteration(api):
     s = memory_spec("memkill")
     job_id = submit(api, s)
@@ -69,13 +81,11 @@ def test_a_rank_killed_comes_back_from_memory_without_recomputing_an_iteration(a
     ranks = placement(api, job_id)
     os.kill(next(r for r in ranks if r["rank"] == 1)["pid"], signal.SIGKILL)
     log = succeeded_on_the_curve(api, job_id, s)
-    failure = next(i for i, e in enumerate(log) if e["kind"] == "failure")
-    recorded = [e["data"]["iteration"] for e in log[:failure] if e["kind"] == "iteration"]
     restores = [e for e in log if e["kind"] == "restore"]
     assert len(restores) == 1, story(api, job_id, [], [])
     restore = restores[0]["data"]
-    # the newest recorded iteration, none recomputed: every iteration recorded exactly once
-    assert restore["source"] == "memory" and restore["iteration"] == recorded[-1] >= 6, restores
+    # the newest finished iteration, none recomputed: every iteration recorded exactly once
+    assert restore["source"] == "memory" and restore["iteration"] == recorded_before_restores(log)[0] >= 6, restores
     assert [e["data"]["iteration"] for e in log if e["kind"] == "iteration"] == list(range(1, ITERS + 1))
     assert restore["from_replicas"] == [1]  # the replacement took its peer's replica; the others their own
     holder = replica_holders([r["node"] for r in sorted(ranks, key=lambda r: r["rank"])], 1)[1][0]
@@ -109,9 +119,8 @@ def test_a_hot_spare_takes_a_killed_rank_s_node_then_a_lost_node_s_ranks(api):
     kills = [i for i, e in enumerate(log) if e["kind"] == "failure"]
     restores = [e["data"] for e in log if e["kind"] == "restore"]
     assert len(kills) == 2 and len(restores) == 2, story(api, job_id, [], [])
-    for at, restore, ranks_moved in zip(kills, restores, ([0, 1], [2, 3])):
-        recorded = [e["data"]["iteration"] for e in log[:at] if e["kind"] == "iteration"]
-        assert restore["source"] == "memory" and restore["iteration"] == recorded[-1], restores
+    for newest, restore, ranks_moved in zip(recorded_before_restores(log), restores, ([0, 1], [2, 3])):
+        assert restore["source"] == "memory" and restore["iteration"] == newest, restores
         assert restore["spare_ranks"] == ranks_moved == restore["from_replicas"], restores
     assert [e["data"]["iteration"] for e in log if e["kind"] == "iteration"] == list(range(1, ITERS + 1))
     before = {r["rank"]: r["node_id"] for r in ranks}
@@ -129,11 +138,9 @@ def test_a_lost_node_s_ranks_come_back_from_memory_on_another_node(api):
     lost = next(r for r in ranks if r["rank"] == 0)["node_id"]
     kill_node(lost, ranks)
     log = succeeded_on_the_curve(api, job_id, s)
-    failure = next(i for i, e in enumerate(log) if e["kind"] == "failure")
-    recorded = [e["data"]["iteration"] for e in log[:failure] if e["kind"] == "iteration"]
     restores = [e["data"] for e in log if e["kind"] == "restore"]
     assert len(restores) == 1 and restores[0]["source"] == "memory", restores
-    assert restores[0]["iteration"] == recorded[-1] >= 6, (restores, recorded)
+    assert restores[0]["iteration"] == recorded_before_restores(log)[0] >= 6, restores
     assert [e["data"]["iteration"] for e in log if e["kind"] == "iteration"] == list(range(1, ITERS + 1))
     on_lost = sorted(r["rank"] for r in ranks if r["node_id"] == lost)
     assert restores[0]["from_replicas"] == on_lost  # from the replicas on the other node

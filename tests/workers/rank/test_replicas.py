@@ -57,8 +57,10 @@ def _digest(buf) -> str:
 
 
 def _replicate_and_replace(rank, world_size, job, reference, replaced):
-    """Train 3 iterations replicating every iteration; then a new attempt in which ``replaced`` has
-    lost its memory (a new process) restores iteration 3 and trains 2 more."""
+    """Train 3 iterations replicating every iteration, in two calls of which the driver recorded only
+    the first (the second failed, as far as it knows); then a new attempt in which ``replaced`` has
+    lost its memory (a new process) restores iteration 3, hands the unrecorded iteration's metrics
+    back (rank 0), and trains 2 more."""
     from workers.checkpoint.memory import pack
     from workers.rank.main import RankRunner
     from workers.rank.replicas import MemoryStore
@@ -68,19 +70,20 @@ def _replicate_and_replace(rank, world_size, job, reference, replaced):
     ref.close()
     store = MemoryStore()
     first = RankRunner(job, rank, world_size, node=rank // 2, memory=store)
-    sent = first.run(3)[-1]
+    first.run(2)
+    sent = first.run(1)[-1]  # the call the driver never got back
     store.settle(wait=True)
     first.close()
     own = _digest(store.own[3])
     held = {s: _digest(its[3]) for s, its in store.held.items()}
     if rank == replaced:
         store = MemoryStore()
-    again = RankRunner(replace(job, memory_upto=3), rank, world_size, node=rank // 2, memory=store)
+    again = RankRunner(replace(job, memory_upto=2), rank, world_size, node=rank // 2, memory=store)
     restored = _digest(pack(again.trainer))
     losses = [m["loss"] for m in again.run(2)]
     again.close()
     return {"expected": expected[3:], "losses": losses, "own": own, "held": held, "restored": restored,
-            "resumed": dict(again.resumed), "sent": sent["memory_bytes_sent"]}
+            "resumed": dict(again.resumed), "sent": sent["memory_bytes_sent"], "unrecorded": sent}
 
 
 @pytest.mark.procs
@@ -97,5 +100,8 @@ def test_a_replaced_rank_restores_bit_for_bit_from_its_peers_replica():
         assert o["restored"] == o["own"]  # the restored trainer packs to the very same bytes
         assert o["losses"] == o["expected"]  # and goes on on the undisturbed curve
         assert o["resumed"]["iteration"] == 3 and o["sent"] > 0
+    # iteration 3 is not computed again: rank 0 hands its metrics (rank 0's own) back to the driver
+    assert out[0]["resumed"]["caught_up"] == [out[0]["unrecorded"]] and out[0]["unrecorded"]["iteration"] == 3
+    assert all(o["resumed"]["caught_up"] is None for o in out[1:])
     assert out[1]["resumed"]["path"] == f"memory (replica from rank {holders[1][0]})"
     assert out[0]["resumed"]["path"] == "memory (own)"
