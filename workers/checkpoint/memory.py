@@ -9,10 +9,18 @@ layout (a restart in place, the case of :mod:`workers.rank.replicas`); another l
 checkpoint's job.
 
 The buffer (``torch.uint8``, on the host): ``[8 bytes: meta length][meta JSON, padded to
-META_BYTES][every piece's bytes, back to back]``. Its size is a function of the layout alone
-(:func:`snapshot_nbytes`), so a peer can receive a replica into a buffer it allocated beforehand.
-The meta carries the iteration, the rank, the layout and a fingerprint of the pieces, checked on
-restore.
+META_BYTES][the rank's own pieces][its shared pieces]``. Its size is a function of the layout
+alone (:func:`snapshot_sizes`), so a peer can receive a replica into a buffer it allocated
+beforehand. The meta carries the iteration, the rank, the layout and a fingerprint of the pieces,
+checked on restore.
+
+*Shared* pieces are those the rank's data-parallel replicas hold too, bit for bit: the params and,
+without the distributed optimizer, their full moments (and fp32 masters); every rank whose shared
+pieces have the same fingerprint (the same slices of the same tensors: the same tp, pp, ep, etp
+coordinates) holds the same bytes there, since each applies the same reduced gradients. *Own*
+pieces are the rest: the distributed optimizer's ZeRO shards and the module buffers. The meta and
+the own pieces come first, so that a rank with such a twin on another node replicates only that
+prefix (:mod:`workers.rank.replicas`): the shared bytes are already held off-node.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import zlib
 import torch
 
 from workers.checkpoint.checkpointer import local_pieces, rng_state, set_rng_state
-from workers.checkpoint.layout import param_views
+from workers.checkpoint.layout import buffer_views, param_views
 from workers.grid import COORDS
 
 META_BYTES = 64 * 1024  # the meta JSON's room: RNG states and the trainer state are ~25 KB
@@ -44,9 +52,25 @@ def layout_key(trainer) -> dict:
             **{k: getattr(trainer.grid, k) for k in COORDS}, "vpp": trainer.vpp}
 
 
-def snapshot_nbytes(trainer) -> int:
-    """The size of ``trainer``'s snapshot buffer (a function of its layout)."""
-    return 8 + META_BYTES + sum(d.numel() * d.element_size() for _, d in local_pieces(trainer))
+def _nbytes(pieces) -> int:
+    return sum(d.numel() * d.element_size() for _, d in pieces)
+
+
+def _ordered(trainer) -> tuple[list, int]:
+    """``local_pieces`` in snapshot order, the own pieces first, and how many of them there are."""
+    pieces = local_pieces(trainer)
+    buffers = {f"model/{v.name}" for v in buffer_views(trainer)}
+    own = [(p, d) for p, d in pieces if p.flat is not None or p.key in buffers]
+    return own + [(p, d) for p, d in pieces if p.flat is None and p.key not in buffers], len(own)
+
+
+def snapshot_sizes(trainer) -> dict:
+    """``trainer``'s snapshot buffer (a function of its layout): ``nbytes`` in all, ``prefix`` (the meta
+    and the own pieces: what a replica holds when the shared pieces have a twin elsewhere) and
+    ``shared``, the fingerprint of the shared pieces (equal on data-parallel twins)."""
+    pieces, n_own = _ordered(trainer)
+    prefix = 8 + META_BYTES + _nbytes(pieces[:n_own])
+    return {"nbytes": prefix + _nbytes(pieces[n_own:]), "prefix": prefix, "shared": _fingerprint(pieces[n_own:])}
 
 
 class _Plan:
@@ -55,7 +79,7 @@ class _Plan:
     it was (an optimizer that allocates its state anew gets a new plan)."""
 
     def __init__(self, trainer):
-        pieces = local_pieces(trainer)
+        pieces, _ = _ordered(trainer)
         self.sources = [_flat_bytes(d) for _, d in pieces]
         # A piece that is no view of its live tensor (a copy made contiguous) is read anew each time.
         self.where = [t.data_ptr() for t in self.sources] if all(d.is_contiguous() for _, d in pieces) else None
@@ -111,7 +135,7 @@ def restore(trainer, buf: torch.Tensor) -> int:
     meta = read_meta(buf)
     if meta["layout"] != layout_key(trainer):
         raise ValueError(f"a snapshot of {meta['layout']} cannot restore {layout_key(trainer)}")
-    pieces = local_pieces(trainer)
+    pieces, _ = _ordered(trainer)
     if meta["fingerprint"] != _fingerprint(pieces) or meta["nbytes"] != buf.numel():
         raise ValueError("the snapshot's pieces are not this trainer's (another model or optimizer)")
     for v in param_views(trainer):
@@ -126,4 +150,4 @@ def restore(trainer, buf: torch.Tensor) -> int:
     return int(meta["iteration"])
 
 
-__all__ = ["META_BYTES", "layout_key", "pack", "read_meta", "restore", "snapshot_nbytes"]
+__all__ = ["META_BYTES", "layout_key", "pack", "read_meta", "restore", "snapshot_sizes"]

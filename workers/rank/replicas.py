@@ -5,7 +5,11 @@ Every ``memory_interval`` iterations each rank packs its complete state into hos
 through a gloo group of its own with ``isend``/``irecv``: the transfer runs in gloo's threads while
 the next iterations compute, and is waited for at the next snapshot. The holders are a pure
 function of where the ranks run (:func:`replica_holders`): rank r's j-th replica goes to the rank
-in r's slot on the j-th node after r's, so no node holds two copies of a rank's state.
+in r's slot on the j-th node after r's, so no node holds two copies of a rank's state. Where a
+data-parallel twin of r (a rank holding the same params and, without the distributed optimizer,
+the same moments, bit for bit) runs on another node, the copy sent is only the snapshot's prefix
+(the meta and r's own pieces: ZeRO shards, buffers): the twin's own snapshot of the same iteration
+is the off-node copy of the rest, and a restore joins the two.
 
 A :class:`MemoryStore` outlives an attempt (a Ray rank actor keeps it across ``reset``): a rank's
 own two newest snapshots and the two newest replicas it holds of each of its sources (the newest
@@ -29,7 +33,7 @@ from datetime import timedelta
 
 import torch
 
-from workers.checkpoint.memory import layout_key, pack, read_meta, restore, snapshot_nbytes
+from workers.checkpoint.memory import layout_key, pack, read_meta, restore, snapshot_sizes
 
 SETTLE_S = 1.0  # after a failure: how long a replica still arriving from a live peer is waited for
 KEEP = 2  # snapshots kept per rank: the newest (maybe still in flight) and the one before
@@ -56,34 +60,50 @@ def replica_holders(nodes: list, replicas: int) -> list[list[int]]:
     return out
 
 
-def plan_restore(inventories: list[dict], upto: int | None) -> tuple[int | None, dict[int, int | None], str]:
+def plan_restore(inventories: list[dict], upto: int | None,
+                 twins: list[list[int]] | None = None) -> tuple[int | None, dict[int, tuple | None], str]:
     """The newest iteration (<= ``upto``) of which every rank's state is held by a live rank.
 
-    ``inventories[r]``: ``{"own": [iterations], "held": {source rank: [iterations]}}``. Returns
-    ``(iteration, source, why)``: ``source[r]`` None when rank r restores its own copy, else the
-    lowest rank that holds its replica; ``(None, {}, why)`` when no iteration is complete."""
+    ``inventories[r]``: ``{"own": [iterations], "held": {source rank: [iterations]}, "prefixes":
+    {source rank: [iterations]}}`` (``prefixes``: the held replicas that are only the snapshot's
+    prefix, :mod:`workers.checkpoint.memory`). ``twins[r]``: the ranks whose shared pieces equal rank
+    r's (its data-parallel twins): a prefix replica is complete with a twin's own copy of the same
+    iteration. Returns ``(iteration, source, why)``: ``source[r]`` None when rank r restores its own
+    copy, else ``(holder, twin)``: the lowest rank holding its replica and, for a prefix replica, the
+    lowest twin with its own copy (else None); ``(None, {}, why)`` when no iteration is complete."""
     world = len(inventories)
-    have: list[dict[int, int | None]] = [{} for _ in range(world)]  # rank -> iteration -> holder
-    for r, inv in enumerate(inventories):
-        for it in inv.get("own", []):
-            have[r][int(it)] = None
+    twins = twins or [[] for _ in range(world)]
+    own = [{int(it) for it in inv.get("own", [])} for inv in inventories]
+    held: list[dict[int, tuple[int, bool]]] = [{} for _ in range(world)]  # rank -> iteration -> (holder, prefix)
     for h, inv in enumerate(inventories):
+        prefixes = {int(src): {int(it) for it in its} for src, its in inv.get("prefixes", {}).items()}
         for src, its in inv.get("held", {}).items():
             for it in its:
-                slot = have[int(src)]
-                if int(it) not in slot or (slot[int(it)] is not None and h < slot[int(it)]):
-                    slot[int(it)] = h  # an own copy (None) wins; else the lowest holder
-    candidates = sorted({it for h in have for it in h if upto is None or it <= upto}, reverse=True)
+                held[int(src)].setdefault(int(it), (h, int(it) in prefixes.get(int(src), ())))  # the lowest holder
+
+    def source(r: int, it: int) -> tuple[bool, tuple | None]:
+        if it in own[r]:
+            return True, None
+        if it not in held[r]:
+            return False, None
+        h, prefix = held[r][it]
+        twin = next((t for t in sorted(twins[r]) if it in own[t]), None) if prefix else None
+        return not prefix or twin is not None, (h, twin)
+
+    candidates = sorted({it for r in range(world) for it in own[r] | set(held[r]) if upto is None or it <= upto},
+                        reverse=True)
     for it in candidates:
-        if all(it in h for h in have):
-            return it, {r: have[r][it] for r in range(world)}, ""
+        found = [source(r, it) for r in range(world)]
+        if all(ok for ok, _ in found):
+            return it, {r: src for r, (_, src) in enumerate(found)}, ""
     if not candidates:
         return None, {}, ("no live rank holds an in-memory state: every copy was on the ranks or nodes lost "
                           "(a lost node takes every rank on it)")
     newest = candidates[0]
-    lost = [r for r in range(world) if newest not in have[r]]
+    lost = [r for r in range(world) if not source(r, newest)[0]]
     return None, {}, (f"both copies of rank(s) {lost}'s in-memory state are lost (its own and its replica's "
-                      f"holder), and no older iteration is complete in memory")
+                      f"holder, or the data-parallel twins holding its params), and no older iteration is "
+                      f"complete in memory")
 
 
 class MemoryStore:
@@ -102,7 +122,10 @@ class MemoryStore:
             self.key, self.own, self.held, self.pending, self.finished = key, {}, {}, [], {}
 
     def inventory(self) -> dict:
-        return {"own": sorted(self.own), "held": {s: sorted(its) for s, its in self.held.items()}}
+        """What it holds, as :func:`plan_restore` reads it (a replica shorter than its meta's size is a prefix)."""
+        return {"own": sorted(self.own), "held": {s: sorted(its) for s, its in self.held.items()},
+                "prefixes": {s: sorted(it for it, b in its.items() if b.numel() < read_meta(b)["nbytes"])
+                             for s, its in self.held.items()}}
 
     def settle(self, wait: bool) -> None:
         """Take the replicas whose receive finished (``wait``: wait for every one; else, as after a
@@ -164,7 +187,7 @@ class Replicator:
         store.settle(wait=False)  # after a failure: the replicas that arrived whole
         # One exchange tells every rank the others' nodes, state sizes and what they hold (recover()).
         told: list = [None] * world
-        dist.all_gather_object(told, (node, snapshot_nbytes(trainer), store.inventory(), store.finished))
+        dist.all_gather_object(told, (node, snapshot_sizes(trainer), store.inventory(), store.finished))
         nodes = [t[0] for t in told]
         try:
             self.holders = replica_holders(nodes, replicas)
@@ -173,13 +196,20 @@ class Replicator:
         else:
             self.off = ""
         self.sources = [s for s in range(world) if self.rank in self.holders[s]]
-        self.sizes = [t[1] for t in told]
+        self.sizes = [t[1]["nbytes"] for t in told]
+        self.prefixes = [t[1]["prefix"] for t in told]
+        # data-parallel twins (the same shared pieces); one on another node holds r's shared bytes
+        # off-node already, so r's replicas are the prefix of its snapshot alone
+        self.twins = [[t for t in range(world) if t != r and told[t][1]["shared"] == told[r][1]["shared"]]
+                      for r in range(world)]
+        self.replica_sizes = [self.prefixes[r] if any(nodes[t] != nodes[r] for t in self.twins[r]) else self.sizes[r]
+                              for r in range(world)]
         self.inventories = [t[2] for t in told]
         self.finished: dict[int, dict] = {}  # the metrics of the failed call's iterations, the lowest live rank's
         for t in told:
             for it, metrics in t[3].items():
                 self.finished.setdefault(int(it), metrics)
-        self.bytes_sent = self.sizes[self.rank] * len(self.holders[self.rank])
+        self.bytes_sent = self.replica_sizes[self.rank] * len(self.holders[self.rank])
 
     def snapshot(self) -> dict:
         """Pack this iteration's state and start sending it to the holders; returns its figures."""
@@ -191,11 +221,12 @@ class Replicator:
         it = self.trainer.iteration
         buf = pack(self.trainer, _spare(store.own, self.sizes[self.rank]))
         _keep(store.own, it, buf)
+        sent = buf.narrow(0, 0, self.replica_sizes[self.rank])
         for h in self.holders[self.rank]:
-            store.pending.append((dist.isend(buf, h, group=self.group), None, it, buf))
+            store.pending.append((dist.isend(sent, h, group=self.group), None, it, buf))
         for s in self.sources:
-            into = _spare(store.held.setdefault(s, {}), self.sizes[s])
-            into = torch.empty(self.sizes[s], dtype=torch.uint8) if into is None else into
+            into = _spare(store.held.setdefault(s, {}), self.replica_sizes[s])
+            into = torch.empty(self.replica_sizes[s], dtype=torch.uint8) if into is None else into
             store.pending.append((dist.irecv(into, s, group=self.group), s, it, into))
         return {"memory_snapshot_s": round(time.perf_counter() - t0, 4), "memory_bytes_sent": self.bytes_sent,
                 "memory_host_bytes": store.nbytes}
@@ -214,20 +245,25 @@ class Replicator:
         reach = upto
         while reach is not None and reach + 1 in self.finished:
             reach += 1
-        iteration, source, why = plan_restore(self.inventories, reach)  # gathered at the start of the attempt
+        iteration, source, why = plan_restore(self.inventories, reach, self.twins)  # gathered at the attempt's start
         if iteration is None:
             return {"iteration": None, "why": why}
         if iteration == 0:
             return {"iteration": None, "why": "nothing to restore"}
         for r in range(world):  # the same order on every rank: each pair meets in turn
-            h = source[r]
-            if h is None:
+            if source[r] is None:
                 continue
-            if self.rank == h:
-                dist.send(store.held[r][iteration], r, group=self.group)
-            elif self.rank == r:
+            (h, twin), buf = source[r], None
+            if self.rank == r:
                 buf = torch.empty(self.sizes[r], dtype=torch.uint8)
-                dist.recv(buf, h, group=self.group)
+            replica = store.held[r][iteration] if self.rank == h else None
+            n = self.sizes[r] if twin is None else self.prefixes[r]
+            self._move(h, r, replica, None if buf is None else buf.narrow(0, 0, n))
+            if twin is not None:  # the shared bytes from the twin's own copy of the iteration
+                mine = store.own[iteration] if self.rank == twin else None
+                self._move(twin, r, None if mine is None else mine[self.prefixes[twin]:],
+                           None if buf is None else buf[self.prefixes[r]:])
+            if buf is not None:
                 _keep(store.own, iteration, buf)
         buf = store.own[iteration]
         if read_meta(buf)["iteration"] != iteration:
@@ -237,9 +273,21 @@ class Replicator:
                 del slots[newer]  # past what the job goes on from
         restore(self.trainer, buf)
         mine = source[self.rank]
-        return {"iteration": iteration, "source": "own" if mine is None else f"replica from rank {mine}",
+        how = "own" if mine is None else f"replica from rank {mine[0]}" + (
+            "" if mine[1] is None else f", params from its data-parallel twin rank {mine[1]}")
+        return {"iteration": iteration, "source": how,
                 "from_replicas": sorted(r for r, h in source.items() if h is not None),
                 "caught_up": [self.finished[it] for it in range(iteration + 1 if upto is None else upto + 1, iteration + 1)]}
+
+
+    def _move(self, src: int, dst: int, data: torch.Tensor | None, into: torch.Tensor | None) -> None:
+        """One transfer of the restore: ``src`` sends ``data``, ``dst`` receives ``into`` (others: nothing)."""
+        import torch.distributed as dist
+
+        if self.rank == src:
+            dist.send(data, dst, group=self.group)
+        elif self.rank == dst:
+            dist.recv(into, src, group=self.group)
 
 
 __all__ = ["KEEP", "MemoryStore", "Replicator", "plan_restore", "replica_holders"]

@@ -40,9 +40,27 @@ def test_the_newest_iteration_held_somewhere_for_every_rank_is_restored():
     # rank 1 replaced (nothing of its own); rank 3 holds its replica of iteration 4, not yet of 5
     inv = [{"own": [4, 5], "held": {2: [4, 5]}}, {"own": [], "held": {}},
            {"own": [4, 5], "held": {0: [4, 5]}}, {"own": [4, 5], "held": {1: [4]}}]
-    assert plan_restore(inv, None) == (4, {0: None, 1: 3, 2: None, 3: None}, "")
+    assert plan_restore(inv, None) == (4, {0: None, 1: (3, None), 2: None, 3: None}, "")
     # the controller recorded only iteration 3: nothing newer is taken
     assert plan_restore(inv, 3)[0] is None
+
+
+def test_a_prefix_replica_is_completed_by_a_data_parallel_twin():
+    # ranks 0 and 2 are twins, so are 1 and 3; rank 1 replaced: its replica at rank 3 is a prefix
+    twins = [[2], [3], [0], [1]]
+    inv = [{"own": [4, 5], "held": {2: [4, 5]}, "prefixes": {2: [4, 5]}}, {"own": [], "held": {}},
+           {"own": [4, 5], "held": {0: [4, 5]}, "prefixes": {0: [4, 5]}},
+           {"own": [4, 5], "held": {1: [4, 5]}, "prefixes": {1: [4, 5]}}]
+    assert plan_restore(inv, None, twins) == (5, {0: None, 1: (3, 3), 2: None, 3: None}, "")
+    # the twin lost as well (rank 3 replaced too, rank 1's replica at rank 0... a prefix without a twin)
+    inv = [{"own": [5], "held": {3: [5]}, "prefixes": {3: [5]}}, {"own": [], "held": {}},
+           {"own": [5], "held": {1: [5]}, "prefixes": {1: [5]}}, {"own": [], "held": {}}]
+    iteration, _, why = plan_restore(inv, None, twins)
+    assert iteration is None and "rank(s) [1, 3]" in why and "data-parallel twins" in why
+    # a full replica needs no twin
+    inv[2]["prefixes"] = {}
+    inv[0]["prefixes"] = {}
+    assert plan_restore(inv, None, twins) == (5, {0: None, 1: (2, None), 2: None, 3: (0, None)}, "")
 
 
 def test_both_copies_lost_says_which_rank():
@@ -75,6 +93,8 @@ def _replicate_and_replace(rank, world_size, job, reference, replaced):
     store.settle(wait=True)
     first.close()
     own = _digest(store.own[3])
+    prefix = first.replicator.replica_sizes[rank]  # the bytes its replicas hold
+    own_sent, is_prefix = _digest(store.own[3][:prefix]), prefix < store.own[3].numel()
     held = {s: _digest(its[3]) for s, its in store.held.items()}
     if rank == replaced:
         store = MemoryStore()
@@ -83,25 +103,32 @@ def _replicate_and_replace(rank, world_size, job, reference, replaced):
     losses = [m["loss"] for m in again.run(2)]
     again.close()
     return {"expected": expected[3:], "losses": losses, "own": own, "held": held, "restored": restored,
-            "resumed": dict(again.resumed), "sent": sent["memory_bytes_sent"], "unrecorded": sent}
+            "resumed": dict(again.resumed), "sent": sent["memory_bytes_sent"], "unrecorded": sent,
+            "own_sent": own_sent, "prefix": is_prefix}
 
 
 @pytest.mark.procs
-def test_a_replaced_rank_restores_bit_for_bit_from_its_peers_replica():
-    spec = tiny_spec(world=4, parallel={"tensor_model_parallel_size": 2, "use_distributed_optimizer": True},
-                     training={"train_iters": 5, "eval_interval": None})
+@pytest.mark.parametrize("parallel,twins", [
+    ({"tensor_model_parallel_size": 2, "use_distributed_optimizer": True}, True),  # dp 2 across the nodes
+    ({"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, False)])  # no data-parallel twin
+def test_a_replaced_rank_restores_bit_for_bit_from_its_peers_replica(parallel, twins):
+    """With a data-parallel twin on the other node a replica is the snapshot's prefix (the meta and the
+    ZeRO shards) and the twin's own copy gives the params; without one the replica is whole."""
+    spec = tiny_spec(world=4, parallel=parallel, training={"train_iters": 5, "eval_interval": None})
     spec["resources"] = {"num_nodes": 2, "gpus_per_node": 2}
     reference = job_of(spec)
     job = job_of({**spec, "fault_tolerance": {"memory_interval": 1}})
     out = run_ranks(_replicate_and_replace, 4, (job, reference, 1), backend="gloo")
     holders = replica_holders([0, 0, 1, 1], 1)
     for r, o in enumerate(out):
-        assert out[holders[r][0]]["held"][r] == o["own"]  # the peer's replica is the rank's state, bit for bit
+        assert o["prefix"] == twins
+        assert out[holders[r][0]]["held"][r] == o["own_sent"]  # the peer's replica is the rank's state, bit for bit
         assert o["restored"] == o["own"]  # the restored trainer packs to the very same bytes
         assert o["losses"] == o["expected"]  # and goes on on the undisturbed curve
         assert o["resumed"]["iteration"] == 3 and o["sent"] > 0
     # iteration 3 is not computed again: rank 0 hands its metrics (rank 0's own) back to the driver
     assert out[0]["resumed"]["caught_up"] == [out[0]["unrecorded"]] and out[0]["unrecorded"]["iteration"] == 3
     assert all(o["resumed"]["caught_up"] is None for o in out[1:])
-    assert out[1]["resumed"]["path"] == f"memory (replica from rank {holders[1][0]})"
+    twin = f", params from its data-parallel twin rank 3" if twins else ""
+    assert out[1]["resumed"]["path"] == f"memory (replica from rank {holders[1][0]}{twin})"
     assert out[0]["resumed"]["path"] == "memory (own)"
