@@ -57,8 +57,13 @@ class CallSizer:
                 n = min(n, it - 1 - iteration)  # stop just before it
         return max(1, min(n, left))
 
+    def new_attempt(self) -> None:
+        """An attempt starts: its first call is one iteration (after a restart the job's progress
+        shows at once, and the time per iteration of its new size or nodes is measured anew)."""
+        self.s_per_iteration = None
+
     def measured(self, iterations: int, seconds: float) -> None:
-        """A call of ``iterations`` took ``seconds`` (start-up of an attempt included: the first
-        call of an attempt is one iteration, so it is measured again at once)."""
+        """A call of ``iterations`` took ``seconds`` (the first call of an attempt, one iteration,
+        takes its warm-up: the next is sized from it and measured again)."""
         if iterations > 0 and seconds > 0:
             self.s_per_iteration = seconds / iterations

@@ -198,6 +198,7 @@ class JobController:
         if job.memory_interval and self.attempts > 1:
             self._emit(restore_event(self.state, start, source, self.placement))
         self._transition(JobState.RUNNING, "training")
+        self.calls.new_attempt()
         total = self.job.training.train_iters
         while self.iteration < total:
             if self._cancel.is_set():

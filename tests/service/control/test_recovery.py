@@ -78,8 +78,8 @@ def _metrics(iteration: int) -> dict:
 
 def test_the_iterations_a_failed_call_finished_come_back_from_memory_not_run_again():
     """memory_interval 1 does not end calls (each covers as many iterations as the target asks: here
-    1 (measured), then the rest); the failed call's finished iterations (2..6) are recorded from rank
-    0's ``caught_up``, once, before the restored attempt runs on from iteration 6."""
+    1 (measured), then the rest, in each attempt); the failed call's finished iterations (2..6) are
+    recorded from rank 0's ``caught_up``, once, before the restored attempt runs on from iteration 6."""
     job = to_job_config(parse_spec({
         "name": "caught", "model": MODEL, "parallel": {"tensor_model_parallel_size": 2},
         "training": {"train_iters": 10, "global_batch_size": 4, "micro_batch_size": 2},
@@ -92,7 +92,7 @@ def test_the_iterations_a_failed_call_finished_come_back_from_memory_not_run_aga
                          make_group=lambda attempt, *_: MemoryGroup(attempt))
     result = ctrl.run()
     assert result["state"] == "SUCCEEDED" and result["restarts"] == 1
-    assert MemoryGroup.sizes == [1, 9, 4]  # calls are not cut at the snapshots
+    assert MemoryGroup.sizes == [1, 9, 1, 3]  # calls are not cut at the snapshots; an attempt's first is 1
     assert [e.data["iteration"] for e in events if e.kind == "iteration"] == list(range(1, 11))  # each once
     assert result["losses"] == [10.0 / i for i in range(1, 11)]
     kinds = [e.kind for e in events]
