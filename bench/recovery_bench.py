@@ -8,6 +8,7 @@ use 4 nodes, the spare path 5), each path in a driver process of its own connect
   model, a disk checkpoint every 20 iterations), rank 3 killed with SIGKILL five times
   (``RAYTRON_BENCH_KILLS``), in three modes: *spare* (``fault_tolerance.memory_interval: 1`` and
   ``resources.spare_nodes: 1``), *memory* (memory_interval 1, no spare) and *disk* (neither).
+  Each job's losses against the same job run undisturbed (no kill) first, on the same cluster.
   The median over the kills of the time from the kill to the next finished iteration, split into
   detection (with its profile), replacement, restore and first iteration; iterations lost; then
   each kind of rank's timeline (kept in place, a spare taking a rank: wall and CPU seconds of each
@@ -149,6 +150,15 @@ PROFILE = {"  death known to the driver": "death_known", "  survivors reset": "s
            "  dead actors gone": "dead_gone"}
 
 
+def _curve(run: dict, reference: dict) -> str:
+    """How the killed job's losses compare with the undisturbed job's (the same spec, no kill)."""
+    got, want = run.get("losses") or [], reference.get("losses") or []
+    if len(got) != len(want):
+        return f"{len(got)} losses against the undisturbed run's {len(want)}"
+    worst = max((abs(a - b) / abs(b) for a, b in zip(got, want)), default=0.0)
+    return f"losses within {worst:.1e} of the undisturbed run's ({'equal at 1e-6' if worst <= 1e-6 else 'NOT within 1e-6'})"
+
+
 def _launch(args: list[str], env: dict) -> dict:
     return run_child("bench.recovery_bench", args, env)
 
@@ -180,6 +190,7 @@ def main() -> None:
     paths = ["spare"] if only == "spare" else ["spare", "memory", "disk"]
     with tempfile.TemporaryDirectory(prefix="raytron-bench-") as tmp, simulated_cluster(5, 2) as session:
         env = {**os.environ, "RAYTRON_BENCH_KILLS": str(args.kills), "RAY_ADDRESS": session.address}
+        reference = _launch(["disk", os.path.join(tmp, "undisturbed")], {**env, "RAYTRON_BENCH_KILLS": "0"})
         runs = {}
         for mode in paths:
             runs[mode] = _launch([mode, os.path.join(tmp, mode)], env)
@@ -203,7 +214,7 @@ def main() -> None:
     for mode, m in med.items():
         print(f"  {mode}: each kill's total {m['totals']} s; (killed after, restored) {m['restored']}; "
               f"iterations lost {m['iterations_lost']}; a spare took the ranks in {m['spare_taken']}; "
-              f"job {runs[mode]['state']}, restarts {runs[mode]['restarts']}")
+              f"job {runs[mode]['state']}, restarts {runs[mode]['restarts']}; {_curve(runs[mode], reference)}")
         print("\n".join(rank_profile(runs[mode]["kills"])))
     if only:
         return

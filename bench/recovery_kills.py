@@ -158,7 +158,8 @@ def child_kills(spec: dict, mode: str, ckpt_dir: str, kills: int = 5, gap: int =
                        "iterations_lost": r["iteration"] - r["restored"],
                        "spare_ranks": r.get("spare_ranks"), "detection_profile": after,
                        "driver": driver, "ranks": _rank_steps(r.get("timelines") or [], r["kill"])})
-    return {"state": result["state"], "restarts": result["restarts"], "error": result.get("error"), "kills": splits}
+    return {"state": result["state"], "restarts": result["restarts"], "error": result.get("error"), "kills": splits,
+            "losses": result["losses"]}
 
 
 def _kind(p: dict) -> str:
