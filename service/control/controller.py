@@ -185,9 +185,9 @@ class JobController:
             raise JobCancelled(self._cancel_reason)
         self.placement = self._group.start([f for f in self.faults if f.rank < grid.world_size])
         start = int(self.placement[0].get("resumed_iteration") or 0) if self.placement else 0
-        caught_up = [p.pop("caught_up", None) for p in self.placement][:1]
+        caught_up = [p.pop("caught_up", None) for p in self.placement][0] if self.placement else None
         self.iteration = len(self.metrics)
-        for metrics in (caught_up[0] or [])[: max(0, start - self.iteration)] if caught_up else ():
+        for metrics in (caught_up or [])[: max(0, start - self.iteration)]:
             self._record(metrics)  # finished in the failed call, restored from memory: not run again
         if start > self.iteration:
             raise RuntimeError(f"the ranks restored iteration {start} but only {self.iteration} are recorded")
