@@ -33,6 +33,12 @@ from workers.parallel.context_layout import Block
 aten = torch.ops.aten
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the running output, log-sum-exp and gradient sums: fp32, or the inputs' own
+    where wider (float64 q/k/v, ``main_grads_dtype: fp64``: the blocks merge to ~1e-16)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x if x.shape[1] == num_heads else x.repeat_interleave(num_heads // x.shape[1], dim=1)
 
@@ -56,7 +62,7 @@ def attention_forward(q, k, v, *, causal: bool, scale: float):
     """
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
+        return out, lse.to(acc_dtype(q.dtype))
     h = q.shape[1]
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
     if q.dtype in (torch.float16, torch.bfloat16):
@@ -64,7 +70,7 @@ def attention_forward(q, k, v, *, causal: bool, scale: float):
     else:
         out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
     # The efficient kernel pads the log-sum-exp's sequence dim to a multiple of 32.
-    return out, lse[..., : q.shape[2]].float()
+    return out, lse[..., : q.shape[2]].to(acc_dtype(q.dtype))
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
@@ -143,8 +149,9 @@ class BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, blocks: Sequence[Block], scale: float):
-        acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full((q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+        wide = acc_dtype(q.dtype)
+        acc = torch.zeros(q.shape, dtype=wide, device=q.device)
+        lse = torch.full((q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=wide, device=q.device)
         forward_blocks(q, k, v, blocks, scale, acc, lse)
         out = acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -154,8 +161,8 @@ class BlockAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc_dtype(q.dtype), device=k.device)
         dv = torch.zeros_like(dk)
         backward_blocks(dout.contiguous(), q, k, v, out, lse, ctx.blocks, ctx.scale, dq, dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
