@@ -15,10 +15,12 @@ The kernel is chosen by device, the same code otherwise (as torch's experimental
 * CUDA: ``aten._scaled_dot_product_flash_attention`` for fp16/bf16 and
   ``aten._scaled_dot_product_efficient_attention`` for fp32 (flash has no fp32). Their GQA
   support depends on the torch build, so K/V are repeated per block, inside the call only,
-  and dK/dV summed back over each group. Not exercised on a GPU yet.
+  and dK/dV summed back over each group. Not exercised on a GPU yet. Neither takes float64
+  (``main_grads_dtype: fp64``): that runs the formulas (:func:`math_forward`,
+  :func:`math_backward`), materialising the block's scores.
 
 q/k/v stay in the compute dtype; only the merged output accumulator and the log-sum-exp are
-fp32. Tensors are ``[b, heads, s, d]`` views (the callers' ``[s, b, heads, d]`` permuted; the
+fp32 (float64 for float64 q/k/v: :func:`acc_dtype`). Tensors are ``[b, heads, s, d]`` views (the callers' ``[s, b, heads, d]`` permuted; the
 kernels take strides, so slicing a block costs no copy).
 """
 
@@ -63,6 +65,8 @@ def attention_forward(q, k, v, *, causal: bool, scale: float):
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse.to(acc_dtype(q.dtype))
+    if q.dtype == torch.float64:
+        return math_forward(q, k, v, causal=causal, scale=scale)
     h = q.shape[1]
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
     if q.dtype in (torch.float16, torch.bfloat16):
@@ -85,6 +89,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    if q.dtype == torch.float64:
+        return math_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
     h, kv_heads, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
     seed = torch.empty((), dtype=torch.int64, device=q.device)  # dropout is off: never read
@@ -95,6 +101,34 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
         padded = torch.nn.functional.pad(lse, (0, -sq % 32)).contiguous()
         dq, dk, dv = aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, None, out, padded, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)[:3]
+    return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
+
+
+def _probabilities(q, k, lse, causal: bool, scale: float) -> torch.Tensor:
+    """``softmax(q k^T scale)`` of a block, normalised by ``lse`` (K already repeated per head)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if causal:  # top-left: query i sees keys 0..i
+        scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1) if lse is None else lse
+    return scores.sub_(lse[..., None]).exp_(), lse
+
+
+def math_forward(q, k, v, *, causal: bool, scale: float):
+    """:func:`attention_forward` by the formula (any dtype, any device)."""
+    h = q.shape[1]
+    p, lse = _probabilities(q, _repeat_kv(k, h), None, causal, scale)
+    return torch.matmul(p, _repeat_kv(v, h)), lse
+
+
+def math_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
+    """:func:`attention_backward` by the formula (FlashAttention's: ``dS = P (dP - rowsum(dO O))``)."""
+    h, kv_heads = q.shape[1], k.shape[1]
+    k, v = _repeat_kv(k, h), _repeat_kv(v, h)
+    p, _ = _probabilities(q, k, lse.to(q.dtype), causal, scale)
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - (dout * out).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, k).mul_(scale)
+    dk = torch.matmul(ds.transpose(-1, -2), q).mul_(scale)
     return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
 
 

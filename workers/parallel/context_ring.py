@@ -19,7 +19,8 @@ accumulated for it so far; after ``cp`` steps every block's gradient is back at 
 as in Megatron / TransformerEngine ring attention.
 
 q/k/v, K/V on the wire and dK/dV on the wire are in the compute dtype; the running output,
-the log-sum-exp and the local dQ / dK/dV sums are fp32. Only the ``num_kv_heads`` heads
+the log-sum-exp and the local dQ / dK/dV sums are fp32 (float64 for float64 q/k/v, and then
+dK/dV travel in float64: every step's share is summed once, rounded once). Only the ``num_kv_heads`` heads
 travel. K/V travel as one tensor ``[s, b, kv_heads, 2 d]`` (k and v concatenated on the last
 dim).
 """

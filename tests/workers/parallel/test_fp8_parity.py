@@ -3,29 +3,29 @@ against the single process's FP8 run of the same spec, the GEMMs emulated and (t
 delayed) through ``torch._scaled_mm``, every run with ``main_grads_dtype: fp64``. One test per
 recipe, each running its layouts in turn through one helper.
 
-Every layout quantises with the single process's scales and tiles (workers/parallel/fp8.py),
-and in the first iteration dp2 and pp2 quantise the very same values, so there they get the
-exact check: iteration-0 gradients 1e-5. With fp32 gradient sums the weights of every layout
-differ from the single process's in the last bit from iteration 1 on (microbatches and the DP/CP
-reduction summed in another order), and a weight within that bit of an FP8 rounding midpoint
-rounds the other way (one e4m3 step is 12.5%): delayed dp2 and cp2 missed a later loss by 1.3e-5.
-fp64 sums are exact in any order (dp2's weights then equal the single process's bit for bit), and
-the weight-gradient GEMMs that CP cuts along the tokens run in fp64 into the buffer: every
-recipe and layout holds every iteration's loss to 1e-6, but one (CP_LATER_LOSS). What TP/CP
-quantise still differs in the last fp32 bits (a row-parallel partial sum, CP's attention merge;
-the gradient amaxes behind the scales), so TP/CP iteration-0 gradients get 1e-2 (measured up to
-1.4e-3: a value within that noise of a midpoint), the validation loss 1e-4 (tp2-sp: 1.4e-6);
-replicas bit-equal. At cp2, where the last layer runs in FP8, the output layer's iteration-0
-gradient (a GEMM over the tokens CP cuts, in fp64) equals the single process's bit for bit. A layout-dependent quantisation is far more (without the TP x CP amax reduction:
-iteration-0 loss 1e-4, gradients 0.1). Delayed scaling is also checked where it can go wrong,
-the scales: after the last update every dp2 rank's equal the single process's (2e-2: without the
-DP reduction a gradient scale was 6% off).
+Every layout quantises with the single process's scales and tiles (workers/parallel/fp8.py).
+dp2, pp2 and cp2 are exact: their iteration-0 gradients and their weights after the last step
+equal the single process's bit for bit, every recipe (so every iteration's loss holds to 1e-6;
+measured 1.7e-7, the reported loss's own sum over the ranks). That takes every sum a layout cuts
+in float64 (workers/parallel/wgrad.py): the microbatches and the DP/CP reduction in the fp64
+buffer, the weight-gradient GEMMs (``_scaled_mm``'s on its FP8 bits), the norm weights' and the
+embedding's gradients, and, at cp2, the attention core (the single process's too, rounded to
+fp32 once). One last fp32 bit is enough to matter: a weight or a gradient amax within it of an
+FP8 rounding midpoint rounds the other way (one e4m3 step is 12.5%), and a later loss moves by
+~1e-5. tp2-sp is not exact: TP sums partial results across its ranks in fp32 (row-parallel
+outputs, column-parallel input gradients, the vocab-parallel cross-entropy), so its iteration-0
+gradients get 1e-2 (measured up to 1e-6) and delayed scaling a later loss 1e-4 (TP_LATER_LOSS).
+A layout-dependent quantisation is far more (without the TP x CP amax reduction: iteration-0
+loss 1e-4, gradients 0.1). Delayed scaling is also checked where it can go wrong, the scales:
+after the last update every dp2 rank's equal the single process's (2e-2: without the DP
+reduction a gradient scale was 6% off).
 """
 
 import numpy as np
 import pytest
 
 from tests.helpers.parity import assemble, assert_same_curve, check_layout, job_of, reference, run_trainer, tiny_spec
+from tests.workers.parallel.test_main_grads_dtype import differing
 
 pytestmark = pytest.mark.slow
 
@@ -61,11 +61,6 @@ cross-entropy's sum of exponentials. So its iteration-0 gradients are 3e-7 to 1e
 1e-2 allowed: a value within that noise of a midpoint), its weights differ in the last bit from
 iteration 0 on, and after two delayed updates a weight near an FP8 rounding midpoint rounds the
 other way (one e4m3 step is 12.5%)."""
-
-
-def differing(got: dict, want: dict) -> list[str]:
-    """The names whose ``got`` tensor (vocab padding dropped) is not ``want`` bit for bit."""
-    return [n for n, w in want.items() if not np.array_equal(got[n][tuple(slice(0, k) for k in w.shape)], w)]
 
 
 def check_fp8_layouts(training: dict, recipe: str) -> None:
