@@ -53,9 +53,10 @@ With float64 main grads (``main_grads_dtype: fp64``) every sum over the tokens t
 the buffer is taken in float64 on the backward's own operands, so where a layout cuts the
 tokens (CP, SP) the result is the single process's to ~1e-16, far below the last fp32 bit: the
 weight-gradient GEMMs (:func:`_fused`) and the token sums outside any GEMM, the norms' weight
-gradients (:mod:`workers.model.fused`) and the embedding lookup's
-(:class:`workers.parallel.tensor.VocabParallelEmbedding`), which add into ``main_grad``
-themselves when :func:`wide_owner` holds and hand autograd the same dummy.
+gradients (:mod:`workers.model.fused`), the embedding lookup's (:func:`lookup`) and a linear
+bias's (:func:`add_bias`), which add into ``main_grad`` themselves when :func:`wide_owner`
+holds and hand autograd the same dummy. The MoE router's and the experts' grouped GEMMs keep
+fp32 sums over the tokens: an MoE layer is not exact under CP.
 """
 
 from __future__ import annotations
@@ -258,3 +259,25 @@ def lookup(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.embedding(ids, weight)``, through :class:`_WideLookup` when :func:`wide_owner` holds."""
     owner = wide_owner(weight)
     return F.embedding(ids, weight) if owner is None else _WideLookup.apply(ids, weight, owner)
+
+
+class _WideBias(torch.autograd.Function):
+    """``y + bias`` whose bias gradient, the sum of ``y``'s gradient over the tokens, is added in
+    float64 into the bias's float64 ``main_grad`` (:func:`wide_owner`)."""
+
+    @staticmethod
+    def forward(ctx, y, bias, owner):
+        ctx.owner = owner
+        return y + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        main = ctx.owner.main_grad
+        main.add_(grad.reshape(-1, grad.shape[-1]).to(main.dtype).sum(0))
+        return grad, _dummy(ctx.owner), None
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``y + bias``, through :class:`_WideBias` when :func:`wide_owner` holds."""
+    owner = wide_owner(bias)
+    return y + bias if owner is None else _WideBias.apply(y, bias, owner)

@@ -26,13 +26,14 @@ def test_fp64_main_grads_make_dp2_weights_bit_identical_to_the_single_process():
 
 @pytest.mark.slow
 def test_fp64_main_grads_make_cp2_weights_bit_identical_to_the_single_process():
-    """CP cuts the tokens: the norms' and the embedding's weight gradients (sums over the tokens
-    outside any GEMM, added in float64 into the buffer) and the ring attention (in float64, as
-    the single process's, rounded once) leave every iteration-0 gradient and every weight after
-    the last step bit-equal to the single process's."""
-    fp64 = {"main_grads_dtype": "fp64"}
-    per_rank = check_layout(tiny_spec(world=2, parallel={"context_parallel_size": 2}, training=fp64), None, fp64)
-    ref = reference(None, fp64)
+    """CP cuts the tokens: the norms' (qk norms too), the embedding's and the QKV bias's
+    gradients (sums over the tokens outside any GEMM, added in float64 into the buffer) and the
+    ring attention (in float64, as the single process's, rounded once) leave every iteration-0
+    gradient and every weight after the last step bit-equal to the single process's."""
+    fp64, qwen = {"main_grads_dtype": "fp64"}, {"add_qkv_bias": True, "qk_layernorm": True}
+    per_rank = check_layout(tiny_spec(world=2, parallel={"context_parallel_size": 2}, training=fp64, model=qwen),
+                            qwen, fp64)
+    ref = reference(qwen, fp64)
     assert differing(assemble(per_rank, "grads"), ref["grads"]) == []
     assert differing(assemble(per_rank, "params"), ref["params"]) == []
 
