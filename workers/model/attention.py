@@ -158,4 +158,5 @@ class Attention(nn.Module):
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: tuple | None = None) -> torch.Tensor:
         return context_parallel_attention(q, k, v, group=self.ctx.cp_group, ranks=self.ctx.cp_ranks,
-                                          comm_type=self.ctx.cp_comm_type, hierarchy=self.ctx.hcp_groups, docs=docs)
+                                          comm_type=self.ctx.cp_comm_type, hierarchy=self.ctx.hcp_groups, docs=docs,
+                                          dtype=self.ctx.attention_dtype)

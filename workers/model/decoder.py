@@ -55,6 +55,9 @@ class ShardContext:
     seed: int = 1234
     fp8: Fp8Recipe | None = None
     """training.fp8: the decoder layers' linears run in FP8 (workers.parallel.fp8)."""
+    attention_dtype: torch.dtype | None = None
+    """The attention core's dtype where wider than the compute dtype: float64 under
+    ``main_grads_dtype: fp64`` (:func:`workers.parallel.context.context_parallel_attention`)."""
 
     @property
     def tp_size(self) -> int:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from workers.parallel.wgrad import handed_to_main_grad, wide_owner
+
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
     """``t`` in fp32 if it is a 16-bit float, else as it is (fp32 and fp64 stay)."""
@@ -22,10 +24,15 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 class _RMSNorm(torch.autograd.Function):
     """``x * rsqrt(mean(x^2) + eps) * weight``; statistics in fp32. Saves the normalised input
     (fp32 runs; it replaces ``x``, which nothing else keeps) or ``x`` (bf16/fp16 runs: the fp32
-    ``xhat`` would double the bytes), and the per-token ``rstd``."""
+    ``xhat`` would double the bytes), and the per-token ``rstd``. A weight with a float64
+    ``main_grad`` (:func:`workers.parallel.wgrad.wide_owner`, kept on ``ctx``: a recomputed
+    region's saved weight comes back without its attributes) gets ``sum(g xhat)`` in float64,
+    added into the buffer: the products exact, the sum the single process's however a layout
+    cuts the tokens."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, owner):
+        ctx.owner = owner
         xf = _wide(x)
         h = x.shape[-1]
         # rstd = (|x|^2 / h + eps)^-1/2 from one norm reduction (3 ops where mean(x^2) takes 4).
@@ -45,7 +52,11 @@ class _RMSNorm(torch.autograd.Function):
         h = xhat.shape[-1]
         # No CPU kernel for aten._fused_rms_norm_backward (CUDA has one): the textbook
         # backward in fp32, dx = rstd * (g w - xhat * mean(g w xhat)), dw = sum(g xhat).
-        if ctx.fp32:
+        if ctx.owner is not None and not torch.is_grad_enabled():
+            gw = grad * weight if ctx.fp32 else (grad * weight).float()
+            ctx.owner.main_grad.add_((grad.double() * xhat.double()).reshape(-1, h).sum(0))
+            dw = handed_to_main_grad(ctx.owner)
+        elif ctx.fp32:
             gw = grad * weight
             dw = (grad * xhat).reshape(-1, h).sum(0)
         else:
@@ -57,7 +68,7 @@ class _RMSNorm(torch.autograd.Function):
         flat_gw, flat_xhat = gw.reshape(-1, 1, h), xhat.reshape(-1, h, 1)
         dot = torch.bmm(flat_gw, flat_xhat).view(*xhat.shape[:-1], 1)  # per-token sum(g w xhat), one op
         dx = torch.addcmul(gw, xhat, dot, value=-1.0 / h).mul_(rstd)
-        return dx.to(saved.dtype), dw, None
+        return dx.to(saved.dtype), dw, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps) -> torch.Tensor:
@@ -66,7 +77,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps) -> torch.Tensor:
     Args:
         eps: a float, or a 0-dim fp32 tensor (saves making one per call).
     """
-    return _RMSNorm.apply(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps, wide_owner(weight))
 
 
 def rotary_qkv_tables(rotary: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -135,5 +135,5 @@ class MLAttention(nn.Module):
         q, k, v = (t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1])) for t in (q, k, v))
         out = context_parallel_attention(q, k, v, group=self.ctx.cp_group, ranks=self.ctx.cp_ranks,
                                          softmax_scale=self.softmax_scale, comm_type=self.ctx.cp_comm_type,
-                                         hierarchy=self.ctx.hcp_groups, docs=docs)
+                                         hierarchy=self.ctx.hcp_groups, docs=docs, dtype=self.ctx.attention_dtype)
         return out if dv == d else out[..., :dv]

@@ -15,10 +15,12 @@ The kernel is chosen by device, the same code otherwise (as torch's experimental
 * CUDA: ``aten._scaled_dot_product_flash_attention`` for fp16/bf16 and
   ``aten._scaled_dot_product_efficient_attention`` for fp32 (flash has no fp32). Their GQA
   support depends on the torch build, so K/V are repeated per block, inside the call only,
-  and dK/dV summed back over each group. Not exercised on a GPU yet.
+  and dK/dV summed back over each group. Not exercised on a GPU yet. Neither takes float64
+  (``main_grads_dtype: fp64``): that runs the formulas (:func:`math_forward`,
+  :func:`math_backward`), materialising the block's scores.
 
 q/k/v stay in the compute dtype; only the merged output accumulator and the log-sum-exp are
-fp32. Tensors are ``[b, heads, s, d]`` views (the callers' ``[s, b, heads, d]`` permuted; the
+fp32 (float64 for float64 q/k/v: :func:`acc_dtype`). Tensors are ``[b, heads, s, d]`` views (the callers' ``[s, b, heads, d]`` permuted; the
 kernels take strides, so slicing a block costs no copy).
 """
 
@@ -31,6 +33,12 @@ import torch
 from workers.parallel.context_layout import Block
 
 aten = torch.ops.aten
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the running output, log-sum-exp and gradient sums: fp32, or the inputs' own
+    where wider (float64 q/k/v, ``main_grads_dtype: fp64``: the blocks merge to ~1e-16)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -56,7 +64,9 @@ def attention_forward(q, k, v, *, causal: bool, scale: float):
     """
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
+        return out, lse.to(acc_dtype(q.dtype))
+    if q.dtype == torch.float64:
+        return math_forward(q, k, v, causal=causal, scale=scale)
     h = q.shape[1]
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
     if q.dtype in (torch.float16, torch.bfloat16):
@@ -64,7 +74,7 @@ def attention_forward(q, k, v, *, causal: bool, scale: float):
     else:
         out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
     # The efficient kernel pads the log-sum-exp's sequence dim to a multiple of 32.
-    return out, lse[..., : q.shape[2]].float()
+    return out, lse[..., : q.shape[2]].to(acc_dtype(q.dtype))
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
@@ -79,6 +89,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    if q.dtype == torch.float64:
+        return math_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
     h, kv_heads, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
     seed = torch.empty((), dtype=torch.int64, device=q.device)  # dropout is off: never read
@@ -89,6 +101,34 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
         padded = torch.nn.functional.pad(lse, (0, -sq % 32)).contiguous()
         dq, dk, dv = aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, None, out, padded, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)[:3]
+    return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
+
+
+def _probabilities(q, k, lse, causal: bool, scale: float) -> torch.Tensor:
+    """``softmax(q k^T scale)`` of a block, normalised by ``lse`` (K already repeated per head)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if causal:  # top-left: query i sees keys 0..i
+        scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1) if lse is None else lse
+    return scores.sub_(lse[..., None]).exp_(), lse
+
+
+def math_forward(q, k, v, *, causal: bool, scale: float):
+    """:func:`attention_forward` by the formula (any dtype, any device)."""
+    h = q.shape[1]
+    p, lse = _probabilities(q, _repeat_kv(k, h), None, causal, scale)
+    return torch.matmul(p, _repeat_kv(v, h)), lse
+
+
+def math_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
+    """:func:`attention_backward` by the formula (FlashAttention's: ``dS = P (dP - rowsum(dO O))``)."""
+    h, kv_heads = q.shape[1], k.shape[1]
+    k, v = _repeat_kv(k, h), _repeat_kv(v, h)
+    p, _ = _probabilities(q, k, lse.to(q.dtype), causal, scale)
+    dv = torch.matmul(p.transpose(-1, -2), dout)
+    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - (dout * out).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, k).mul_(scale)
+    dk = torch.matmul(ds.transpose(-1, -2), q).mul_(scale)
     return dq, _sum_groups(dk, kv_heads), _sum_groups(dv, kv_heads)
 
 
@@ -143,8 +183,9 @@ class BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, blocks: Sequence[Block], scale: float):
-        acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full((q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+        wide = acc_dtype(q.dtype)
+        acc = torch.zeros(q.shape, dtype=wide, device=q.device)
+        lse = torch.full((q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=wide, device=q.device)
         forward_blocks(q, k, v, blocks, scale, acc, lse)
         out = acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -154,8 +195,8 @@ class BlockAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc_dtype(q.dtype), device=k.device)
         dv = torch.zeros_like(dk)
         backward_blocks(dout.contiguous(), q, k, v, out, lse, ctx.blocks, ctx.scale, dq, dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None

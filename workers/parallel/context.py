@@ -28,6 +28,9 @@ THD split) and the blocks are planned on each row's positions, cut at every docu
 
 Both keep q/k/v in the compute dtype, on the wire and in the kernel
 (:mod:`workers.parallel.attention_kernel`); only the merged output and log-sum-exp are fp32.
+Under ``main_grads_dtype: fp64`` the whole core runs in float64 (``dtype``), the single
+process's too, and rounds to the compute dtype once: its output and q/k/v gradients are then
+the single process's to the last fp32 bit, however CP cuts the keys.
 
 Layouts are Megatron's ``[seq, batch, ...]``: q ``[s_local, b, num_heads, head_dim]``, k and v
 ``[s_local, b, num_kv_heads, head_dim]``; query head ``h`` uses kv head
@@ -183,6 +186,7 @@ def context_parallel_attention(
     comm_type: str = "p2p",
     hierarchy: tuple | None = None,
     docs: tuple | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole CP-split sequence.
 
@@ -199,10 +203,19 @@ def context_parallel_attention(
         hierarchy: with ``"a2a+p2p"``: (a2a group, p2p group, the p2p ring's global ranks).
         docs: packed documents, each batch row's ``cu_seqlens`` over the whole sequence: no query
             attends across a document boundary (every comm type); None: one document per row.
+        dtype: compute the attention in this dtype (q/k/v cast to it, the output cast back:
+            float64 under ``main_grads_dtype: fp64``, where the blocks, the ring steps and the
+            single process's one kernel call agree to ~1e-16 and round to the same fp32 bits);
+            None: in q's dtype.
 
     Returns:
         ``[s_local, b, num_heads, head_dim]``.
     """
+    if dtype is not None and dtype != q.dtype:
+        wide = context_parallel_attention(q.to(dtype), k.to(dtype), v.to(dtype), group=group, ranks=ranks,
+                                          softmax_scale=softmax_scale, comm_type=comm_type, hierarchy=hierarchy,
+                                          docs=docs)
+        return wide.to(q.dtype)
     _check_qkv(q, k, v)
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp_comm_type {comm_type!r} is not one of {COMM_TYPES}")

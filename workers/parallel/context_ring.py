@@ -19,7 +19,8 @@ accumulated for it so far; after ``cp`` steps every block's gradient is back at 
 as in Megatron / TransformerEngine ring attention.
 
 q/k/v, K/V on the wire and dK/dV on the wire are in the compute dtype; the running output,
-the log-sum-exp and the local dQ / dK/dV sums are fp32. Only the ``num_kv_heads`` heads
+the log-sum-exp and the local dQ / dK/dV sums are fp32 (float64 for float64 q/k/v, and then
+dK/dV travel in float64: every step's share is summed once, rounded once). Only the ``num_kv_heads`` heads
 travel. K/V travel as one tensor ``[s, b, kv_heads, 2 d]`` (k and v concatenated on the last
 dim).
 """
@@ -32,7 +33,7 @@ from typing import Sequence
 import torch
 
 from workers.parallel import comm
-from workers.parallel.attention_kernel import backward_blocks, forward_blocks
+from workers.parallel.attention_kernel import acc_dtype, backward_blocks, forward_blocks
 from workers.parallel.context_layout import rank_positions, row_blocks
 
 
@@ -69,8 +70,8 @@ class RingAttention(torch.autograd.Function):
         assert cp > 1, "the ring needs at least two ranks; cp == 1 is plain causal attention"
         d = k.shape[3]
         nxt, prv = ranks[(cp_rank + 1) % cp], ranks[(cp_rank - 1) % cp]
-        acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full((q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+        acc = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+        lse = torch.full((q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=acc.dtype, device=q.device)
         kv = torch.cat([k, v], dim=-1)
         for step in range(cp):
             works, incoming = [], None
@@ -95,7 +96,7 @@ class RingAttention(torch.autograd.Function):
         d = k.shape[3]
         nxt, prv = ranks[(cp_rank + 1) % cp], ranks[(cp_rank - 1) % cp]
         dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         kv = torch.cat([k, v], dim=-1)
         # dK/dV of the block held at a step travel one step behind it: they are posted after
         # the block's compute and waited for only after the next block's compute.
@@ -105,7 +106,7 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
                 works = _exchange(kv, incoming, nxt, prv, group)
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            dkv = torch.zeros(kv.shape, dtype=dq.dtype, device=kv.device)
             kb, vb = kv.split(d, dim=-1)
             dk_b, dv_b = dkv.split(d, dim=-1)
             backward_blocks(dout, q, kb, vb, out, lse, plans[step], scale, dq, dk_b, dv_b)

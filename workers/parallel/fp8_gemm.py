@@ -75,3 +75,13 @@ def wgrad(grad_2d: torch.Tensor, x_2d: torch.Tensor, gemm: ScaledGemm | None) ->
     g, g_scale = gemm.grad
     g_t = g.reshape(-1, g.shape[-1]).t().contiguous()
     return _mm(g_t, _column_major(quantize(x_2d, gemm.x_scale, E4M3)), g_scale, gemm.x_scale)
+
+
+def wgrad_wide(grad_2d: torch.Tensor, x_2d: torch.Tensor, gemm: ScaledGemm, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`wgrad`'s value in ``dtype`` (float64, ``main_grads_dtype: fp64``): the FP8 bits'
+    GEMM in ``dtype``, every product of two FP8 values exact, then times the two reciprocal
+    scales ``_scaled_mm`` multiplies by; the same to ~1e-16 however a layout cuts the tokens."""
+    g, g_scale = gemm.grad
+    a = g.reshape(-1, g.shape[-1]).to(dtype)
+    b = quantize(x_2d, gemm.x_scale, E4M3).to(dtype)
+    return (a.t() @ b).mul_(g_scale.reciprocal().to(dtype) * gemm.x_scale.reciprocal().to(dtype))

@@ -33,7 +33,7 @@ from workers.parallel import comm, fp8_gemm
 from workers.parallel.fp8 import quantize_grad, quantize_operands
 from workers.parallel.initializer import materialize
 from workers.parallel.sequence import reduce_scatter_to_sequence_parallel_region
-from workers.parallel.wgrad import grad_owner, linear, weight_grad
+from workers.parallel.wgrad import add_bias, grad_owner, linear, lookup, weight_grad
 
 # ---------------------------------------------------------------------------------------
 # Mappings (Megatron's mappings.py, the TP half; the SP half lives in sequence.py).
@@ -217,7 +217,7 @@ class ColumnParallelLinear(nn.Module):
             y = linear(x, weight)
         y = quantize_grad(self, y, dtype, weight)
         if self.bias is not None:  # whatever the path above: the bias joins this rank's output slice
-            y = y + self.bias
+            y = add_bias(y, self.bias)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.group)
         return y
@@ -290,9 +290,9 @@ class VocabParallelEmbedding(nn.Module):
         if comm.world_size(self.group) > 1:
             outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
             local = (tokens - self.vocab_start).masked_fill(outside, 0)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            out = lookup(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         else:
-            out = F.embedding(tokens, self.weight)
+            out = lookup(tokens, self.weight)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, self.group)
         return reduce_from_tensor_parallel_region(out, self.group)

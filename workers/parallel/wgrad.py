@@ -43,11 +43,20 @@ hook folds the result into the fp32 main grad as it folds an unsplit ``.grad``. 
 in bf16/fp16 a ``zero_out_wgrad`` weight (a lookup and a GEMM in one backward) keeps its GEMM in
 ``B``, since autograd rounds the lookup's and the GEMM's sum in the compute dtype before the
 hook sees it. Under FP8 (:mod:`workers.parallel.fp8`) the GEMM's weight is a dequantised copy
-that names its parameter (``wgrad_param``): never fused, its deferred GEMM is handed back cast
+that names its parameter (``wgrad_param``): never fused into fp32 main grads, its deferred GEMM is handed back cast
 to the parameter's dtype, as the copy's straight-through cast hands it back in an unsplit
 backward. The same GEMMs in the same microbatch order: the gradients do not change, bit for
 bit. Without ``main_grad`` (a module used on its own) nothing is deferred and ``W`` has nothing
 to do.
+
+With float64 main grads (``main_grads_dtype: fp64``) every sum over the tokens that lands in
+the buffer is taken in float64 on the backward's own operands, so where a layout cuts the
+tokens (CP, SP) the result is the single process's to ~1e-16, far below the last fp32 bit: the
+weight-gradient GEMMs (:func:`_fused`) and the token sums outside any GEMM, the norms' weight
+gradients (:mod:`workers.model.fused`), the embedding lookup's (:func:`lookup`) and a linear
+bias's (:func:`add_bias`), which add into ``main_grad`` themselves when :func:`wide_owner`
+holds and hand autograd the same dummy. The MoE router's and the experts' grouped GEMMs keep
+fp32 sums over the tokens: an MoE layer is not exact under CP.
 """
 
 from __future__ import annotations
@@ -82,17 +91,37 @@ def fuses(weight: torch.Tensor) -> bool:
 def _fused(param: torch.Tensor, owner: torch.Tensor, gemm: ScaledGemm | None) -> bool:
     """Whether ``owner``'s weight-gradient GEMM accumulates into ``param.main_grad``: it has the
     weight's dtype (the fp32 path), or it is float64 (``main_grads_dtype: fp64``, any weight
-    dtype, FP8's dequantised copies too, not a ``_scaled_mm``): then the GEMM runs in float64 on
-    the operands cast up, every product exact, so where a layout cuts the token sum (CP) the
-    result is the single process's to the last fp32 bit."""
+    dtype, FP8's dequantised copies and ``_scaled_mm`` linears too): then the GEMM runs in
+    float64 on the operands cast up (a ``_scaled_mm`` linear's FP8 bits, then its two reciprocal
+    scales, :func:`workers.parallel.fp8_gemm.wgrad_wide`), every product exact, so where a layout
+    cuts the token sum (CP, SP) the result is the single process's to the last fp32 bit."""
     main = param.main_grad
-    return (param is owner and main.dtype == param.dtype) or (main.dtype == torch.float64 and gemm is None)
+    return (param is owner and main.dtype == param.dtype) or main.dtype == torch.float64
 
 
-def _accumulate(param: torch.Tensor, grad_2d: torch.Tensor, x_2d: torch.Tensor) -> None:
+def wide_owner(weight: torch.Tensor) -> torch.Tensor | None:
+    """The parameter (``weight`` itself) when its gradient goes to a float64 ``main_grad``
+    (``main_grads_dtype: fp64``, :func:`grad_owner` held): then a sum over the tokens outside
+    any GEMM (a norm's weight gradient, an embedding lookup's) is taken in float64 into the
+    buffer, as the weight-gradient GEMMs are (:func:`_fused`), and autograd gets
+    :func:`handed_to_main_grad`'s dummy; else ``None``."""
+    param = grad_owner(weight)
+    return param if param is not None and param.main_grad.dtype == torch.float64 else None
+
+
+def handed_to_main_grad(param: torch.Tensor) -> torch.Tensor:
+    """What a backward hands autograd for ``param`` after adding its gradient into
+    ``param.main_grad`` itself (the fused GEMM's dummy, see the module docstring)."""
+    return _dummy(param)
+
+
+def _accumulate(param: torch.Tensor, grad_2d: torch.Tensor, x_2d: torch.Tensor, gemm: ScaledGemm | None) -> None:
     """``param.main_grad += grad^T @ x``, in ``main_grad``'s dtype."""
     main = param.main_grad
-    main.addmm_(grad_2d.t().to(main.dtype), x_2d.to(main.dtype))
+    if gemm is not None:
+        main.add_(fp8_gemm.wgrad_wide(grad_2d, x_2d, gemm, main.dtype))
+    else:
+        main.addmm_(grad_2d.t().to(main.dtype), x_2d.to(main.dtype))
 
 
 def weight_grad(grad: torch.Tensor, x: torch.Tensor, owner: torch.Tensor | None,
@@ -114,7 +143,7 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, owner: torch.Tensor | None,
         return None
     if not fused:  # bf16/fp16, FP8: autograd (the cast's backward), AccumulateGrad and the hook take it
         return fp8_gemm.wgrad(grad_2d, x_2d, gemm)
-    _accumulate(param, grad_2d, x_2d)
+    _accumulate(param, grad_2d, x_2d, gemm)
     return _dummy(param)
 
 
@@ -154,7 +183,7 @@ def run_wgrads(queue: list) -> None:
     with torch.no_grad():
         for weight, grad_2d, x_2d, fused, gemm in queue:
             if fused:
-                _accumulate(weight, grad_2d, x_2d)
+                _accumulate(weight, grad_2d, x_2d, gemm)
                 grads[id(weight)] = (weight, None)
             else:
                 out = fp8_gemm.wgrad(grad_2d, x_2d, gemm).to(weight.dtype)
@@ -205,3 +234,50 @@ def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None 
         return F.linear(x, weight)
     y = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), weight.t())
     return y.view(residual.shape)
+
+
+class _WideLookup(torch.autograd.Function):
+    """``F.embedding`` whose weight gradient, each row's sum over the tokens that look it up,
+    is added in float64 into the weight's float64 ``main_grad``
+    (:func:`wide_owner`): the same sums however a layout cuts the tokens."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, owner):
+        ctx.save_for_backward(ids)
+        ctx.owner = owner
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        main = ctx.owner.main_grad
+        main.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(main.dtype))
+        return None, _dummy(ctx.owner), None
+
+
+def lookup(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.embedding(ids, weight)``, through :class:`_WideLookup` when :func:`wide_owner` holds."""
+    owner = wide_owner(weight)
+    return F.embedding(ids, weight) if owner is None else _WideLookup.apply(ids, weight, owner)
+
+
+class _WideBias(torch.autograd.Function):
+    """``y + bias`` whose bias gradient, the sum of ``y``'s gradient over the tokens, is added in
+    float64 into the bias's float64 ``main_grad`` (:func:`wide_owner`)."""
+
+    @staticmethod
+    def forward(ctx, y, bias, owner):
+        ctx.owner = owner
+        return y + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        main = ctx.owner.main_grad
+        main.add_(grad.reshape(-1, grad.shape[-1]).to(main.dtype).sum(0))
+        return grad, _dummy(ctx.owner), None
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``y + bias``, through :class:`_WideBias` when :func:`wide_owner` holds."""
+    owner = wide_owner(bias)
+    return y + bias if owner is None else _WideBias.apply(y, bias, owner)

@@ -106,6 +106,7 @@ class Trainer:
             tp_group=pg.tp_group, cp_group=pg.cp_group, tp_cp_group=pg.tp_cp_group, cp_ranks=tuple(pg.ranks("cp")),
             ep_group=pg.ep_group, etp_group=pg.etp_group, sequence_parallel=p.sequence_parallel,
             cp_comm_type=p.cp_comm_type, seed=t.seed, fp8=Fp8Recipe.of(t, self.device),
+            attention_dtype=torch.float64 if t.main_grads_dtype == "fp64" else None,
             hcp_groups=(pg.hcp_a2a_group, pg.hcp_p2p_group, tuple(pg.ranks("hcp_p2p")))
             if p.cp_comm_type == "a2a+p2p" else None,
         )
