@@ -182,7 +182,9 @@ class TrainingConfig:
     """fp16: the dynamic loss scaler's first scale (Megatron's --initial-loss-scale)."""
     main_grads_dtype: str = "fp32"
     """fp32 | fp64: the gradient buffers' dtype, accumulation and data-parallel reduction (Megatron's
-    --main-grads-dtype); fp64 sums are exact in any order (workers.parallel.data). The step is fp32."""
+    --main-grads-dtype); fp64 sums are exact in any order (workers.parallel.data), the norm, embedding and
+    bias gradients are added in fp64 too (workers.parallel.wgrad) and the attention core runs in fp64,
+    rounded once, so a CP split changes nothing. The step is fp32."""
     fp8: str | None = None
     """FP8 linears (workers.parallel.fp8): "e4m3" (every GEMM operand e4m3) or "hybrid" (e5m2 gradients)."""
     fp8_recipe: str = "delayed"

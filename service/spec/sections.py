@@ -92,8 +92,10 @@ class TrainingSpec(BaseModel):
     initial_loss_scale: float = Field(2.0**32, gt=0, description="fp16: the loss scaler's first scale")
     main_grads_dtype: Literal["fp32", "fp64"] = Field(
         "fp32", description="the gradient buffers' dtype (microbatch accumulation and the data-parallel reduction; "
-        "the optimizer steps in fp32): fp64 makes the sums exact in any order, so every layout's weights equal the "
-        "single process's bit for bit (FP8 needs it; 8 bytes per gradient element, twice the gradient traffic)")
+        "the optimizer steps in fp32): fp64 makes the sums exact in any order (the norm, embedding and bias gradients "
+        "added in fp64 too, and the attention core run in fp64 and rounded once, so context parallelism's split "
+        "changes nothing), so every DP, PP and CP layout's weights equal the single process's bit for bit (FP8 needs "
+        "it; 8 bytes per gradient element, twice the gradient traffic)")
     fp8: Literal["e4m3", "hybrid"] | None = Field(None, description="FP8 linears: e4m3 everywhere, or hybrid (e5m2 "
                                                   "gradients); null = off")
     fp8_recipe: Literal["tensorwise", "delayed", "blockwise"] = Field("delayed", description="FP8 scales: per tensor "
