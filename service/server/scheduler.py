@@ -66,7 +66,8 @@ class Scheduler:
         store: the job store.
         runners: starts and stops runners.
         cluster: the cluster's nodes and slots.
-        poll_s: how often the loop looks at runners and the queue (a submit or cancel wakes it at once).
+        poll_s: how often the loop looks at runners and the queue (a submit, a cancel or a runner's exit,
+            where the back end tells of it, wakes it at once).
         vanish_grace_s: a runner that exited is given this long for its last events to land
             before the scheduler records a final state for it.
         quota_of: ``quota_of(owner)``: the GPU slots the owner's running jobs may hold together (None: no quota).
@@ -85,6 +86,8 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        if hasattr(runners, "on_exit"):
+            runners.on_exit = lambda job_id: self._wake.set()  # a runner that exits frees its slots now
 
     # ---- the API's calls ----------------------------------------------------------------------
     def submit(self, spec: JobSpec, *, sizes: dict | None = None, owner: str = BOOTSTRAP_ADMIN) -> dict:
@@ -178,12 +181,12 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # before the pass: a wake during it makes the next pass start at once
             try:
                 self.step()
             except Exception:  # noqa: BLE001 - the loop must outlive one bad pass (database busy...)
                 log.exception("scheduler pass failed; retrying")
             self._wake.wait(self.poll_s)
-            self._wake.clear()
 
     def _supervise(self) -> None:
         with self._lock:
