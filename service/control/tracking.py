@@ -19,7 +19,8 @@ run, never a new one per attempt. The spec is the run's parameters (MLflow) or c
 
 A tracker that cannot be reached does not fail the job: its deliveries are retried in the
 background (backoff up to 10 s) and a ``tracking`` event says it is unreachable, and another that
-it is reachable again; what is still undelivered when the job ends gets ``close``'s grace period,
+it is reachable again; what is still undelivered when the job ends gets ``close``'s grace period
+(10 s; the runner's environment variable ``RAYTRON_TRACKING_CLOSE_GRACE_S`` sets another, in seconds),
 then is dropped and counted in a last event. The first ``tracking`` event of a run carries its id
 and address (the console links to it).
 """
@@ -27,6 +28,7 @@ and address (the console links to it).
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 import time
@@ -38,6 +40,19 @@ from service.control.tracker_runs import tracker_runs
 METRICS = ("loss", "val_loss", "lr", "grad_norm", "loss_scale", "moe_aux_loss", "mtp_loss", "tokens_per_s",
            "step_time_s", "peak_mem_mb", "skipped")
 MAX_BACKOFF_S = 10.0
+CLOSE_GRACE_ENV = "RAYTRON_TRACKING_CLOSE_GRACE_S"
+
+
+def close_grace_s() -> float:
+    """How long ``close`` waits for undelivered items: 10 s, or ``RAYTRON_TRACKING_CLOSE_GRACE_S``."""
+    raw = os.environ.get(CLOSE_GRACE_ENV, "").strip()
+    try:
+        value = float(raw) if raw else 10.0
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise ValueError(f"{CLOSE_GRACE_ENV}={raw!r} is no number of seconds (0 or more): set e.g. 10, or unset it")
+    return value
 
 
 class _Delivery(threading.Thread):
@@ -87,6 +102,7 @@ class Tracking:
 
     def __init__(self, record: Callable[[JobEvent], None], runs: list, state: str = JobState.QUEUED.value):
         self.record, self.lock = record, threading.Lock()
+        self.grace_s = close_grace_s()  # read before the job starts: a bad value stops it there
         self.state = JobState(state)  # the job's state now: the tracker's own events carry it
         self.deliveries = [_Delivery(run, self._emit) for run in runs]
         self._note_ms = 0  # the last note's key time: keys strictly increase, one per event
@@ -137,9 +153,10 @@ class Tracking:
             for d in self.deliveries:
                 d.items.put(item)
 
-    def close(self, final_state: str, grace_s: float = 10.0) -> None:
-        """End each run with the job's final state; wait up to ``grace_s`` for what is queued."""
-        deadline = time.monotonic() + grace_s
+    def close(self, final_state: str, grace_s: float | None = None) -> None:
+        """End each run with the job's final state; wait up to ``grace_s`` (default :func:`close_grace_s`) for
+        what is queued."""
+        deadline = time.monotonic() + (self.grace_s if grace_s is None else grace_s)
         for d in self.deliveries:
             d.items.put(("end", final_state))
             d.items.put(None)

@@ -19,9 +19,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from service.server.logs import job_dir, log_path, read_runner, write_runner
 from workers.rank.faults import Fault
@@ -41,6 +42,9 @@ class JobRunners(Protocol):
 
     def reattach(self, job: dict) -> bool:
         """After a server restart: find the job's runner again; False when it is gone."""
+
+    # Optional: ``on_exit``, a callable the scheduler sets and a back end that can tell calls with the job's
+    # id as soon as a runner it started exits (the scheduler then looks at once instead of at its next poll).
 
 
 def runner_command(job_id: str, data_dir: str | Path, database_url: str, *, launcher: str = "processes",
@@ -89,6 +93,7 @@ class LocalProcessRunners:
         self.faults = list(faults)
         self._procs: dict[str, subprocess.Popen] = {}
         self._pids: dict[str, tuple[int, int]] = {}  # job id -> (pid, start time), for reattached runners
+        self.on_exit: Callable[[str], None] | None = None  # told the job's id when a runner it started exits
 
     def launch(self, job: dict) -> str:
         folder = job_dir(self.data_dir, job["id"])
@@ -102,7 +107,15 @@ class LocalProcessRunners:
         self._pids[job["id"]] = (proc.pid, _start_time(proc.pid) or 0)
         write_runner(self.data_dir, job["id"], {"kind": "process", "pid": proc.pid,
                                                 "start_time": self._pids[job["id"]][1]})
+        threading.Thread(target=self._exited, args=(job["id"], proc), daemon=True,
+                         name=f"runner-{job['id']}").start()
         return str(proc.pid)
+
+    def _exited(self, job_id: str, proc: subprocess.Popen) -> None:
+        """Wait for the runner to exit, then say so (``on_exit``): its slots may free at once."""
+        proc.wait()  # while it blocks, poll() in is_alive answers None (alive), as it should
+        if self.on_exit is not None:
+            self.on_exit(job_id)
 
     def is_alive(self, job_id: str) -> bool:
         proc = self._procs.get(job_id)

@@ -27,6 +27,7 @@ Nothing here prints; ``logging`` carries what an operator may want to see.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Callable
@@ -66,18 +67,25 @@ class Scheduler:
         store: the job store.
         runners: starts and stops runners.
         cluster: the cluster's nodes and slots.
-        poll_s: how often the loop looks at runners and the queue (a submit or cancel wakes it at once).
-        vanish_grace_s: a runner that exited is given this long for its last events to land
-            before the scheduler records a final state for it.
+        poll_s: how often the loop looks at runners and the queue (a submit, a cancel or a runner's exit,
+            where the back end tells of it, wakes it at once).
+        vanish_grace_s: a runner that exited after a cancel is given this long for its last events to
+            land (it may still be stopping its ranks when its back end reports it gone) before the
+            scheduler records a final state for it.
+        exit_grace_s: the same for a runner that exited uncancelled (killed, crashed): its process has
+            ended, so what it wrote has landed; the short wait only lets a final state it recorded be
+            read before a new runner is started.
         quota_of: ``quota_of(owner)``: the GPU slots the owner's running jobs may hold together (None: no quota).
     """
 
     def __init__(self, store: JobStore, runners: JobRunners, cluster: ClusterView, *, poll_s: float = 0.5,
-                 vanish_grace_s: float = 2.0, quota_of: Callable[[str], int | None] | None = None):
+                 vanish_grace_s: float = 2.0, exit_grace_s: float = 0.5,
+                 quota_of: Callable[[str], int | None] | None = None):
         self.store, self.runners, self.cluster = store, runners, cluster
         self.quota_of = quota_of or (lambda owner: None)
         self._quota_noted: dict[str, str] = {}  # queued job -> the quota reason last recorded
-        self.poll_s, self.vanish_grace_s = poll_s, vanish_grace_s
+        self.poll_s, self.vanish_grace_s, self.exit_grace_s = poll_s, vanish_grace_s, min(exit_grace_s, vanish_grace_s)
+        self._look_at: float | None = None  # when a runner's grace ends: the loop looks then, not at its next poll
         self._held = HeldSlots()  # the launched jobs and their slots
         self._dead_since: dict[str, float] = {}
         self._cancelled: set[str] = set()
@@ -85,6 +93,8 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        if hasattr(runners, "on_exit"):
+            runners.on_exit = lambda job_id: self._wake.set()  # a runner that exits frees its slots now
 
     # ---- the API's calls ----------------------------------------------------------------------
     def submit(self, spec: JobSpec, *, sizes: dict | None = None, owner: str = BOOTSTRAP_ADMIN) -> dict:
@@ -178,16 +188,18 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # before the pass: a wake during it makes the next pass start at once
             try:
                 self.step()
             except Exception:  # noqa: BLE001 - the loop must outlive one bad pass (database busy...)
                 log.exception("scheduler pass failed; retrying")
-            self._wake.wait(self.poll_s)
-            self._wake.clear()
+            look_at = self._look_at
+            self._wake.wait(self.poll_s if look_at is None else min(self.poll_s, max(0.0, look_at - time.monotonic())))
 
     def _supervise(self) -> None:
         with self._lock:
             launched = list(self._held)
+        self._look_at = None
         for job_id in launched:
             row = self.store.get_job(job_id)
             alive = self.runners.is_alive(job_id)
@@ -198,7 +210,9 @@ class Scheduler:
                 self._dead_since.pop(job_id, None)
                 continue
             since = self._dead_since.setdefault(job_id, time.monotonic())
-            if time.monotonic() - since < self.vanish_grace_s:
+            grace = self.vanish_grace_s if job_id in self._cancelled else self.exit_grace_s
+            if time.monotonic() - since < grace:
+                self._look_at = min(self._look_at or math.inf, since + grace)
                 continue  # its last events may still be landing
             if job_id in self._cancelled:
                 self._finish(job_id, JobState.CANCELLED.value, "cancelled", "cancelled by request")

@@ -82,6 +82,8 @@ def test_an_unreachable_tracker_does_not_fail_the_job(tmp_path):
     # and W&B online without an API key (a HOME and config dir of the test's own): it cannot log in
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), WANDB_SILENT="true")
+    # What is undelivered at the end is dropped after 1 s, not the default 10 s: the same events, sooner.
+    env["RAYTRON_TRACKING_CLOSE_GRACE_S"] = "1"
     tracking = {"mlflow": {"tracking_uri": uri}, "wandb": {"project": "p", "mode": "online", "dir": str(tmp_path)}}
     p, out = _run(_spec(tmp_path, uri, iters=2, tracking=tracking), env=env)
     assert p.returncode == 0 and out["state"] == "SUCCEEDED", p.stderr
@@ -105,3 +107,16 @@ def test_one_wandb_offline_run_per_job_holds_its_curve_across_a_rank_kill(tracke
     assert run["config"]["model"]["hidden_size"] == 32 and run["config"]["parallel"]["pipeline_model_parallel_size"] == 2
     events = [v for k, v in run["summary"].items() if k.startswith("raytron.event.")]
     assert any("restart" in e.lower() for e in events) and any("SUCCEEDED" in e for e in events)
+
+
+def test_the_close_grace_is_ten_seconds_or_what_the_environment_says_and_a_bad_value_is_refused(monkeypatch):
+    from service.control.tracking import close_grace_s
+
+    monkeypatch.delenv("RAYTRON_TRACKING_CLOSE_GRACE_S", raising=False)
+    assert close_grace_s() == 10.0
+    monkeypatch.setenv("RAYTRON_TRACKING_CLOSE_GRACE_S", "1.5")
+    assert close_grace_s() == 1.5
+    for bad in ("soon", "-1", "inf", "nan"):
+        monkeypatch.setenv("RAYTRON_TRACKING_CLOSE_GRACE_S", bad)
+        with pytest.raises(ValueError, match=f"RAYTRON_TRACKING_CLOSE_GRACE_S='{bad}' is no number of seconds"):
+            close_grace_s()

@@ -164,3 +164,24 @@ def test_restart_reattaches_live_runners_and_starts_new_ones_for_vanished_ones(e
     again.step()
     assert relaunch.launched == [gone]  # `waiting` needs both nodes; `live` and `gone` hold them
     assert [e["state"] for e in store.events(live, kind="state")] == ["QUEUED", "STARTING"]  # nothing twice
+
+
+def test_a_runner_gone_uncancelled_gets_the_short_exit_grace_a_cancelled_one_the_vanish_grace(tmp_path):
+    store = JobStore(sqlite_url(tmp_path))
+    launcher = FakeRunners()
+    sched = Scheduler(store, launcher, StaticCluster(2, 2), vanish_grace_s=30.0, exit_grace_s=0.2)
+    try:
+        killed = sched.submit(spec("killed"))["id"]
+        cancelled = sched.submit(spec("cancelled"))["id"]
+        sched.step()
+        sched.cancel(cancelled)
+        launcher.alive.clear()  # both runners gone without a final state
+        sched.step()
+        assert launcher.launched == [killed, cancelled]  # both within their grace
+        time.sleep(0.25)
+        sched.step()
+        # mutation: the vanish grace for every runner -> `killed` waits 30 s for its new runner
+        assert launcher.launched == [killed, cancelled, killed]
+        assert store.get_job(cancelled)["state"] != "CANCELLED"  # mutation: exit grace for a cancel too
+    finally:
+        store.close()
