@@ -47,7 +47,7 @@ from service.ranks.ray_actors import WarmRanks, clear_leftovers, rank_actor_clas
 from service.ranks.ray_drain import SigtermNotices, draining_nodes, schedulable_totals
 from service.ranks.spares import SPARE_START_WAIT_S, Spares, spare_ranks
 from service.ranks.ray_survivors import survivors_of
-from service.ranks.ray_nodes import capacity_message, could_ever_fit, dead_nodes
+from service.ranks.ray_nodes import capacity_message, could_ever_fit, dead_nodes, wait_placed
 from workers.config import JobConfig
 from workers.rank.faults import Fault
 from workers.grid import COORDS, ParallelGrid
@@ -67,11 +67,11 @@ class RayRankGroup:
 
     def __init__(self, job: JobConfig, grid: ParallelGrid, plan: list[RankPlacement], *, job_id: str,
                  config: LauncherConfig, warm: WarmRanks | None = None,
-                 park: Callable[[WarmRanks], None] | None = None):
+                 park: Callable[[WarmRanks], None] | None = None, shrink_when_short: bool = False):
         if len(plan) != grid.world_size:
             raise ValueError(f"placement plan has {len(plan)} ranks but the grid has {grid.world_size}")
         self.job, self.grid, self.plan, self.job_id, self.config = job, grid, plan, job_id, config
-        self.warm, self._park = warm, park
+        self.warm, self._park, self.shrink_when_short = warm, park, shrink_when_short
         self.key = (job.num_nodes, job.gpus_per_node, config.cpus_per_rank, tuple(plan))
         self.actors: list = []
         self.pg = None
@@ -126,7 +126,9 @@ class RayRankGroup:
         clear_leftovers(self.job_id, len(self.plan))
         self.pg = placement_group([dict(bundle) for _ in range(held.num_nodes)], strategy=cfg.strategy,
                                   name=f"raytron:{self.job_id}")
-        if not self.pg.wait(timeout_seconds=cfg.placement_timeout_s):
+        # an elastic job's retry stops waiting once the alive nodes cannot hold it: its controller shrinks it
+        fits = (lambda: could_ever_fit(held, cfg.strategy, bundle)) if self.shrink_when_short else None
+        if not wait_placed(self.pg, cfg.placement_timeout_s, fits):
             raise InsufficientResources(capacity_message(held, cfg, bundle) + spares)
         if job.spare_nodes:
             self.spares = Spares(self.pg, job.num_nodes, job.spare_nodes, job.gpus_per_node, self._spare_actor)
@@ -289,13 +291,14 @@ class RayLauncher:
 
     def make_group(self, job: JobConfig, grid: ParallelGrid, attempt: int, *, job_id: str) -> RayRankGroup:
         plan = plan_placement(grid, job.gpus_per_node, job.num_nodes)
-        config = self.config
-        if attempt and job.min_nodes is not None:
+        config, elastic_retry = self.config, bool(attempt and job.min_nodes is not None)
+        if elastic_retry:
             # An elastic job after a failure: a node that does not come back within node_grace_s
-            # makes the controller shrink the job rather than wait out the placement timeout.
+            # makes the controller shrink the job rather than wait out the placement timeout; a
+            # cluster whose alive nodes cannot hold it ends the wait at once (wait_placed).
             config = replace(config, placement_timeout_s=min(config.placement_timeout_s, max(10.0, job.node_grace_s)))
         return RayRankGroup(job, grid, plan, job_id=job_id, config=config, warm=self._warm.take(job_id),
-                            park=lambda warm: self._warm.park(job_id, warm))
+                            park=lambda warm: self._warm.park(job_id, warm), shrink_when_short=elastic_retry)
 
     def release(self, job_id: str) -> None:
         """The job is over: kill the ranks kept warm for its next attempt, free their placement group."""

@@ -1,7 +1,11 @@
-"""What the Ray cluster offers a job: its alive and dead nodes, whether a job could ever fit, and
-why one does not (the numbers a user needs to fix the spec or the cluster). Needs a connected driver."""
+"""What the Ray cluster offers a job: its alive and dead nodes, whether a job could ever fit (and
+the wait for its placement group that stops when it cannot), and why one does not (the numbers a
+user needs to fix the spec or the cluster). Needs a connected driver."""
 
 from __future__ import annotations
+
+import time
+from typing import Callable
 
 from service.control.rank_group import LauncherConfig
 from workers.config import JobConfig
@@ -33,6 +37,21 @@ def could_ever_fit(job: JobConfig, strategy: str, bundle: dict) -> bool:
     if strategy == "STRICT_SPREAD":
         return sum(1 for h in holds if h >= 1) >= job.num_nodes
     return sum(holds) >= job.num_nodes
+
+
+def wait_placed(pg, timeout_s: float, fits: Callable[[], bool] | None = None) -> bool:
+    """Wait up to ``timeout_s`` for placement group ``pg``; with ``fits``, stop early (False) once it
+    says the cluster cannot hold the job (asked every half second): an elastic job's retry after a
+    lost node, which its controller then shrinks instead of waiting out the timeout."""
+    if fits is None:
+        return pg.wait(timeout_seconds=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if pg.wait(timeout_seconds=max(0.0, min(0.5, left))):
+            return True
+        if left <= 0.5 or not fits():
+            return False
 
 
 def capacity_message(job: JobConfig, cfg: LauncherConfig, bundle: dict, waited: bool = True) -> str:
