@@ -189,8 +189,6 @@ class JobController:
         self.iteration = len(self.metrics)
         for metrics in (caught_up or [])[: max(0, start - self.iteration)]:
             self._record(metrics)  # finished in the failed call, restored from memory: not run again
-        if start > self.iteration:
-            raise RuntimeError(f"the ranks restored iteration {start} but only {self.iteration} are recorded")
         del self.metrics[start:]  # iterations after the checkpoint are run again
         self.iteration = start
         # the Ray launcher's hot spares beside the ranks
