@@ -370,11 +370,11 @@ def test_sqlite_is_wal_and_waits_for_a_busy_writer(tmp_path):
     job = store.create_job({"name": "t"})["id"]
     assert sqlite3.connect(tmp_path / "raytron.db").execute("PRAGMA journal_mode").fetchone() == ("wal",)
     other = sqlite3.connect(tmp_path / "raytron.db", isolation_level=None, check_same_thread=False)
-    other.execute("BEGIN IMMEDIATE")  # another process holds the write lock for 0.5 s
-    threading.Timer(0.5, other.execute, ("COMMIT",)).start()
+    other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
     with pytest.raises(sa.exc.OperationalError, match="locked"):
         impatient.append_event(job, ev("state", "STARTING"))
     assert store.get_job(job)["state"] == "QUEUED"  # WAL: a reader does not wait for the writer
+    threading.Timer(0.5, other.execute, ("COMMIT",)).start()  # ... for 0.5 s more, however loaded the machine
     t0 = time.perf_counter()
     store.append_event(job, ev("state", "STARTING"))
     assert time.perf_counter() - t0 > 0.2 and store.get_job(job)["state"] == "STARTING"
