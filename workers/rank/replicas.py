@@ -74,21 +74,22 @@ def plan_restore(inventories: list[dict], upto: int | None,
     world = len(inventories)
     twins = twins or [[] for _ in range(world)]
     own = [{int(it) for it in inv.get("own", [])} for inv in inventories]
-    held: list[dict[int, tuple[int, bool]]] = [{} for _ in range(world)]  # rank -> iteration -> (holder, prefix)
-    for h, inv in enumerate(inventories):
+    held: list[dict[int, list[tuple[int, bool]]]] = [{} for _ in range(world)]  # rank -> iteration -> [(holder, prefix)]
+    for h, inv in enumerate(inventories):  # holders in rank order
         prefixes = {int(src): {int(it) for it in its} for src, its in inv.get("prefixes", {}).items()}
         for src, its in inv.get("held", {}).items():
             for it in its:
-                held[int(src)].setdefault(int(it), (h, int(it) in prefixes.get(int(src), ())))  # the lowest holder
+                held[int(src)].setdefault(int(it), []).append((h, int(it) in prefixes.get(int(src), ())))
 
     def source(r: int, it: int) -> tuple[bool, tuple | None]:
         if it in own[r]:
             return True, None
-        if it not in held[r]:
+        twin = next((t for t in sorted(twins[r]) if it in own[t]), None)
+        usable = [(h, None) for h, prefix in held[r].get(it, []) if not prefix]  # a whole replica
+        usable += [(h, twin) for h, prefix in held[r].get(it, []) if prefix and twin is not None]
+        if not usable:
             return False, None
-        h, prefix = held[r][it]
-        twin = next((t for t in sorted(twins[r]) if it in own[t]), None) if prefix else None
-        return not prefix or twin is not None, (h, twin)
+        return True, min(usable)  # the lowest holder (a whole replica first at the same holder)
 
     candidates = sorted({it for r in range(world) for it in own[r] | set(held[r]) if upto is None or it <= upto},
                         reverse=True)

@@ -57,6 +57,12 @@ def test_a_prefix_replica_is_completed_by_a_data_parallel_twin():
            {"own": [5], "held": {1: [5]}, "prefixes": {1: [5]}}, {"own": [], "held": {}}]
     iteration, _, why = plan_restore(inv, None, twins)
     assert iteration is None and "rank(s) [1, 3]" in why and "data-parallel twins" in why
+    # a whole replica held elsewhere (another attempt's) still restores rank 1: its twin is lost
+    inv[1]["held"] = {}
+    both = [dict(i) for i in inv]
+    both[2] = {"own": [5], "held": {1: [5], 3: [5]}, "prefixes": {}}  # whole, at a higher holder than the prefix one
+    both[0] = {"own": [5], "held": {3: [5], 1: [5]}, "prefixes": {3: [5], 1: [5]}}
+    assert plan_restore(both, None, twins) == (5, {0: None, 1: (2, None), 2: None, 3: (2, None)}, "")
     # a full replica needs no twin
     inv[2]["prefixes"] = {}
     inv[0]["prefixes"] = {}
